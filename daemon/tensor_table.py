@@ -1,0 +1,161 @@
+"""The tensor table: where each tensor of a resident model lives inside its slabs.
+
+Shared by the daemon (which builds it while packing) and clients (which validate every
+entry before viewing a tensor, so a corrupt or hostile table cannot make a client read
+outside a slab).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+# dtype names as they appear on the wire, mapped to torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+def crc32_of(t: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return zlib.crc32(flat.numpy().data) & 0xFFFFFFFF
+
+
+class TensorTableError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    slab: int
+    offset: int
+    nbytes: int
+    crc32: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise TensorTableError("tensor entry without a name")
+        itemsize = torch_dtype(self.dtype).itemsize
+        if len(self.shape) != len(self.strides):
+            raise TensorTableError(f"{self.name}: shape {self.shape} and strides {self.strides} differ in rank")
+        if any(d < 0 for d in self.shape) or any(s < 0 for s in self.strides):
+            raise TensorTableError(f"{self.name}: negative shape or stride")
+        numel = math.prod(self.shape)
+        if numel * itemsize != self.nbytes:
+            raise TensorTableError(
+                f"{self.name}: nbytes {self.nbytes} != {numel} elements x {itemsize} bytes ({self.dtype})"
+            )
+        # The furthest element addressed must lie inside [offset, offset + nbytes).
+        if numel:
+            span = (sum((d - 1) * s for d, s in zip(self.shape, self.strides)) + 1) * itemsize
+            if span > self.nbytes:
+                raise TensorTableError(f"{self.name}: strides {self.strides} reach beyond its {self.nbytes} bytes")
+        if self.offset < 0 or self.slab < 0:
+            raise TensorTableError(f"{self.name}: negative slab or offset")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+
+@dataclass
+class TensorTable:
+    entries: list[TensorEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        names = [e.name for e in self.entries]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise TensorTableError(f"duplicate tensor names in table: {dup[:5]}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def validate(self, slab_sizes: list[int]) -> None:
+        """Every entry inside its slab, no two entries overlapping."""
+        by_slab: dict[int, list[TensorEntry]] = {}
+        for e in self.entries:
+            if e.slab >= len(slab_sizes):
+                raise TensorTableError(f"{e.name}: slab {e.slab} does not exist ({len(slab_sizes)} slabs)")
+            if e.offset + e.nbytes > slab_sizes[e.slab]:
+                raise TensorTableError(
+                    f"{e.name}: bytes [{e.offset}, {e.offset + e.nbytes}) beyond slab {e.slab} of {slab_sizes[e.slab]} bytes"
+                )
+            by_slab.setdefault(e.slab, []).append(e)
+        for slab, entries in by_slab.items():
+            entries.sort(key=lambda e: e.offset)
+            for a, b in zip(entries, entries[1:]):
+                if a.offset + a.nbytes > b.offset:
+                    raise TensorTableError(f"{a.name} and {b.name} overlap in slab {slab}")
+
+    def views(self, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors over `slabs` (uint8 tensors), after validating the table."""
+        self.validate([s.numel() for s in slabs])
+        out: dict[str, torch.Tensor] = {}
+        for e in self.entries:
+            raw = slabs[e.slab][e.offset : e.offset + e.nbytes]
+            out[e.name] = raw.view(e.torch_dtype).as_strided(e.shape, e.strides)
+        return out
+
+    # --- wire format -------------------------------------------------------------------
+    def to_proto(self) -> list:
+        from resident.protos.resident.v1 import weight_cache_pb2 as pb
+
+        return [
+            pb.TensorEntry(
+                name=e.name, dtype=e.dtype, shape=list(e.shape), strides=list(e.strides),
+                slab=e.slab, offset=e.offset, nbytes=e.nbytes, crc32=e.crc32,
+            )
+            for e in self.entries
+        ]
+
+    @classmethod
+    def from_proto(cls, entries) -> "TensorTable":
+        return cls([
+            TensorEntry(
+                name=p.name, dtype=p.dtype, shape=tuple(p.shape), strides=tuple(p.strides),
+                slab=p.slab, offset=p.offset, nbytes=p.nbytes, crc32=p.crc32,
+            )
+            for p in entries
+        ])
