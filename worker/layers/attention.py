@@ -1,0 +1,109 @@
+"""Paged attention, pure-PyTorch reference (the CPU path and the GPU kernels' oracle).
+
+A batch is a flat list of query tokens from several sequences, sequence i owning tokens
+`query_start_loc[i]:query_start_loc[i+1]` at positions `seq_lens[i] - query_len ...
+seq_lens[i] - 1`. The KV cache of a layer is `[2, num_blocks, block_size, num_kv_heads,
+head_dim]`; token slot s lives at block s // block_size, offset s % block_size. Each step
+first writes the new keys/values at `slot_mapping`, then every query attends causally to
+its sequence's whole context gathered through the sequence's block table (prefill, chunked
+prefill and decode are the same computation). Scores and softmax are computed in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] int64: cache slot of each query token
+    query_start_loc: torch.Tensor   # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor          # [B] int64: context length after this step (cached + new)
+    block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0
+    #: host copies for the Python loop of the reference (avoid device syncs per sequence)
+    query_start_loc_host: tuple[int, ...] = ()
+    seq_lens_host: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        b = self.seq_lens.shape[0]
+        if self.query_start_loc.shape[0] != b + 1 or self.block_tables.shape[0] != b:
+            raise ValueError(
+                f"attention metadata disagrees on the batch size: seq_lens {b}, query_start_loc "
+                f"{self.query_start_loc.shape[0]} (want {b + 1}), block_tables {self.block_tables.shape[0]}"
+            )
+        if not self.query_start_loc_host:
+            object.__setattr__(self, "query_start_loc_host", tuple(int(x) for x in self.query_start_loc.tolist()))
+        if not self.seq_lens_host:
+            object.__setattr__(self, "seq_lens_host", tuple(int(x) for x in self.seq_lens.tolist()))
+        for i, n in enumerate(self.seq_lens_host):
+            q = self.query_start_loc_host[i + 1] - self.query_start_loc_host[i]
+            if q < 0 or q > n:
+                raise ValueError(f"sequence {i}: {q} query tokens with a context of {n}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_host[-1]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] into `kv_cache` at `slot_mapping` [T]."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `seq_len` keys and values [seq_len, Hkv, D] of one sequence."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks]
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                     k_positions: torch.Tensor, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Dense reference: q [Tq, Hq, D], k/v [Tk, Hkv, D] -> [Tq, Hq, D] (float32 math).
+
+    Query at position p sees keys at positions j with j <= p and, with a window w,
+    j > p - w (HF's sliding-window mask).
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+    rep = hq // hkv
+    qf = q.to(torch.float32).transpose(0, 1)                                  # [Hq, Tq, D]
+    kf = k.to(torch.float32).repeat_interleave(rep, dim=1).transpose(0, 1)    # [Hq, Tk, D]
+    vf = v.to(torch.float32).repeat_interleave(rep, dim=1).transpose(0, 1)
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Write k/v of this step into the cache, then attend. q [T, Hq, D] -> [T, Hq, D]."""
+    if q.shape[0] != meta.num_tokens or k.shape[0] != meta.num_tokens:
+        raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+    for i in range(meta.num_seqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+        if end == start:
+            continue
+        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        k_pos = torch.arange(seq_len, device=q.device)
+        q_pos = k_pos[seq_len - (end - start):]
+        out[start:end] = causal_attention(q[start:end], keys, values, q_pos, k_pos, scale, sliding_window)
+    return out

@@ -1,0 +1,166 @@
+"""The one Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) over the fused layout.
+
+Variants are options read from ModelConfig: qkv/o biases, Qwen3's per-head q/k RMSNorm,
+per-layer sliding windows, tied embeddings, rope scaling. Weights are the stored tensors
+named as in `resident.daemon.layout` (fused `qkv_proj` = [q; k; v] and `gate_up_proj` =
+[gate; up] along the output dim), referenced as given — zero-copy views of daemon memory
+are never copied, converted or written. Computation runs in the dtype of the
+non-quantized tensors; fp8 linears quantize their activations on the fly.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from resident.daemon.layout import layer_prefix
+from resident.worker.config import ModelConfig
+from resident.worker.layers.activation import silu_and_mul
+from resident.worker.layers.attention import AttentionMetadata, paged_attention
+from resident.worker.layers.linear import FP8_DTYPE, make_linear
+from resident.worker.layers.norm import RMSNorm
+from resident.worker.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+
+class WeightsError(ValueError):
+    pass
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Stored (fused) tensor names and shapes this decoder needs, quantization aside."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = layer_prefix(i)
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{a}.qkv_proj.weight"] = (config.q_size + 2 * config.kv_size, h)
+        if config.qkv_bias:
+            shapes[f"{a}.qkv_proj.bias"] = (config.q_size + 2 * config.kv_size,)
+        if config.qk_norm:
+            shapes[f"{a}.q_norm.weight"] = (d,)
+            shapes[f"{a}.k_norm.weight"] = (d,)
+        shapes[f"{a}.o_proj.weight"] = (h, config.q_size)
+        if config.o_bias:
+            shapes[f"{a}.o_proj.bias"] = (h,)
+        shapes[f"{m}.gate_up_proj.weight"] = (2 * inter, h)
+        shapes[f"{m}.down_proj.weight"] = (h, inter)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """Validate names, shapes and dtypes; return the activation dtype."""
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(weights))
+    if missing:
+        raise WeightsError(
+            f"weights lack {len(missing)} tensor(s) the {config.architecture} decoder needs, e.g. {missing[:3]}; "
+            f"were they loaded with the right layout and config?"
+        )
+    scales = {n for n in weights if n.endswith(".weight_scale")}
+    extra = sorted(set(weights) - set(want) - scales)
+    if extra:
+        raise WeightsError(f"weights hold {len(extra)} tensor(s) this config does not use, e.g. {extra[:3]}")
+    for name, shape in want.items():
+        if tuple(weights[name].shape) != shape:
+            raise WeightsError(f"{name} has shape {tuple(weights[name].shape)}, the config implies {shape}")
+    act = weights["model.embed_tokens.weight"].dtype
+    if act not in (torch.float32, torch.float16, torch.bfloat16):
+        raise WeightsError(f"model.embed_tokens.weight is {act}; activations must be float32, float16 or bfloat16")
+    for name in want:
+        t = weights[name]
+        quantized = t.dtype == FP8_DTYPE and f"{name.removesuffix('.weight')}.weight_scale" in scales
+        if t.dtype != act and not quantized:
+            raise WeightsError(f"{name} is {t.dtype} but the model computes in {act}; mixed dtypes are not supported")
+    return act
+
+
+class LlamaDecoderLayer:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], index: int,
+                 rotary: RotaryEmbedding) -> None:
+        p = layer_prefix(index)
+        a, m = f"{p}.self_attn", f"{p}.mlp"
+        eps = config.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.sliding_windows[index]
+        self.rotary = rotary
+        self.input_layernorm = RMSNorm(weights[f"{p}.input_layernorm.weight"], eps)
+        self.post_attention_layernorm = RMSNorm(weights[f"{p}.post_attention_layernorm.weight"], eps)
+        self.qkv_proj = make_linear(weights, f"{a}.qkv_proj")
+        self.o_proj = make_linear(weights, f"{a}.o_proj")
+        self.q_norm = RMSNorm(weights[f"{a}.q_norm.weight"], eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(weights[f"{a}.k_norm.weight"], eps) if config.qk_norm else None
+        self.gate_up_proj = make_linear(weights, f"{m}.gate_up_proj")
+        self.down_proj = make_linear(weights, f"{m}.down_proj")
+
+    def attention(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                  kv_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.attention(positions, hidden, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return hidden, residual
+
+
+class LlamaForCausalLM:
+    """forward(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden [T, H]."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.dtype = check_weights(config, weights)
+        self.device = weights["model.embed_tokens.weight"].device
+        rotary = RotaryEmbedding(config.rope, config.head_dim, self.device)
+        self.embed_tokens = weights["model.embed_tokens.weight"]
+        self.layers = [LlamaDecoderLayer(config, weights, i, rotary) for i in range(config.num_layers)]
+        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
+        methods = {layer.qkv_proj.name for layer in self.layers}
+        logger.debug("built %s: %d layers, %s, linear %s", config.architecture, config.num_layers,
+                     self.dtype, ",".join(sorted(methods)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, attn_metadata, kv_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, H]."""
+        return F.linear(hidden, self.lm_head).to(torch.float32)
