@@ -1,0 +1,34 @@
+"""`resident bench …`: benchmarks, each in its own module, imported only when run."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> ("module:attribute" of a click command, one-line help)
+_BENCHES = {
+    "attach": ("resident.cli.bench_attach:bench_attach",
+               "Attach latency vs model size (host_shm) and load throughput in GB/s."),
+    "restart": ("resident.cli.bench_restart:bench_restart",
+                "Worker exec -> /ready and -> first token, cold vs attached to a daemon."),
+}
+
+
+class _LazyBenches(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_BENCHES)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _BENCHES:
+            return None
+        module_name, _, attr = _BENCHES[name][0].partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(n, _BENCHES[n][1]) for n in self.list_commands(ctx)])
+
+
+@click.group(cls=_LazyBenches)
+def bench() -> None:
+    """Benchmarks (attach latency, load throughput, restart time). See docs/benchmarks.md."""

@@ -1,0 +1,250 @@
+"""`resident bench attach`: attach latency vs model size on host_shm, and load throughput.
+
+For each size it writes a synthetic Llama-shaped bf16 checkpoint (random weights,
+safetensors + config.json) to a temporary folder, loads it into a private daemon (load
+throughput = resident bytes / load time as the daemon reports it), then attaches it
+`--repeats` times, each from a fresh client session. Attach latency is the wall time of
+`Client.attach`: the Attach RPC, receiving the slab fds, mapping them and validating the
+tensor table; the session's hello (`connect`) is timed separately.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+
+from resident.cli.common import SIZE, format_bytes, format_table, gb_per_s, parse_size
+
+log = logging.getLogger(__name__)
+
+NUM_LAYERS = 8
+HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-3-like shape (GQA 4:1, intermediate 4x hidden, untied embeddings)."""
+
+    hidden_size: int
+    num_hidden_layers: int = NUM_LAYERS
+
+    def __post_init__(self) -> None:
+        if self.hidden_size <= 0 or self.hidden_size % (4 * HEAD_DIM):
+            raise ValueError(f"hidden_size must be a positive multiple of {4 * HEAD_DIM}, got {self.hidden_size}")
+
+    @property
+    def intermediate_size(self) -> int:
+        return 4 * self.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return 8 * self.hidden_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hidden_size // HEAD_DIM
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads // 4
+
+    @classmethod
+    def for_bytes(cls, nbytes: int, bytes_per_param: int = 2) -> LlamaShape:
+        # params ≈ layers * 14.5 h² (q, k, v at 1/4, o, gate, up, down) + 16 h² (embed + lm_head)
+        h = math.sqrt(nbytes / bytes_per_param / (NUM_LAYERS * 14.5 + 16))
+        step = 4 * HEAD_DIM
+        return cls(hidden_size=max(step, round(h / step) * step))
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.num_key_value_heads * HEAD_DIM
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            })
+        shapes["model.norm.weight"] = (h,)
+        shapes["lm_head.weight"] = (v, h)
+        return shapes
+
+    def config(self) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": HEAD_DIM,
+            "vocab_size": self.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        }
+
+
+def write_checkpoint(folder: Path, shape: LlamaShape, seed: int = 0) -> int:
+    """Random bf16 weights (norms near 1) as model.safetensors + config.json; returns bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, dims in shape.tensor_shapes().items():
+        t = torch.randn(dims, generator=gen, dtype=torch.float32)
+        tensors[name] = (1.0 + 0.1 * t if "norm" in name else 0.02 * t).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(shape.config(), indent=2))
+    return sum(t.nbytes for t in tensors.values())
+
+
+def _stats_ms(samples_s: list[float]) -> dict:
+    ms = sorted(s * 1e3 for s in samples_s)
+    p90 = ms[min(len(ms) - 1, math.ceil(0.9 * len(ms)) - 1)]
+    return {"median": statistics.median(ms), "p90": p90, "min": ms[0], "max": ms[-1], "samples": ms}
+
+
+@dataclass
+class SizeResult:
+    requested_bytes: int
+    checkpoint_bytes: int
+    resident_bytes: int
+    num_tensors: int
+    hidden_size: int
+    load_s: float
+    load_wall_s: float
+    load_gb_s: float
+    connect_ms: dict
+    attach_ms: dict
+
+
+def _measure(client_cls, socket: str, folder: Path, name: str, requested: int, shape: LlamaShape,
+             checkpoint_bytes: int, repeats: int) -> SizeResult:
+    with client_cls(socket, client_name="bench-attach-loader") as loader:
+        t = time.perf_counter()
+        final = None
+        for event in loader.load(str(folder), name=name):
+            if event.done:
+                final = event
+        load_wall_s = time.perf_counter() - t
+    if final is None:
+        raise click.ClickException(f"the daemon ended the load of {folder} without a result")
+    info = final.model
+    load_s = final.elapsed_s or load_wall_s
+    connect_s, attach_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        client = client_cls(socket, client_name="bench-attach")
+        t1 = time.perf_counter()
+        try:
+            attached = client.attach(name, expected_key=info.key)
+            t2 = time.perf_counter()
+            if len(attached.tensors) != info.num_tensors:
+                raise click.ClickException(f"attach of {name} returned {len(attached.tensors)} tensors, "
+                                           f"expected {info.num_tensors}")
+        finally:
+            client.close()
+        connect_s.append(t1 - t0)
+        attach_s.append(t2 - t1)
+    return SizeResult(
+        requested_bytes=requested, checkpoint_bytes=checkpoint_bytes, resident_bytes=info.nbytes,
+        num_tensors=info.num_tensors, hidden_size=shape.hidden_size, load_s=load_s,
+        load_wall_s=load_wall_s, load_gb_s=gb_per_s(info.nbytes, load_s),
+        connect_ms=_stats_ms(connect_s), attach_ms=_stats_ms(attach_s),
+    )
+
+
+def _machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sizes") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise click.BadParameter("give one or more positive sizes, e.g. 16MiB,256MiB,1GiB", param_hint="--sizes")
+    return sizes
+
+
+@click.command("attach")
+@click.option("--sizes", default="16MiB,256MiB,1GiB", show_default=True,
+              help="Comma-separated checkpoint sizes (bf16), e.g. 1MiB,64MiB,2GiB.")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Attaches per size, each from a fresh client session.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results as JSON to this file.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where to write the synthetic checkpoints (default: a temporary folder, removed after).")
+@click.option("--max-bytes", type=SIZE, default=0, help="Daemon --max-bytes (default: unlimited).")
+def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Path | None, max_bytes: int) -> None:
+    """Attach latency vs model size on host_shm, and load throughput in GB/s."""
+    from resident.cli.daemon_process import DaemonStartError, start_detached, wait_exit
+    from resident.daemon.client import Client
+    from resident.daemon.config import DaemonConfig
+
+    requested = _parse_sizes(sizes)
+    sock_dir = Path(tempfile.mkdtemp(prefix="rsb-", dir="/tmp"))   # short: Unix socket path limit
+    data_dir = work_dir or Path(tempfile.mkdtemp(prefix="resident-bench-attach-"))
+    config = DaemonConfig(socket=str(sock_dir / "preload.sock"), http="", backend="host_shm",
+                          max_bytes=max_bytes)
+    results: list[SizeResult] = []
+    pid = 0
+    try:
+        folders = []
+        for size in requested:
+            shape = LlamaShape.for_bytes(size)
+            folder = data_dir / f"llama-{size}"
+            t = time.perf_counter()
+            nbytes = write_checkpoint(folder, shape)
+            click.echo(f"wrote {folder.name}: {format_bytes(nbytes)} (hidden {shape.hidden_size}) "
+                       f"in {time.perf_counter() - t:.1f} s", err=True)
+            folders.append((size, shape, folder, nbytes))
+        try:
+            pid = start_detached(config, str(sock_dir / "daemon.log"), timeout_s=120.0).pid
+        except DaemonStartError as e:
+            raise click.ClickException(str(e)) from None
+        for size, shape, folder, nbytes in folders:
+            r = _measure(Client, config.socket, folder, folder.name, size, shape, nbytes, repeats)
+            click.echo(f"{folder.name}: load {r.load_gb_s:.2f} GB/s, attach median "
+                       f"{r.attach_ms['median']:.2f} ms", err=True)
+            results.append(r)
+    finally:
+        if pid:
+            try:
+                with Client(config.socket, client_name="bench-attach") as c:
+                    c.shutdown()
+            except Exception as e:  # noqa: BLE001 - fall back to a signal below
+                log.warning("Shutdown of the bench daemon failed (%s); sending SIGTERM", e)
+                os.kill(pid, 15)
+            wait_exit(pid, config.socket, 30.0)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        if work_dir is None:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+    rows = [(format_bytes(r.resident_bytes), r.num_tensors, f"{r.load_s:.3f}", f"{r.load_gb_s:.2f}",
+             f"{r.connect_ms['median']:.2f}", f"{r.attach_ms['median']:.2f}", f"{r.attach_ms['p90']:.2f}")
+            for r in results]
+    click.echo(format_table(("SIZE", "TENSORS", "LOAD S", "LOAD GB/S", "CONNECT MS", "ATTACH MS p50",
+                             "ATTACH MS p90"), rows))
+    if json_path is not None:
+        doc = {"benchmark": "attach", "backend": "host_shm", "repeats": repeats, "machine": _machine(),
+               "results": [asdict(r) for r in results]}
+        json_path.write_text(json.dumps(doc, indent=2))
+        click.echo(f"wrote {json_path}")

@@ -1,0 +1,224 @@
+"""`resident preload …`: start, load, list, status, unload and stop the preload daemon.
+
+Only `start --foreground` and `load` may import torch (through the daemon); `status`,
+`list`, `unload` and `stop` talk to the daemon with the client alone, so they answer fast.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import click
+
+from resident.cli.common import (
+    SIZE,
+    HostPortParam,
+    LoadProgressBar,
+    connect,
+    echo_json,
+    format_age,
+    format_bytes,
+    format_table,
+    gb_per_s,
+    message_to_dict,
+    report_daemon_errors,
+    resolve_socket,
+    socket_option,
+)
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("host_shm", "cuda_vmm", "cuda_ipc")  # daemon.memory.BACKEND_NAMES, without importing torch
+
+
+@click.group()
+def preload() -> None:
+    """Run and manage the preload daemon that keeps weights resident."""
+
+
+@preload.command()
+@socket_option
+@click.option("--fd-socket", metavar="PATH", default=None, help="fd socket (default: <socket>.fd).")
+@click.option("--http", type=HostPortParam(allow_off=True), default=None,
+              help="HTTP /health, /ready, /metrics on HOST:PORT (default 127.0.0.1:8470; port 0 picks "
+                   "a free one; 'off' disables).")
+@click.option("--backend", type=click.Choice(BACKENDS), default=None,
+              help="Memory backend (default: cuda_vmm with a GPU, else host_shm).")
+@click.option("--max-bytes", type=SIZE, default=0, show_default=False,
+              help="Cap on resident bytes, e.g. 8GiB or 500MB (default: unlimited); "
+                   "unleased models are evicted least-recently-used first.")
+@click.option("--allow-uid", "allow_uids", type=int, multiple=True, help="uid allowed to connect (repeatable).")
+@click.option("--allow-gid", "allow_gids", type=int, multiple=True, help="gid allowed to connect (repeatable).")
+@click.option("--admin-uid", "admin_uids", type=int, multiple=True,
+              help="uid allowed to load, unload and shut down (repeatable; default: the daemon's uid and root).")
+@click.option("--socket-group", default=None, help="Group owning the sockets (mode 0660).")
+@click.option("--tcp", type=HostPortParam(), default=None, help="Also serve gRPC on HOST:PORT (off unless given).")
+@click.option("--foreground", is_flag=True, help="Run in this process instead of detaching.")
+@click.option("--log-file", metavar="PATH", default=None, help="Daemon log when detached (default: <socket>.log).")
+@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
+              help="Seconds to wait for the detached daemon to become ready.")
+def start(socket: str | None, fd_socket: str | None, http: str | None, backend: str | None,
+          max_bytes: int, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...],
+          admin_uids: tuple[int, ...], socket_group: str | None, tcp: str | None, foreground: bool,
+          log_file: str | None, timeout_s: float) -> None:
+    """Start the preload daemon (detached unless --foreground); returns once it is ready."""
+    from resident.cli.daemon_process import DaemonStartError, start_detached
+    from resident.daemon.config import DaemonConfig
+
+    kwargs = dict(socket=resolve_socket(socket), fd_socket=fd_socket or "", socket_group=socket_group,
+                  tcp=tcp or "", backend=backend or "", max_bytes=max_bytes, allow_uids=allow_uids,
+                  allow_gids=allow_gids, admin_uids=admin_uids)
+    if http is not None:
+        kwargs["http"] = http
+    try:
+        config = DaemonConfig(**kwargs)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if foreground:
+        from resident.daemon.server import run_daemon
+
+        sys.exit(run_daemon(config))
+    try:
+        started = start_detached(config, log_file, timeout_s)
+    except DaemonStartError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"resident daemon started: pid {started.pid}, socket {config.socket}")
+    click.echo(f"  fd socket {config.fd_socket}; http {started.http or 'off'}; log {started.log_file}")
+
+
+def _model_arg(model: str) -> str:
+    """A local folder is sent as an absolute path (the daemon's cwd is not ours)."""
+    expanded = os.path.expanduser(model)
+    if os.path.exists(expanded) or model.startswith((".", "/", "~")):
+        return os.path.abspath(expanded)
+    return model
+
+
+@preload.command()
+@click.argument("model")
+@socket_option
+@click.option("--quantization", default="none", show_default=True, help="none | fp8_per_tensor.")
+@click.option("--dtype", default="auto", show_default=True, help="auto | bfloat16 | float16 | float32.")
+@click.option("--name", default="", help="Name to list the model under (default: MODEL).")
+@click.option("--revision", default="", help="Hub revision (branch, tag or commit) for a hub id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the resident model's info as JSON.")
+@report_daemon_errors
+def load(model: str, socket: str | None, quantization: str, dtype: str, name: str, revision: str,
+         as_json: bool) -> None:
+    """Load MODEL (a local HF folder, or a hub id from the local HF cache) into the daemon."""
+    socket = resolve_socket(socket)
+    model = _model_arg(model)
+    final = None
+    with connect(socket) as client:
+        with LoadProgressBar(name or os.path.basename(model.rstrip("/")) or model) as bar:
+            for event in client.load(model, name=name, dtype=dtype, quantization=quantization,
+                                     revision=revision):
+                bar.update(event.phase, event.bytes_done, event.bytes_total)
+                if event.done:
+                    final = event
+    if final is None:
+        raise click.ClickException(f"the daemon at {socket} ended the load of {model} without a result")
+    info = final.model
+    if as_json:
+        echo_json(message_to_dict(info))
+        return
+    what = f"{info.name} v{info.version} (key {info.key[:12]}, {info.dtype}, {info.quantization})"
+    if final.already_resident:
+        click.echo(f"{what}: already resident, {format_bytes(info.nbytes)}, nothing read")
+    else:
+        click.echo(f"loaded {what}: {format_bytes(info.nbytes)} in {final.elapsed_s:.2f} s, "
+                   f"{gb_per_s(info.nbytes, final.elapsed_s):.2f} GB/s")
+
+
+def _lease_pids(info) -> str:
+    return ",".join(str(lease.pid) for lease in info.leases) or "-"
+
+
+@preload.command("list")
+@socket_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of ModelInfo objects).")
+@report_daemon_errors
+def list_models(socket: str | None, as_json: bool) -> None:
+    """List the resident models."""
+    with connect(resolve_socket(socket)) as client:
+        models = list(client.list())
+    if as_json:
+        echo_json([message_to_dict(m) for m in models])
+        return
+    if not models:
+        click.echo("no models resident")
+        return
+    rows = [(m.name, f"v{m.version}" + ("" if m.latest else " (old)"), m.key[:12], m.dtype,
+             m.quantization, format_bytes(m.nbytes), _lease_pids(m), format_age(m.last_used_at))
+            for m in models]
+    click.echo(format_table(("NAME", "VERSION", "KEY", "DTYPE", "QUANT", "SIZE", "LEASE PIDS", "USED"), rows))
+
+
+@preload.command()
+@socket_option
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's StatusResponse as JSON.")
+@report_daemon_errors
+def status(socket: str | None, as_json: bool) -> None:
+    """Show the daemon: pid, sockets, backend, memory, models and their leases."""
+    with connect(resolve_socket(socket)) as client:
+        st = client.status()
+    if as_json:
+        echo_json(message_to_dict(st))
+        return
+    limit = format_bytes(st.max_bytes) if st.max_bytes else "unlimited"
+    click.echo(f"daemon      pid {st.pid}, version {st.version}, protocol {st.protocol_major}, "
+               f"started {format_age(st.started_at)}")
+    click.echo(f"socket      {st.socket}")
+    click.echo(f"fd socket   {st.fd_socket}")
+    click.echo(f"http        {st.http or 'off'}")
+    click.echo(f"backend     {st.backend} (weights survive the daemon: {'yes' if st.weights_survive_daemon else 'no'})")
+    click.echo(f"resident    {format_bytes(st.resident_bytes)} of {limit}")
+    click.echo(f"sessions    {st.num_sessions}")
+    click.echo(f"models      {len(st.models)}")
+    for m in st.models:
+        click.echo(f"  {m.name} v{m.version}{' (latest)' if m.latest else ''}  key {m.key[:12]}  "
+                   f"{m.dtype}/{m.quantization}  {format_bytes(m.nbytes)}  attaches {m.num_attaches}")
+        for lease in m.leases:
+            who = f" {lease.client_name}" if lease.client_name else ""
+            click.echo(f"    lease {lease.lease_id}  pid {lease.pid}  uid {lease.uid}{who}  "
+                       f"since {format_age(lease.since)}")
+
+
+@preload.command()
+@click.argument("name")
+@socket_option
+@click.option("--force", is_flag=True, help="Unload even while clients lease it.")
+@report_daemon_errors
+def unload(name: str, socket: str | None, force: bool) -> None:
+    """Unload NAME (all versions) or one version by its key."""
+    with connect(resolve_socket(socket)) as client:
+        keys = list(client.unload(name, force=force))
+    click.echo(f"unloaded {name}: {', '.join(k[:12] for k in keys) or 'nothing'}")
+
+
+@preload.command()
+@socket_option
+@click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+              help="Seconds to wait for the daemon to exit before sending SIGTERM.")
+@report_daemon_errors
+def stop(socket: str | None, timeout_s: float) -> None:
+    """Shut the daemon down (Shutdown RPC; SIGTERM if it does not exit in time)."""
+    from resident.cli.daemon_process import wait_exit
+
+    socket = resolve_socket(socket)
+    with connect(socket) as client:
+        pid = client.status().pid
+        client.shutdown()
+    stopped = wait_exit(pid, socket, timeout_s)
+    if not stopped and pid:
+        click.echo(f"daemon pid {pid} still running after {timeout_s:.0f} s; sending SIGTERM", err=True)
+        os.kill(pid, signal.SIGTERM)
+        stopped = wait_exit(pid, socket, timeout_s)
+    if not stopped:
+        raise click.ClickException(f"the daemon (pid {pid}) at {socket} did not stop within {2 * timeout_s:.0f} s")
+    if os.path.exists(socket):
+        click.echo(f"warning: the daemon exited but left {socket} behind", err=True)
+    click.echo(f"resident daemon (pid {pid}) stopped")
