@@ -1,0 +1,46 @@
+"""The two messages the scheduler and the model runner exchange each step, and nothing else.
+
+The scheduler sends a SchedulerOutput (which tokens to compute where); the runner answers
+with a ModelRunnerOutput (the sampled tokens). Neither side sees the other's internals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from resident.worker.request import TokenLogprob
+from resident.worker.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The lists are the request's own (read-only for the runner, valid during execute):
+    copying prompts every step would cost more than the decode itself.
+    """
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is computed this step, at positions start_pos, start_pos+1, ...
+    start_pos: int  # tokens already in the KV cache for this request
+    block_table: list[int]  # physical blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool  # this chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    finished_request_ids: set[str] = field(default_factory=set)  # the runner drops per-request state
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request_id -> token, for sample=True requests
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # when sampling_params.logprobs is not None

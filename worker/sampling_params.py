@@ -1,0 +1,108 @@
+"""Per-request sampling and stopping options, validated when built.
+
+Every invalid value raises ValueError naming the field, the value and the allowed range,
+so the HTTP layer can hand the message to the client as a 400 unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _check_int(name: str, value: object) -> int:
+    # bool is an int subclass; `max_tokens=True` is a caller bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    top_k: 0 (or -1, the vLLM spelling, normalised to 0) means no top-k cut.
+    logprobs: None = none; n >= 0 = the chosen token's logprob plus the top-n alternatives.
+    stop: strings that end generation when they appear in the generated text; the text is
+    cut before the stop string unless include_stop_str_in_output. A single string is
+    accepted and wrapped in a list.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1 (or None for up to the context limit), "
+                             f"got {self.max_tokens}")
+        self.temperature = _check_float("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _check_int("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not MIN_SEED <= _check_int("seed", self.seed) <= MAX_SEED:
+            raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self._check_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def _check_stops(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            if _check_int("stop_token_ids", t) < 0:
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {t}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

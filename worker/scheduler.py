@@ -1,0 +1,189 @@
+"""Continuous batching under a token budget.
+
+One rule, written once: each request's num_computed_tokens catches up with its
+num_tokens (prompt + generated), at most max_num_batched_tokens per step in total. A
+prompt larger than the leftover budget is computed in chunks over several steps (chunked
+prefill); only the chunk that reaches the last known token samples. Decoding is the same
+rule with one token to catch up.
+
+Order within a step:
+  1. Running requests, oldest arrival first. When blocks run out, the newest running
+     request is preempted (blocks freed, num_computed_tokens reset, put back at the front
+     of the waiting queue; it recomputes on resume, usually mostly from the prefix cache).
+  2. Waiting requests, only if nobody was preempted this step and fewer than max_num_seqs
+     run. Requests whose leading blocks are in the prefix cache (a shared prompt prefix, or
+     a preempted request whose blocks were not evicted yet) are admitted before requests
+     with no cache hit; within each class, in queue order (preempted requests first, then
+     arrival order). Admission stops at the first request that does not get its blocks, so
+     a large request is not overtaken indefinitely by smaller ones of its class.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+
+from resident.worker.block_manager import BlockManager
+from resident.worker.engine_config import EngineConfig
+from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from resident.worker.request import Request, RequestStatus
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "ModelRunnerOutput"]
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_index: the tail is preempted first
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of which found in the cache
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens; "
+                             f"max_model_len={self.config.max_model_len} leaves no room to generate")
+        assert request.status == RequestStatus.WAITING, request
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"{request} is running with nothing to compute"
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chunks.append((request, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+        return self._build_output(chunks)
+
+    def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int]]) -> int:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return budget
+        for request in self._waiting_in_admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            # Look up again: allocations for earlier admissions may have evicted blocks.
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.remove(request)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+            request.start_running(num_cached)
+            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            chunks.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _waiting_in_admission_order(self) -> list[Request]:
+        """Prefix-cache holders first, queue order within each class (see module doc)."""
+        if not self.config.enable_prefix_caching:
+            return list(self.waiting)
+        hits, misses = [], []
+        for request in self.waiting:
+            _, num_cached = self.block_manager.get_computed_blocks(request)
+            (hits if num_cached > 0 else misses).append(request)
+        return hits + misses
+
+    def _build_output(self, chunks: list[tuple[Request, int]]) -> SchedulerOutput:
+        scheduled = []
+        for request, num_new in chunks:
+            start = request.num_computed_tokens
+            end = start + num_new
+            blocks = self.block_manager.block_table(request.request_id)
+            assert len(blocks) == self.block_manager.num_blocks_for(end), (request, blocks)
+            scheduled.append(ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_pos=start,
+                block_table=list(blocks),
+                sample=end == request.num_tokens,
+                sampling_params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+            ))
+        finished: set[str] = set()
+        if scheduled:  # runners are never handed an empty batch; finished ids wait for work
+            finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled=scheduled,
+                               num_batched_tokens=sum(n for _, n in chunks),
+                               finished_request_ids=finished)
+
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Record the computed KV and the sampled tokens; returns the requests that got a token
+        (stop conditions are the engine's to check)."""
+        sampled = []
+        for sched in out.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished while the step ran
+            request.advance(sched.num_tokens)
+            self.block_manager.cache_full_blocks(request)
+            if sched.sample:
+                token = runner_out.sampled.get(sched.request_id)
+                if token is None:
+                    raise RuntimeError(f"the model runner sampled no token for request "
+                                       f"{sched.request_id!r}, which was scheduled with sample=True")
+                request.append_output_token(token)
+                sampled.append(request)
+        return sampled
+
+    # -- state changes -------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.preempt()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (KV cache full; it will recompute)", request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request in any state, freeing its blocks. None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.finish(status)
+        self._finished_ids.add(request_id)
+        return request
