@@ -1,0 +1,467 @@
+"""Load a checkpoint into slabs, in the engine's layout: the daemon's (and LocalStore's) one weight path.
+
+Order matters for "bad input loses nothing": resolve the source, read and validate every
+safetensors header, check the layout and the shapes and compute the key — all before a
+byte of tensor data is read or a slab allocated. Then the storage plan (sizes after the
+dtype cast and fp8) is packed into a few large aligned slabs, tensors are streamed in one
+at a time (several in parallel, with bounded staging memory) straight into their place —
+fused sources concatenated in place, cast or quantized on the way — with a CRC-32 per
+stored tensor, and the slabs are sealed.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from resident.daemon import layout, quant
+from resident.daemon.memory.base import MemoryBackend, Slab
+from resident.daemon.model_key import compute_key, file_identity
+from resident.daemon.safetensors_io import CheckpointError, SafetensorsHeader, TensorInfo, read_header
+from resident.daemon.source import ModelSource, index_weight_map, resolve_model
+from resident.daemon.tensor_table import TensorEntry, TensorTable, contiguous_strides, dtype_name
+
+log = logging.getLogger(__name__)
+
+#: Source dtypes resident loads (unquantized floating-point checkpoints).
+_FLOAT_SOURCES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+#: Bytes per read/cast chunk when a tensor's dtype changes on the way in.
+_CAST_CHUNK_BYTES = 64 << 20
+#: Staging memory the parallel readers may hold at once (at least one tensor always proceeds).
+_STAGING_BUDGET_BYTES = 2 << 30
+_PROGRESS_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    model: str  # local folder or hub id
+    name: str = ""  # defaults to model
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    quantization: str = "none"  # none | fp8_per_tensor
+    revision: str | None = None
+    hub_cache: str | None = None  # HF hub cache dir; None = the default resolved by the caller's config
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("LoadSpec.model is empty: pass a local folder or a hub id")
+        quant.check_dtype(self.dtype)
+        quant.check_quantization(self.quantization)
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.model
+
+
+@dataclass(frozen=True)
+class LoadProgressEvent:
+    phase: str  # validate | read | pack | done
+    bytes_done: int
+    bytes_total: int
+    elapsed_s: float
+
+
+@dataclass
+class LoadedModel:
+    key: str
+    name: str
+    source: str
+    dtype: str
+    quantization: str
+    layout: str
+    config: dict
+    table: TensorTable
+    slabs: list[Slab]
+    content_checksum: str
+    nbytes: int
+    bytes_read: int
+    load_s: float
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One checkpoint tensor to read: `info` in the file of `header`."""
+
+    header: SafetensorsHeader
+    info: TensorInfo
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as stored. A weight with `quantize` has its scale as the next StoredTensor."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: tuple[_Part, ...] = ()
+    quantize: bool = False
+    is_scale: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class LoadPlan:
+    """Everything decided before reading data."""
+
+    source: ModelSource
+    headers: list[SafetensorsHeader]
+    dtype: str
+    quantization: str
+    key: str
+    tensors: list[StoredTensor]
+    stats: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(p.info.nbytes for t in self.tensors for p in t.parts)
+
+
+def key_for(spec: LoadSpec) -> tuple[str, ModelSource]:
+    """The key load(spec) would produce, from headers and stat() alone (no data read)."""
+    plan = plan_load(spec)
+    return plan.key, plan.source
+
+
+def plan_load(spec: LoadSpec) -> LoadPlan:
+    """Resolve, validate every header, check layout and shapes, compute the key."""
+    source = resolve_model(spec.model, spec.revision, spec.hub_cache)
+    stats = {str(p): file_identity(p) for p in source.files}
+    headers = [read_header(p) for p in source.files]
+    where = _locate_tensors(source, headers)
+    names = set(where)
+    fused = layout.plan(source.config, names)
+    layout.check_shapes(source.config, {n: where[n].info.shape for n in names})
+    dtype = _resolve_dtype(spec.dtype, [where[s] for f in fused for s in f.sources])
+    tensors = _storage_plan(fused, where, torch_dtype_of(dtype), spec.quantization)
+    key = compute_key(source, headers, dtype, spec.quantization)
+    return LoadPlan(source, headers, dtype, spec.quantization, key, tensors, stats)
+
+
+def torch_dtype_of(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _locate_tensors(source: ModelSource, headers: list[SafetensorsHeader]) -> dict[str, _Part]:
+    where: dict[str, _Part] = {}
+    for h in headers:
+        for name, info in h.tensors.items():
+            if name in where:
+                raise CheckpointError(
+                    f"tensor {name!r} is stored twice, in {where[name].header.path} and {h.path}; "
+                    f"re-download or re-save the checkpoint"
+                )
+            where[name] = _Part(h, info)
+    weight_map = index_weight_map(source.folder)
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in where or where[name].header.path.name != fname:
+                found = where[name].header.path.name if name in where else "no file"
+                raise CheckpointError(
+                    f"{source.folder}/model.safetensors.index.json puts tensor {name!r} in {fname}, but it is in "
+                    f"{found}; re-download or re-save the checkpoint"
+                )
+    return where
+
+
+def _resolve_dtype(requested: str, parts: list[_Part]) -> str:
+    """`auto` is the checkpoint's dominant floating dtype (by bytes); float64 becomes float32."""
+    for p in parts:
+        if p.info.dtype not in _FLOAT_SOURCES:
+            raise CheckpointError(
+                f"tensor {p.info.name!r} in {p.header.path} is {p.info.dtype}; resident loads unquantized "
+                f"floating-point checkpoints (F32, F16, BF16) and quantizes on load (--quantization)"
+            )
+    if requested != "auto":
+        return requested
+    by_dtype: dict[str, int] = {}
+    for p in parts:
+        by_dtype[p.info.dtype] = by_dtype.get(p.info.dtype, 0) + p.info.nbytes
+    top = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "F32"
+    return {"F32": "float32", "F64": "float32", "F16": "float16", "BF16": "bfloat16"}[top]
+
+
+def _storage_plan(
+    fused: list[layout.FusedTensor], where: dict[str, _Part], dtype: torch.dtype, quantization: str
+) -> list[StoredTensor]:
+    out: list[StoredTensor] = []
+    for f in fused:
+        parts = tuple(where[s] for s in f.sources)
+        shape = _fused_shape(f.name, parts)
+        if f.quantizable and quantization == "fp8_per_tensor":
+            out.append(StoredTensor(f.name, quant.FP8_DTYPE, shape, parts, quantize=True))
+            out.append(StoredTensor(quant.scale_name(f.name), torch.float32, (), is_scale=True))
+        else:
+            out.append(StoredTensor(f.name, dtype, shape, parts))
+    return out
+
+
+def _fused_shape(name: str, parts: tuple[_Part, ...]) -> tuple[int, ...]:
+    first = parts[0].info.shape
+    if len(parts) == 1:
+        return first
+    for p in parts:
+        if len(p.info.shape) == 0 or p.info.shape[1:] != first[1:]:
+            raise layout.LayoutError(
+                f"cannot fuse {[q.info.name for q in parts]} into {name}: shapes "
+                f"{[q.info.shape for q in parts]} differ beyond the first dimension"
+            )
+    return (sum(p.info.shape[0] for p in parts),) + first[1:]
+
+
+def pack(sizes: list[int], alignment: int, limit: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(slab, offset) for each size, and the slab sizes: tensors in order, aligned, slabs
+    capped at `limit` bytes except for a tensor larger than it, which gets its own slab."""
+    places: list[tuple[int, int]] = []
+    slab_sizes: list[int] = []
+    for n in sizes:
+        off = _align(slab_sizes[-1], alignment) if slab_sizes else 0
+        if not slab_sizes or (off + n > limit and slab_sizes[-1] > 0):
+            slab_sizes.append(0)
+            off = 0
+        places.append((len(slab_sizes) - 1, off))
+        slab_sizes[-1] = off + n
+    return places, [max(s, alignment) for s in slab_sizes]
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def load(
+    spec: LoadSpec,
+    backend: MemoryBackend,
+    progress: Callable[[LoadProgressEvent], None] | None = None,
+    *,
+    num_threads: int | None = None,
+    device: str | None = None,
+) -> LoadedModel:
+    """Load `spec` into slabs of `backend`; see the module docstring for the order of work."""
+    t0 = time.monotonic()
+    emit = _Progress(progress, t0)
+    plan = plan_load(spec)
+    total = plan.bytes_to_read
+    emit("validate", 0, total, force=True)
+
+    places, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
+    slabs: list[Slab] = []
+    try:
+        for i, n in enumerate(slab_sizes):
+            slabs.append(backend.allocate(n, i) if device is None else backend.allocate(n, i, device))
+        crcs = _fill(plan, places, slabs, emit, total, num_threads or min(4, os.cpu_count() or 1))
+        emit("pack", total, total, force=True)
+        for s in slabs:
+            s.seal()
+        _check_unchanged(plan)
+    except BaseException:
+        for s in slabs:
+            s.close()
+        raise
+
+    entries = [
+        TensorEntry(
+            name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, strides=contiguous_strides(t.shape),
+            slab=slab, offset=off, nbytes=t.nbytes, crc32=crc,
+        )
+        for t, (slab, off), crc in zip(plan.tensors, places, crcs)
+    ]
+    table = TensorTable(entries)
+    table.validate([s.desc.nbytes for s in slabs])
+    load_s = time.monotonic() - t0
+    emit("done", total, total, force=True)
+    nbytes = sum(s.desc.nbytes for s in slabs)
+    log.info(
+        "loaded %s (%s, %s, %s): %d tensors, %.2f GB read, %.2f GB resident in %d slab(s), %.2f s (%.2f GB/s)",
+        spec.display_name, plan.source.display, plan.dtype, plan.quantization, len(entries), total / 1e9,
+        nbytes / 1e9, len(slabs), load_s, total / 1e9 / max(load_s, 1e-9),
+    )
+    return LoadedModel(
+        key=plan.key, name=spec.display_name, source=str(plan.source.folder), dtype=plan.dtype,
+        quantization=plan.quantization, layout=layout.LAYOUT, config=plan.source.config, table=table,
+        slabs=slabs, content_checksum=content_checksum(entries), nbytes=nbytes, bytes_read=total, load_s=load_s,
+    )
+
+
+def content_checksum(entries: list[TensorEntry]) -> str:
+    """sha256 over the stored tensors' names and CRC-32s, in table order."""
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(e.name.encode() + b"\0" + e.crc32.to_bytes(4, "little"))
+    return h.hexdigest()
+
+
+class _Progress:
+    def __init__(self, callback: Callable[[LoadProgressEvent], None] | None, t0: float) -> None:
+        self.callback, self.t0, self.last = callback, t0, 0.0
+
+    def __call__(self, phase: str, done: int, total: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.callback is None or (not force and now - self.last < _PROGRESS_INTERVAL_S):
+            return
+        self.last = now
+        self.callback(LoadProgressEvent(phase, done, total, now - self.t0))
+
+
+def _check_unchanged(plan: LoadPlan) -> None:
+    for path, before in plan.stats.items():
+        try:
+            now = file_identity(path)
+        except OSError as e:
+            raise CheckpointError(f"{path} vanished while loading ({e.strerror}); load again") from None
+        if now != before:
+            raise CheckpointError(f"{path} changed while it was being loaded; load again once it is complete")
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def _fill(plan, places, slabs, emit, total: int, num_threads: int) -> list[int]:
+    """Read every stored tensor into place; returns the CRC-32s in plan order.
+
+    Writable views live only inside this call, so the slabs can be sealed after it.
+    """
+    views = [s.writable() for s in slabs]
+    fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
+    crcs = [0] * len(plan.tensors)
+    done = 0
+    pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="resident-load")
+    try:
+        pending: dict[Future, tuple[int, int]] = {}
+        in_flight = 0
+        for i, t in enumerate(plan.tensors):
+            if t.is_scale:
+                continue  # written together with its weight
+            cost = _staging_cost(t, views[places[i][0]])
+            while pending and (in_flight + cost > _STAGING_BUDGET_BYTES or len(pending) >= 4 * num_threads):
+                done, in_flight = _collect(pending, crcs, done, in_flight, emit, total)
+            scale_dst = None
+            if t.quantize:
+                ss, so = places[i + 1]
+                scale_dst = views[ss][so : so + 4]
+            slab, off = places[i]
+            fut = pool.submit(_load_tensor, t, views[slab][off : off + t.nbytes], scale_dst, fds)
+            pending[fut] = (i, cost)
+            in_flight += cost
+        while pending:
+            done, in_flight = _collect(pending, crcs, done, in_flight, emit, total)
+    finally:
+        # On failure, queued tensors are dropped and running ones finish before fds close.
+        pool.shutdown(wait=True, cancel_futures=True)
+        for fd in fds.values():
+            os.close(fd)
+        del views
+    emit("read", total, total, force=True)
+    return crcs
+
+
+def _collect(pending, crcs, done, in_flight, emit, total) -> tuple[int, int]:
+    finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+    for fut in finished:
+        i, cost = pending.pop(fut)
+        crc, scale_crc, nread = fut.result()
+        crcs[i] = crc
+        if scale_crc is not None:
+            crcs[i + 1] = scale_crc
+        done += nread
+        in_flight -= cost
+    emit("read", done, total)
+    return done, in_flight
+
+
+def _staging_cost(t: StoredTensor, view: torch.Tensor) -> int:
+    cost = 0 if view.device.type == "cpu" else t.nbytes
+    if t.quantize:
+        return cost + sum(p.info.nbytes for p in t.parts)
+    if any(p.info.torch_dtype != t.dtype for p in t.parts):
+        cost += _CAST_CHUNK_BYTES
+    return cost
+
+
+def _load_tensor(
+    t: StoredTensor, dst: torch.Tensor, scale_dst: torch.Tensor | None, fds: dict[str, int]
+) -> tuple[int, int | None, int]:
+    """Read, fuse, cast/quantize one stored tensor into `dst` (uint8). Returns (crc, scale crc, bytes read)."""
+    target = dst if dst.device.type == "cpu" else _host_buffer(t.nbytes)
+    scale_crc = None
+    if t.quantize:
+        staged = [_read_part(p, fds) for p in t.parts]
+        scale = quant.fp8_scale(max(quant.amax(s) for s in staged))
+        out = target.view(quant.FP8_DTYPE).reshape(-1)
+        start = 0
+        for s in staged:
+            quant.quantize_fp8_into(out[start : start + s.numel()], s, scale)
+            start += s.numel()
+        del staged
+        scale_bytes = scale.reshape(1).view(torch.uint8)
+        scale_crc = _crc(scale_bytes)
+        scale_dst.copy_(scale_bytes)
+    else:
+        elem_off = 0
+        for p in t.parts:
+            _read_part_into(p, fds, target, elem_off, t.dtype)
+            elem_off += p.info.numel
+    crc = _crc(target)
+    if target is not dst:
+        dst.copy_(target)
+    return crc, scale_crc, sum(p.info.nbytes for p in t.parts)
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(t.numpy())) & 0xFFFFFFFF if t.numel() else 0
+
+
+def _read_part(p: _Part, fds: dict[str, int]) -> torch.Tensor:
+    """The whole tensor `p` in its checkpoint dtype (flat)."""
+    buf = torch.empty(p.info.nbytes, dtype=torch.uint8)
+    _pread(p, fds, memoryview(buf.numpy()), 0)
+    return buf.view(p.info.torch_dtype)
+
+
+def _read_part_into(p: _Part, fds: dict[str, int], target: torch.Tensor, elem_off: int, dtype: torch.dtype) -> None:
+    """Read `p` into elements [elem_off, elem_off + numel) of `target` (uint8 bytes of a `dtype` tensor)."""
+    src_dtype = p.info.torch_dtype
+    if src_dtype == dtype:
+        start = elem_off * dtype.itemsize
+        _pread(p, fds, memoryview(target[start : start + p.info.nbytes].numpy()), 0)
+        return
+    out = target.view(dtype)
+    step = max(1, _CAST_CHUNK_BYTES // src_dtype.itemsize)
+    staging = torch.empty(min(step, p.info.numel) * src_dtype.itemsize, dtype=torch.uint8)
+    for e0 in range(0, p.info.numel, step):
+        n = min(step, p.info.numel - e0)
+        chunk = staging[: n * src_dtype.itemsize]
+        _pread(p, fds, memoryview(chunk.numpy()), e0 * src_dtype.itemsize)
+        out[elem_off + e0 : elem_off + e0 + n].copy_(chunk.view(src_dtype))
+
+
+def _pread(p: _Part, fds: dict[str, int], buf: memoryview, rel: int) -> None:
+    """Fill `buf` from tensor `p`'s bytes starting `rel` bytes into the tensor."""
+    fd = fds[str(p.header.path)]
+    pos = p.header.file_offset(p.info.name) + rel
+    got_total, n = 0, len(buf)
+    while got_total < n:
+        try:
+            got = os.preadv(fd, [buf[got_total:]], pos + got_total)
+        except OSError as e:
+            raise CheckpointError(f"cannot read tensor {p.info.name!r} from {p.header.path}: {e.strerror}") from None
+        if got == 0:
+            raise CheckpointError(
+                f"{p.header.path} ended while reading tensor {p.info.name!r} (truncated or changed while "
+                f"loading); re-download or re-save the checkpoint"
+            )
+        got_total += got

@@ -1,0 +1,159 @@
+"""host_shm: slabs in sealed memfds, for machines without a GPU (and for CPU engines).
+
+The daemon creates each slab with memfd_create(MFD_ALLOW_SEALING), fills it through a
+shared writable mapping, drops that mapping and seals the memfd against writes, shrinking,
+growing and further sealing. From then on nobody — the daemon included — can change the
+bytes through the fd: a MAP_SHARED writable mapping or a write() fails with EPERM. Clients
+map the fd MAP_PRIVATE (copy-on-write): they read the very pages the daemon holds, and a
+client that writes into its tensors gets private copies of the touched pages only.
+
+The memory lives as long as any fd or mapping of it does, so slabs survive the daemon when
+their fds are parked elsewhere (systemd's fd store, a successor daemon).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import warnings
+
+import torch
+
+from resident.daemon.memory.base import MemoryBackend, Slab, SlabDesc
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = mmap.PAGESIZE
+#: Seals a slab carries once filled.
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Seals a client requires before trusting an fd: no more writes, and no shrinking
+#: (which would turn reads of its mapping into SIGBUS).
+REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+
+
+class SlabSealError(RuntimeError):
+    pass
+
+
+def _uint8_over(mm: mmap.mmap) -> torch.Tensor:
+    """A uint8 tensor over `mm` that keeps it alive (read-only maps warn in torch; we know)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class HostShmSlab(Slab):
+    def __init__(self, desc: SlabDesc, fd: int) -> None:
+        self.desc = desc
+        self._fd: int | None = fd
+        self._mm: mmap.mmap | None = mmap.mmap(fd, desc.nbytes, flags=mmap.MAP_SHARED,
+                                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._tensor: torch.Tensor | None = _uint8_over(self._mm)
+        self._sealed = False
+
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
+
+    def writable(self) -> torch.Tensor:
+        if self._sealed or self._tensor is None:
+            raise SlabSealError(f"slab {self.desc.index} is sealed (or closed); it cannot be written")
+        return self._tensor
+
+    def seal(self) -> None:
+        if self._sealed:
+            return
+        if self._fd is None:
+            raise SlabSealError(f"slab {self.desc.index} is closed")
+        # The kernel refuses F_SEAL_WRITE while any shared writable mapping exists, so the
+        # writable mapping must really be gone: every tensor viewing it must be released.
+        self._tensor = None
+        try:
+            self._mm.close()
+        except BufferError:
+            self._tensor = _uint8_over(self._mm)
+            raise SlabSealError(
+                f"slab {self.desc.index}: a tensor still views its writable mapping; release every "
+                f"writable() view before seal()"
+            ) from None
+        self._mm = None
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
+        self._mm = mmap.mmap(self._fd, self.desc.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._tensor = _uint8_over(self._mm)
+        self._sealed = True
+
+    def readable(self) -> torch.Tensor:
+        """The sealed slab, mapped read-only and shared (writing into it would fault)."""
+        if not self._sealed or self._tensor is None:
+            raise SlabSealError(f"slab {self.desc.index} is not sealed yet (or closed)")
+        return self._tensor
+
+    def export_fd(self) -> int | None:
+        if not self._sealed or self._fd is None:
+            raise SlabSealError(f"slab {self.desc.index} must be sealed before it is exported")
+        return self._fd
+
+    def close(self) -> None:
+        self._tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # still viewed by a tensor: unmapped when the last view is freed
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class HostShmBackend(MemoryBackend):
+    name = "host_shm"
+    survives_daemon = True
+    alignment = 256
+
+    def __init__(self, max_slab_bytes: int = 1 << 30) -> None:
+        if max_slab_bytes < PAGE_BYTES or max_slab_bytes % PAGE_BYTES:
+            raise ValueError(f"max_slab_bytes must be a positive multiple of {PAGE_BYTES}, got {max_slab_bytes}")
+        self.max_slab_bytes = max_slab_bytes
+
+    def slab_size_limit(self) -> int:
+        return self.max_slab_bytes
+
+    def allocate(self, nbytes: int, index: int, device: str = "cpu") -> HostShmSlab:
+        if device != "cpu":
+            raise ValueError(f"host_shm keeps weights in host memory; device must be 'cpu', not {device!r}")
+        size = max(PAGE_BYTES, (nbytes + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES)
+        fd = os.memfd_create(f"resident-slab-{index}", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return HostShmSlab(SlabDesc(index=index, nbytes=size, backend=self.name), fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def import_slab(cls, desc: SlabDesc, fd: int | None) -> torch.Tensor:
+        """Map a received sealed memfd copy-on-write; refuse anything not sealed against writes."""
+        if fd is None:
+            raise ValueError(f"slab {desc.index}: host_shm slabs arrive as file descriptors, none was received")
+        size = os.fstat(fd).st_size
+        if size < desc.nbytes:
+            raise ValueError(f"slab {desc.index}: fd holds {size} bytes, the table says {desc.nbytes}")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise PermissionError(
+                f"slab {desc.index}: received fd is not a memfd sealed against writes and shrinking "
+                f"(seals {seals:#x}); refusing to map memory that its sender could still change"
+            )
+        mm = mmap.mmap(fd, desc.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return _uint8_over(mm)
