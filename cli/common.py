@@ -114,11 +114,11 @@ def report_daemon_errors(f: F) -> F:
 @contextlib.contextmanager
 def connect(socket: str, fd_socket: str | None = None, client_name: str = "resident-cli") -> Iterator[Any]:
     """A daemon session for one command; a missing daemon is a clear ClickException."""
+    if not os.path.exists(socket):
+        raise click.ClickException(no_daemon_message(socket))
     from resident.daemon.client import Client
     from resident.daemon.errors import DaemonUnavailable
 
-    if not os.path.exists(socket):
-        raise click.ClickException(no_daemon_message(socket))
     try:
         client = Client(socket, fd_socket_path=fd_socket, client_name=client_name)
     except DaemonUnavailable as e:
