@@ -1,0 +1,281 @@
+"""`cuda_vmm`: GPU slabs from the CUDA virtual memory management API, shared as POSIX fds.
+
+Daemon side: `cuMemCreate` (pinned device memory, exportable as a POSIX fd) rounded up to
+the allocation granularity, mapped read-write in the daemon for the loader to fill through
+`writable()`. `export_fd()` exports it once (`cuMemExportToShareableHandle`); the daemon
+keeps that fd open and sends duplicates over SCM_RIGHTS. Such an fd alone keeps the
+memory alive (FACTS.md), so workers keep their weights when the daemon dies, and a plain
+fd holder (systemd's fd store, a successor daemon) preserves them.
+
+Client side: `import_slabs` imports every slab of a model and maps them back to back into
+ONE reserved virtual address range on the worker's GPU, after checking the GPU's UUID.
+
+Write protection: VMM memory cannot be sealed against other importers — any process
+holding the fd may map it read-write. What we do instead: mappings are made with
+`CU_MEM_ACCESS_FLAGS_PROT_READ` where the driver accepts it (clients by default, and the
+daemon's own mapping after `seal()`), so a buggy worker faults instead of silently
+corrupting weights that other workers share; where the driver refuses read-only access,
+the mapping falls back to read-write and this is logged. `access_of(tensor)` reports which
+protection a mapping got.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import torch
+
+from resident.daemon.memory.base import MemoryBackend, SlabDesc
+from resident.daemon.memory.cuda_util import (
+    GiB,
+    CudaError,
+    DeviceBuffer,
+    DeviceSlab,
+    best_effort,
+    check,
+    device_index,
+    device_uuid,
+    driver,
+    ensure_context,
+    importing_device,
+    require_cuda,
+    round_up,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "cuda_vmm"
+
+
+def _allocation_prop(index: int) -> Any:
+    drv = driver()
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def granularity(index: int) -> int:
+    """The recommended VMM allocation granularity of device `index` (2 MiB on an H200)."""
+    drv = driver()
+    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(check("cuMemGetAllocationGranularity", drv.cuMemGetAllocationGranularity(_allocation_prop(index), flag)))
+
+
+def _set_access(ptr: int, size: int, index: int, read_only: bool) -> bool:
+    """Grant device `index` access to [ptr, ptr+size); returns whether it is read-only."""
+    drv = driver()
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = index
+    if read_only:
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        try:
+            check("cuMemSetAccess(PROT_READ)", drv.cuMemSetAccess(ptr, size, [desc], 1))
+            return True
+        except CudaError as e:
+            log.info("read-only GPU mappings are not supported here (%s); mapping read-write", e)
+    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    check("cuMemSetAccess(PROT_READWRITE)", drv.cuMemSetAccess(ptr, size, [desc], 1))
+    return False
+
+
+def _map_range(handles: Sequence[Any], sizes: Sequence[int], index: int, read_only: bool) -> tuple[int, bool]:
+    """Reserve one VA range for all `handles` and map them back to back; returns (ptr, read_only)."""
+    drv = driver()
+    total = sum(sizes)
+    ptr = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(total, 0, 0, 0)))
+    mapped: list[tuple[int, int]] = []
+    try:
+        offset = 0
+        for handle, size in zip(handles, sizes):
+            check("cuMemMap", drv.cuMemMap(ptr + offset, size, 0, handle, 0))
+            mapped.append((ptr + offset, size))
+            offset += size
+        protected = _set_access(ptr, total, index, read_only)
+    except BaseException:
+        for p, size in mapped:
+            best_effort("cuMemUnmap", drv.cuMemUnmap(p, size))
+        best_effort("cuMemAddressFree", drv.cuMemAddressFree(ptr, total))
+        raise
+    return ptr, protected
+
+
+def _unmap_range(ptr: int, total: int, handles: Sequence[Any] = ()) -> None:
+    drv = driver()
+    best_effort("cuMemUnmap", drv.cuMemUnmap(ptr, total))
+    best_effort("cuMemAddressFree", drv.cuMemAddressFree(ptr, total))
+    for handle in handles:
+        best_effort("cuMemRelease", drv.cuMemRelease(handle))
+
+
+class VmmSlab(DeviceSlab):
+    """A daemon-owned VMM allocation, mapped read-write for the loader until `seal()`."""
+
+    def __init__(self, desc: SlabDesc, handle: Any, buffer: DeviceBuffer) -> None:
+        super().__init__(desc, buffer)
+        self._handle = handle
+        self._fd: int | None = None
+        #: Whether the daemon's own mapping became read-only at seal().
+        self.read_only = False
+
+    def export_fd(self) -> int:
+        if self._fd is None:
+            buffer = self._live()
+            drv = driver()
+            ensure_context(buffer.device)
+            kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            fd = int(check("cuMemExportToShareableHandle", drv.cuMemExportToShareableHandle(self._handle, kind, 0)))
+            os.set_inheritable(fd, False)  # never leak weights into processes the daemon spawns
+            self._fd = fd
+        return self._fd
+
+    def _protect(self, buffer: DeviceBuffer) -> None:
+        # Weights are immutable once sealed; a stray write in the daemon faults instead.
+        self.read_only = _set_access(buffer.ptr, buffer.nbytes, buffer.device, read_only=True)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        super().close()
+
+
+class CudaVmmBackend(MemoryBackend):
+    """GPU slabs via cuMemCreate + POSIX-fd export; the default backend on GPU machines."""
+
+    name = NAME
+    survives_daemon = True
+    alignment = 256
+
+    def __init__(self, device: int | str = 0, max_slab_bytes: int = 4 * GiB) -> None:
+        require_cuda(NAME)
+        self.device = device_index(device)
+        count = int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
+        if self.device >= count:
+            raise ValueError(f"{NAME}: GPU cuda:{self.device} does not exist; this process sees {count} GPU(s)")
+        if max_slab_bytes <= 0:
+            raise ValueError(f"{NAME}: max_slab_bytes must be positive, got {max_slab_bytes}")
+        ensure_context(self.device)
+        self.granularity = granularity(self.device)
+        # Slabs are whole multiples of the granularity, so the limit is too.
+        self.max_slab_bytes = max(self.granularity, max_slab_bytes // self.granularity * self.granularity)
+
+    def slab_size_limit(self) -> int:
+        return self.max_slab_bytes
+
+    def allocate(self, nbytes: int, index: int, device: str = "cpu") -> VmmSlab:
+        """A slab of `nbytes` rounded up to the granularity, on `device` ("cpu" = the backend's GPU)."""
+        if nbytes <= 0:
+            raise ValueError(f"{NAME}: slab size must be positive, got {nbytes}")
+        if nbytes > self.max_slab_bytes:
+            raise ValueError(
+                f"{NAME}: a slab of {nbytes} bytes exceeds the limit of {self.max_slab_bytes} bytes; "
+                "pack the model into more slabs"
+            )
+        dev = self.device if device in ("", "cpu") else device_index(device)
+        drv = driver()
+        ensure_context(dev)
+        size = round_up(nbytes, granularity(dev))
+        try:
+            handle = check("cuMemCreate", drv.cuMemCreate(size, _allocation_prop(dev), 0))
+        except CudaError as e:
+            raise CudaError(f"{NAME}: cannot allocate {size} bytes on cuda:{dev}: {e}; free GPU memory "
+                            "(unload models, stop other processes) or use a smaller model") from None
+        try:
+            ptr, _ = _map_range([handle], [size], dev, read_only=False)
+        except BaseException:
+            best_effort("cuMemRelease", drv.cuMemRelease(handle))
+            raise
+        desc = SlabDesc(index=index, nbytes=size, backend=NAME, device=f"cuda:{dev}", device_uuid=device_uuid(dev))
+        buffer = DeviceBuffer(ptr, size, dev, lambda: _unmap_range(ptr, size, [handle]), f"{NAME} slab {index}")
+        log.debug("allocated %s slab %d: %d bytes on cuda:%d", NAME, index, size, dev)
+        return VmmSlab(desc, handle, buffer)
+
+    @classmethod
+    def import_slab(cls, desc: SlabDesc, fd: int | None) -> torch.Tensor:
+        return cls.import_slabs([desc], [fd])[0]
+
+    @classmethod
+    def import_slabs(
+        cls, descs: Sequence[SlabDesc], fds: Sequence[int | None], read_only: bool = True
+    ) -> list[torch.Tensor]:
+        """Map all slabs of a model into ONE reserved VA range, back to back, in `descs` order.
+
+        Returns one uint8 CUDA tensor per slab; they are slices of one tensor over the whole
+        range and keep the mapping alive while any of them (or any view) is referenced.
+        The caller may close the fds afterwards.
+        """
+        _validate(descs, fds)
+        if not descs:
+            return []
+        drv = driver()
+        index = importing_device(descs[0].device_uuid, NAME)
+        gran = granularity(index)
+        for d in descs:
+            if d.nbytes % gran:
+                raise ValueError(
+                    f"{NAME}: slab {d.index} has {d.nbytes} bytes, not a multiple of this GPU's "
+                    f"granularity {gran}; the descriptor does not come from a {NAME} allocation"
+                )
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        handles: list[Any] = []
+        sizes = [d.nbytes for d in descs]
+        try:
+            for d, fd in zip(descs, fds):
+                # cuda-bindings takes the POSIX fd as a plain int (the C API's (void*)(uintptr_t)fd).
+                handles.append(check(f"cuMemImportFromShareableHandle(slab {d.index})",
+                                     drv.cuMemImportFromShareableHandle(int(fd), kind)))
+            ptr, protected = _map_range(handles, sizes, index, read_only)
+        finally:
+            # Mappings hold the physical memory; the imported handles are not needed after mapping.
+            for handle in handles:
+                best_effort("cuMemRelease", drv.cuMemRelease(handle))
+        total = sum(sizes)
+        what = f"imported {NAME} slabs {[d.index for d in descs]}"
+        buffer = DeviceBuffer(ptr, total, index, lambda: _unmap_range(ptr, total), what)
+        log.debug("%s: %d bytes at 0x%x on cuda:%d (%s)", what, total, ptr, index,
+                  "read-only" if protected else "read-write")
+        base = buffer.tensor()
+        out, offset = [], 0
+        for size in sizes:
+            out.append(base[offset : offset + size])
+            offset += size
+        return out
+
+    @staticmethod
+    def access_of(tensor: torch.Tensor) -> str:
+        """"read" or "readwrite": how this process's GPU may access the memory under `tensor`."""
+        drv = driver()
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        ensure_context(index)
+        loc = drv.CUmemLocation()
+        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = index
+        flags = int(check("cuMemGetAccess", drv.cuMemGetAccess(loc, tensor.data_ptr())))
+        if flags == int(drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE):
+            return "readwrite"
+        if flags == int(drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ):
+            return "read"
+        return "none"
+
+
+def _validate(descs: Sequence[SlabDesc], fds: Sequence[int | None]) -> None:
+    """Checks that need no GPU: matching lengths, backend names, one GPU, real fds."""
+    if len(descs) != len(fds):
+        raise ValueError(f"{NAME}: {len(descs)} slab descriptors but {len(fds)} fds")
+    for d, fd in zip(descs, fds):
+        if d.backend != NAME:
+            raise ValueError(f"slab {d.index} belongs to backend {d.backend!r}, not {NAME!r}")
+        if fd is None or int(fd) < 0:
+            raise ValueError(f"{NAME}: slab {d.index} arrived without a file descriptor")
+        if not d.device_uuid:
+            raise ValueError(f"{NAME}: slab {d.index} has no GPU UUID in its descriptor")
+    uuids = {d.device_uuid for d in descs}
+    if len(uuids) > 1:
+        raise ValueError(
+            f"{NAME}: the slabs live on several GPUs {sorted(uuids)}; import each GPU's slabs separately"
+        )
