@@ -37,10 +37,16 @@ class SlabSealError(RuntimeError):
 
 
 def _uint8_over(mm: mmap.mmap) -> torch.Tensor:
-    """A uint8 tensor over `mm` that keeps it alive (read-only maps warn in torch; we know)."""
+    """A uint8 tensor over `mm` that keeps it mapped while any view of it lives.
+
+    torch.frombuffer releases the buffer export it takes and only keeps a reference to the
+    object; given the mmap itself, mm.close() would then unmap memory that tensors still
+    point at. Going through a memoryview keeps an export alive for the tensor's lifetime,
+    so close() fails with BufferError instead. (Read-only maps warn in torch; we know.)
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
 class HostShmSlab(Slab):
