@@ -1,0 +1,179 @@
+"""The sampler: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+Order per row (HF's logits-processor order): repetition penalty (HF semantics: over prompt
+and output tokens, positive logits divided by the penalty, negative ones multiplied),
+presence/frequency penalties (OpenAI semantics: over output tokens, `logit -= frequency *
+count + presence * (count > 0)`), then temperature 0 = greedy argmax of the penalized
+logits; otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the
+top-p nucleus (the smallest set of most likely tokens whose mass reaches top_p), drop
+tokens below min_p x the top probability, and sample.
+
+Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1), as vLLM): each
+seeded request draws its E from its own torch.Generator, so the same seed gives the same
+tokens whatever else is in the batch; unseeded rows share the sampler's generator.
+
+Logprobs are those of the raw model distribution (log_softmax of the logits before
+penalties, temperature and truncation), which is what vLLM returns by default and what
+OpenAI clients expect; `top` is the top-n of that distribution, most likely first.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from resident.worker.request import TokenLogprob
+from resident.worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs about one request in the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None   # set for seeded requests
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties (returns a new tensor when any apply)."""
+    n, vocab = logits.shape
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    if not rep and not pf:
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    if rep:
+        seen_ids = _padded([list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep], vocab, dev)
+        seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, seen_ids, True)
+        seen = seen[:, :vocab]
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], dtype=logits.dtype, device=dev)[:, None]
+        idx = torch.tensor(rep, device=dev)
+        sub = logits[idx]
+        penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        logits[idx] = torch.where(seen, penalized, sub)
+    if pf:
+        out_ids = _padded([rows[i].output_token_ids for i in pf], vocab, dev)
+        counts = torch.zeros(len(pf), vocab + 1, dtype=logits.dtype, device=dev)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], dtype=logits.dtype, device=dev)[:, None]
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], dtype=logits.dtype, device=dev)[:, None]
+        idx = torch.tensor(pf, device=dev)
+        logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def truncation_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """Bool [N, V], True where a token is removed by top-k, then top-p, then min-p.
+
+    top_k: int64 [N] (0 = off); top_p: float [N] (1 = off); min_p: float [N] (0 = off).
+    The most likely token is never removed.
+    """
+    n, vocab = logits.shape
+    sorted_x, order = logits.sort(dim=-1, descending=True)
+    removed_sorted = torch.zeros_like(sorted_x, dtype=torch.bool)
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_x.gather(1, (k - 1)[:, None])
+        removed_sorted |= sorted_x < kth
+    if bool((top_p < 1.0).any()):
+        probs = torch.softmax(sorted_x.masked_fill(removed_sorted, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        removed_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    removed_sorted[:, 0] = False
+    removed = torch.zeros_like(removed_sorted).scatter_(1, order, removed_sorted)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits.masked_fill(removed, float("-inf")), dim=-1)
+        top = probs.max(dim=-1, keepdim=True).values
+        removed |= probs < min_p[:, None] * top
+    return removed
+
+
+class Sampler:
+    """Picks the next token for each row of float32 logits [N, V]."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"sampler got logits {tuple(logits.shape)} for {len(rows)} rows")
+        logits = logits.to(torch.float32)
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logits = apply_penalties(logits, rows)
+        tokens = self._choose(logits, rows)
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+            max_n = max(r.params.logprobs or 0 for r in rows)
+            top_vals = top_ids = None
+            if max_n > 0:
+                top_vals, top_ids = raw_logprobs.topk(min(max_n, logits.shape[1]), dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for i, r in enumerate(rows):
+                if r.params.logprobs is None:
+                    continue
+                n = r.params.logprobs
+                top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
+                logprobs[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[i], top=top)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
+        if not sampled_rows:
+            return greedy_tokens
+        dev = logits.device
+        idx = torch.tensor(sampled_rows, device=dev)
+        params = [rows[i].params for i in sampled_rows]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        x = logits[idx] / temp[:, None]
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        if bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0).any()):
+            x = x.masked_fill(truncation_mask(x, top_k, top_p, min_p), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        noise = self._exponential_noise([rows[i].generator for i in sampled_rows], x.shape[1], dev)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = greedy_tokens.clone()
+        tokens[idx] = sampled
+        return tokens
+
+    def _exponential_noise(self, generators: list[torch.Generator | None], vocab: int,
+                           device: torch.device) -> torch.Tensor:
+        noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self._generator)
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        # An exact 0 would turn a removed token (p = 0) into 0/0 = NaN, which argmax picks.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
