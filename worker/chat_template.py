@@ -1,0 +1,206 @@
+"""Chat templates rendered the way HF transformers renders them, in a jinja2 sandbox.
+
+Templates come from model folders or (when the server allows it) from requests, so they are
+untrusted code: they run in an ImmutableSandboxedEnvironment, see only plain JSON-like data,
+and a reach for Python internals fails loudly instead of rendering an empty string. The
+environment mirrors transformers' `_compile_jinja_template`: trim_blocks, lstrip_blocks, the
+loopcontrols extension, `raise_exception`, `strftime_now`, a `tojson` filter that does not
+HTML-escape, and `dict`/`namespace` globals that cannot be used to break out.
+
+Every failure (syntax, sandbox violation, `raise_exception`, a template crashing on its input)
+becomes a `ChatTemplateError` carrying the template's message; the server answers it with
+HTTP 400.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.utils
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A chat template could not be compiled or rendered; the message says why.
+
+    `kind` is one of "syntax", "security", "raised" (the template called raise_exception),
+    "render" (the template failed on this input) or "missing" (the model has no template).
+    """
+
+    def __init__(self, message: str, kind: str = "render") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """A chat request for a model without a chat template."""
+
+    def __init__(self, message: str = "model has no chat template; use /v1/completions or start "
+                                      "with --chat-template FILE") -> None:
+        super().__init__(message, kind="missing")
+
+
+class _SandboxUndefined(jinja2.Undefined):
+    """Plain jinja renders a blocked attribute (`''.__class__`) as an empty string; a template
+    that tries that is hostile or broken, so using the result fails with SecurityError."""
+
+    __slots__ = ()
+
+    def _check(self) -> None:
+        if self._undefined_exception is SecurityError:
+            self._fail_with_undefined_error()
+
+    def __str__(self) -> str:
+        self._check()
+        return super().__str__()
+
+    def __bool__(self) -> bool:
+        self._check()
+        return super().__bool__()
+
+    def __iter__(self):
+        self._check()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._check()
+        return super().__len__()
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore-prefixed names (a route to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805  (jinja's own signature trick)
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot store underscore-prefixed attributes on a "
+                                f"namespace, got {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, '); templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=_SandboxUndefined,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def plain_data(value: Any) -> Any:
+    """Rebuild `value` from plain JSON types (as transformers does): objects with methods the
+    sandbox does not know to be dangerous never reach the template."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain_data(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return plain_data(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Messages as plain dicts without None values: OpenAI clients send `content: null` or
+    `tool_calls: null`, which many templates would render as "None" (transformers drops them)."""
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(f"messages must be a list of objects, got {type(messages).__name__}")
+    out = []
+    for i, message in enumerate(plain_data(list(messages))):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"messages[{i}] must be an object with 'role' and 'content', "
+                                    f"got {type(message).__name__}")
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+class ChatTemplate:
+    """One compiled chat template. Compiling checks the syntax, so a broken template fails when
+    it is loaded, not at the first request."""
+
+    def __init__(self, source: str) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("the chat template is empty", kind="syntax")
+        self.source = source
+        try:
+            self._template = _environment().from_string(source)
+        except TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}",
+                                    kind="syntax") from e
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}", kind="syntax") from e
+
+    def render(self, messages: Any, *, add_generation_prompt: bool = True, tools: list | None = None,
+               documents: list | None = None, special_tokens: Mapping[str, Any] | None = None,
+               **kwargs: Any) -> str:
+        """Render a conversation. Variables: messages, add_generation_prompt, tools, documents,
+        the special tokens (bos_token, eos_token, ...) and any extra kwargs (which win over
+        the special tokens, as in transformers)."""
+        variables = {**(special_tokens or {}), **kwargs}
+        variables = plain_data(variables)
+        variables.update(messages=normalize_messages(messages), add_generation_prompt=bool(add_generation_prompt),
+                         tools=plain_data(tools), documents=plain_data(documents))
+        try:
+            return self._template.render(**variables)
+        except SecurityError as e:
+            raise ChatTemplateError(f"chat template tried an unsafe operation: {e}", kind="security") from e
+        except TemplateError as e:
+            if type(e) is TemplateError:  # raise_exception(...) from the template itself
+                raise ChatTemplateError(str(e), kind="raised") from e
+            raise ChatTemplateError(f"chat template failed: {e}", kind="render") from e
+        except Exception as e:  # noqa: BLE001  untrusted code on user input: any crash is a bad request
+            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}",
+                                    kind="render") from e
