@@ -1,0 +1,84 @@
+"""`resident serve MODEL`: an OpenAI-compatible engine worker.
+
+Weights come from the preload daemon when it holds (or can load) the model, so a restart
+attaches instead of reading the checkpoint (--preload auto|require|off). Nothing heavy is
+imported before the command runs: the worker's imports are timed as its first phase.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from resident.cli.common import SIZE, resolve_socket, socket_option
+
+logger = logging.getLogger(__name__)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--served-model-name", default="", help="Name clients use in 'model' [default: MODEL as given].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to bind; 0 picks a free one (see the 'listening on' line).")
+@click.option("--port-file", type=click.Path(dir_okay=False), default=None,
+              help="Write the bound port to this file once listening.")
+@click.option("--api-key", default=None, envvar="RESIDENT_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* [env: RESIDENT_API_KEY].")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Weight dtype variant; auto keeps the checkpoint's.")
+@click.option("--quantization", default="none", show_default=True, type=click.Choice(["none", "fp8_per_tensor"]))
+@click.option("--revision", default=None, help="Hub revision when MODEL is a hub id.")
+@click.option("--preload", default="auto", show_default=True, type=click.Choice(["auto", "require", "off"]),
+              help="auto: attach to the daemon (asking it to load the model if needed), else load here; "
+                   "require: fail without a daemon; off: always load here.")
+@socket_option
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None,
+              help="Context length [default: the model's, at most 4096 on CPU].")
+@click.option("--kv-cache-memory", type=SIZE, default="512MiB", show_default=True,
+              help="Memory for the KV cache (e.g. 512MiB, 2GiB).")
+@click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
+              help="KV-cache blocks (overrides --kv-cache-memory).")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests running at once.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens computed per engine step.")
+@click.option("--no-prefix-caching", is_flag=True, help="Disable the prefix cache.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds to let in-flight requests finish after SIGTERM.")
+@click.option("--chat-template", "chat_template_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template file replacing the model's.")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Allow requests to supply chat_template / chat_template_kwargs / processor kwargs "
+                   "(they change how prompts are built; refused by default).")
+@click.option("--verify-sample", type=int, default=16, show_default=True,
+              help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
+def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
+          dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
+          max_model_len: int | None, kv_cache_memory: int, num_kv_blocks: int | None, block_size: int,
+          max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
+          chat_template_file: str | None, trust_request_chat_template: bool, verify_sample: int) -> None:
+    """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
+    from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
+
+    try:
+        sock = None if preload == "off" else resolve_socket(socket)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        config = ServeConfig(
+            model=model, served_model_name=served_model_name, host=host, port=port, port_file=port_file,
+            api_key=api_key or None, dtype=dtype, quantization=quantization, revision=revision,
+            preload=preload, socket=sock, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory,
+            num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
+            drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
+            trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
+            notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time())
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(run_server(config))

@@ -1,0 +1,171 @@
+"""The OpenAI-compatible HTTP server (aiohttp): thin handlers that parse, validate,
+delegate to `OpenAIServing` and map errors to OpenAI-style bodies.
+
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE when `stream`),
+`/health` (200 while the process and its engine thread live), `/ready` (200 only once the
+weights are attached and verified, the KV cache allocated and the warm-up pass done; 503
+before that and while draining), `/metrics` (Prometheus). With an API key, `/v1/*` needs
+`Authorization: Bearer <key>`.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+from resident.worker.metrics import ServerMetrics
+from resident.worker.openai_serving import OpenAIServing, Prepared
+from resident.worker.protocol import RequestError, error_body, parse_chat_request, parse_completion_request
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class ServerState:
+    """What the handlers need; `serving` is set once the engine is up."""
+
+    served_model_names: tuple[str, ...]
+    metrics: ServerMetrics
+    api_key: str | None = None
+    model_root: str = ""
+    serving: OpenAIServing | None = None
+    ready: bool = False
+    draining: bool = False
+    failed: str | None = None          # start-up failed: /health turns 500
+    num_http_in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def alive(self) -> bool:
+        if self.failed is not None:
+            return False
+        return self.serving is None or self.serving.engine.error is None
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, type, param, code), status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return web.json_response(e.body(), status=e.status)
+    except EngineDraining as e:
+        return _error(503, str(e), "service_unavailable")
+    except RequestAborted as e:
+        return _error(503, str(e), "service_unavailable")
+    except EngineDead as e:
+        return _error(500, str(e), "server_error")
+
+
+def _auth_middleware(state: ServerState):
+    expected = f"Bearer {state.api_key}".encode() if state.api_key else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return _error(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                              "invalid_request_error", code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+class ApiServer:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_auth_middleware(self.state), _errors], client_max_size=32 * 2**20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # --- probes --------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.state.alive:
+            return web.json_response({"status": "failed", "reason": self.state.failed or "engine thread failed"},
+                                     status=500)
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.state.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not self.state.ready:
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.state.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ServerMetrics.content_type})
+
+    # --- OpenAI API ----------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        s = self.state
+        max_len = s.serving.opts.max_model_len if s.serving is not None else None
+        data = [{"id": name, "object": "model", "created": s.created, "owned_by": "resident",
+                 "root": s.model_root or name, "max_model_len": max_len}
+                for name in s.served_model_names]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _body(self, request: web.Request) -> object:
+        try:
+            return json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+    def _serving(self) -> OpenAIServing:
+        if self.state.draining:
+            raise EngineDraining("the server is shutting down and accepts no new requests")
+        if not self.state.ready or self.state.serving is None:
+            raise RequestError("the model is still loading; retry once /ready answers 200",
+                               status=503, type="service_unavailable")
+        return self.state.serving
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        serving = self._serving()
+        req = parse_completion_request(await self._body(request), serving.opts)
+        return await self._respond(request, serving, serving.prepare_completion(req))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        serving = self._serving()
+        req = parse_chat_request(await self._body(request), serving.opts)
+        return await self._respond(request, serving, serving.prepare_chat(req))
+
+    async def _respond(self, request: web.Request, serving: OpenAIServing, prep: Prepared) -> web.StreamResponse:
+        self.state.num_http_in_flight += 1
+        try:
+            if not prep.request.stream:
+                return web.json_response(await serving.run(prep))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            # Leaving this block early (client gone: write raises, or the handler is
+            # cancelled) closes the generator, which aborts the engine requests.
+            async with contextlib.aclosing(serving.stream(prep)) as chunks:
+                async for chunk in chunks:
+                    await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        except (ConnectionResetError, ConnectionError):
+            logger.info("client went away during %s; its requests were aborted", prep.request_id)
+            raise
+        finally:
+            self.state.num_http_in_flight -= 1

@@ -1,0 +1,204 @@
+"""The engine loop in one dedicated thread, with an asyncio stream per request.
+
+`LLMEngine` is not thread-safe: only the engine thread touches it. The event loop hands
+adds and aborts to that thread through a command list guarded by a condition variable,
+and the thread hands each step's outputs back with `loop.call_soon_threadsafe`. The
+thread sleeps on the condition while there is nothing to do (no busy-waiting).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread failed; the process must be restarted."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted by the server (drain timeout) before it finished."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Wraps an `LLMEngine` (add_request / step / abort_request / has_unfinished_requests /
+    stats). `on_step(stats)` is called from the engine thread after every step."""
+
+    def __init__(self, engine: Any, on_step: Callable[[Any], None] | None = None) -> None:
+        self._engine = engine
+        self._on_step = on_step
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Event-loop side only:
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self.error: BaseException | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start called twice")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="resident-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to timeout_s for in-flight ones to finish.
+        Whatever is still running afterwards is aborted; returns whether all finished."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            ids = list(self._streams)
+            logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", timeout_s, len(ids))
+            for rid in ids:
+                self._fail_stream(rid, RequestAborted(f"request {rid} aborted: the server is shutting down"))
+                self._submit(_Abort(rid))
+            return False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # --- requests ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """Yield the request's RequestOutputs until one is finished. Leaving early (the client
+        went away, the handler was cancelled) aborts the request in the engine."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed earlier: {self.error!r}; restart the server")
+        if self._draining:
+            raise EngineDraining("the server is shutting down and accepts no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._idle.clear()
+        self._submit(_Add(request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                logger.info("request %s left before finishing: aborting it", request_id)
+                self._submit(_Abort(request_id))
+            self._drop(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._fail_stream(request_id, RequestAborted(f"request {request_id} aborted"))
+        self._submit(_Abort(request_id))
+
+    # --- event-loop side helpers ---------------------------------------------------------
+    def _submit(self, cmd: _Add | _Abort) -> None:
+        with self._cond:
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    def _fail_stream(self, request_id: str, exc: BaseException) -> None:
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(exc)
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _deliver_error(self, request_id: str | None, exc: BaseException) -> None:
+        if request_id is not None:
+            self._fail_stream(request_id, exc)
+            return
+        for rid in list(self._streams):
+            self._fail_stream(rid, exc)
+
+    # --- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        assert self._loop is not None
+        engine, loop = self._engine, self._loop
+        has_work = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not has_work and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    commands, self._commands = self._commands, []
+                for cmd in commands:
+                    if isinstance(cmd, _Abort):
+                        engine.abort_request(cmd.request_id)
+                        continue
+                    try:
+                        engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                    except (ValueError, TypeError) as e:  # a bad request, not a broken engine
+                        loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, e)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if outputs:
+                        loop.call_soon_threadsafe(self._deliver, outputs)
+                    if self._on_step is not None:
+                        self._on_step(engine.stats())
+                has_work = engine.has_unfinished_requests()
+        except BaseException as e:  # noqa: BLE001 - every waiting request must learn of it
+            logger.exception("the engine thread failed; all in-flight requests fail")
+            self.error = e
+            with contextlib.suppress(RuntimeError):  # the loop may already be closed
+                loop.call_soon_threadsafe(self._deliver_error, None, EngineDead(f"engine failed: {e!r}"))

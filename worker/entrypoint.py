@@ -1,0 +1,315 @@
+"""`resident serve`: bring a worker up in timed phases, serve, and drain on SIGTERM.
+
+Order: bind the HTTP socket first (so /health answers and /ready says 503 while loading),
+print `resident serve listening on http://HOST:PORT`, then — in a thread, while the event
+loop keeps answering probes — obtain the weights (attach or local load), verify sampled
+checksums, load the tokenizer, build the model and allocate the KV cache, run a warm-up
+forward pass; then /ready turns 200, systemd hears READY=1, and one log line gives the
+phases: "ready in X s (import a, weights b, verify c, tokenizer t, kv alloc d, warmup e)".
+Phases are measured from the process's start (its kernel start time), so `import` includes
+the interpreter's own start-up.
+
+SIGTERM/SIGINT: stop accepting connections, let in-flight requests finish within the
+drain timeout (then abort the rest), release the weights lease, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "fp8_per_tensor")
+PRELOAD_MODES = ("auto", "require", "off")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+#: --max-model-len default on CPU when the model allows more.
+CPU_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    served_model_name: str = ""               # default: `model` as given
+    host: str = "127.0.0.1"
+    port: int = 8000                          # 0 = ephemeral (see the "listening on" line)
+    port_file: str | None = None
+    api_key: str | None = None
+    dtype: str = "auto"                       # auto keeps the checkpoint's dtype
+    quantization: str = "none"
+    revision: str | None = None
+    hub_cache: str | None = None
+    preload: str = "auto"
+    socket: str | None = None                 # the daemon's socket; required unless preload == "off"
+    device: str = "cpu"
+    max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    num_kv_blocks: int | None = None          # overrides kv_cache_memory_bytes
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    drain_timeout_s: float = 30.0
+    chat_template_file: str | None = None
+    trust_request_chat_template: bool = False
+    verify_sample: int = 16                   # tensors whose CRC-32 is checked at start (-1 = all)
+    notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
+    process_start_time: float | None = None   # unix time the process started (None: now)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("serve: MODEL is empty; pass a model folder or a hub id")
+        for name, value, valid in (("dtype", self.dtype, DTYPES), ("quantization", self.quantization, QUANTIZATIONS),
+                                   ("preload", self.preload, PRELOAD_MODES)):
+            if value not in valid:
+                raise ValueError(f"unknown --{name} {value!r}; valid: {', '.join(valid)}")
+        if self.preload != "off" and not self.socket:
+            raise ValueError("--preload auto|require needs the daemon's socket path (--socket or $RESIDENT_SOCKET)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def sd_notify(notify_socket: str | None, state: str) -> bool:
+    """Send one sd_notify datagram (systemd's documented protocol: "KEY=VALUE\\n..." to the
+    AF_UNIX datagram socket in $NOTIFY_SOCKET; a leading '@' means the abstract namespace)."""
+    if not notify_socket:
+        return False
+    addr = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.sendto(state.encode(), addr)
+        return True
+    except OSError as e:
+        logger.warning("sd_notify %r to %s failed: %s", state, notify_socket, e)
+        return False
+
+
+def process_start_time() -> float:
+    """When this process started (unix time), from the kernel's record."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class _Startup:
+    """Times the start-up phases; phase durations in seconds."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.phases: dict[str, float] = {}
+        self._mark = time.time()
+
+    def begin(self) -> None:
+        self._mark = time.time()
+
+    def end(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = now - self._mark
+        self._mark = now
+
+    def summary(self) -> str:
+        parts = [f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.phases.items() if k != "total"]
+        return f"ready in {self.phases['total']:.2f} s ({', '.join(parts)})"
+
+
+@dataclass
+class _Worker:
+    store: Any
+    engine: Any
+    serving: Any
+
+
+def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
+    from resident.worker.kv_cache import bytes_per_block
+
+    per_seq = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(model_config, dtype, config.block_size)
+    blocks = config.kv_cache_memory_bytes // per_block
+    if blocks < per_seq:
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
+            f"{config.block_size} tokens, fewer than one request of --max-model-len {max_model_len} needs "
+            f"({per_seq} blocks = {per_seq * per_block / 2**20:.1f} MiB); raise --kv-cache-memory or lower "
+            "--max-model-len")
+    # More than every running sequence at full length can never be used.
+    return min(blocks, per_seq * config.max_num_seqs)
+
+
+def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _Worker:
+    """Everything between import and ready; runs in a thread (the event loop serves probes)."""
+    from resident.daemon.loader import LoadSpec
+    from resident.worker.async_engine import AsyncEngine
+    from resident.worker.config import ModelConfig
+    from resident.worker.engine import LLMEngine
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.model_runner import ModelRunner
+    from resident.worker.openai_serving import OpenAIServing
+    from resident.worker.protocol import ServingOptions
+    from resident.worker.tokenizer import Tokenizer
+    from resident.worker.weight_store import open_store
+
+    startup.begin()
+    spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
+                    quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache)
+    store = open_store(spec, config.preload, config.socket)
+    try:
+        metrics.set_weights_source(store.source)
+        startup.end("weights")
+        checked = store.verify(config.verify_sample)
+        logger.info("verified CRC-32 of %d/%d tensors", checked, len(store.table.entries))
+        startup.end("verify")
+        template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
+        tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
+        startup.end("tokenizer")
+
+        model_config = ModelConfig.from_hf(store.config)
+        max_model_len = config.max_model_len or min(
+            model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if config.device == "cpu" else 1 << 30)
+        if max_model_len > model_config.max_position_embeddings:
+            logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
+                           max_model_len, model_config.max_position_embeddings)
+        dtype = store.tensors["model.embed_tokens.weight"].dtype
+        engine_config = EngineConfig(
+            block_size=config.block_size, num_kv_blocks=_kv_blocks(config, model_config, dtype, max_model_len),
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+        runner = ModelRunner(model_config, engine_config, store.tensors, device=config.device)
+        engine = LLMEngine(engine_config, runner, tokenizer)
+        startup.end("kv_alloc")
+        runner.warmup()
+        startup.end("warmup")
+    except BaseException:
+        store.close()
+        raise
+
+    def on_step(stats: Any) -> None:
+        metrics.observe_engine(stats.num_running, stats.num_waiting, stats.kv_usage)
+
+    opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
+                          trust_request_chat_template=config.trust_request_chat_template)
+    async_engine = AsyncEngine(engine, on_step=on_step)
+    serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
+    return _Worker(store, async_engine, serving)
+
+
+def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """Run fn in a daemon thread (so a SIGTERM during start-up need not wait for it)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+    threading.Thread(target=target, name="resident-startup", daemon=True).start()
+    return fut
+
+
+async def _serve(config: ServeConfig, startup: _Startup) -> int:
+    metrics = ServerMetrics(config.model_name)
+    state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
+                        model_root=config.model)
+    runner = web.AppRunner(ApiServer(state).app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    sys.stdout.write(f"resident serve listening on http://{config.host if ':' not in config.host else host}:{port}\n")
+    sys.stdout.flush()
+    if config.port_file:
+        Path(config.port_file).write_text(f"{port}\n")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    build = _in_thread(_build, config, startup, metrics)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([build, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if not build.done():
+        logger.info("stopped during start-up")
+        await runner.cleanup()
+        return 0
+    try:
+        worker: _Worker = build.result()
+    except Exception as e:  # noqa: BLE001 - reported as one clear line, the process exits 1
+        state.failed = str(e)
+        stopper.cancel()
+        logger.error("resident serve could not start: %s", e, exc_info=not isinstance(e, (ValueError, RuntimeError, OSError)))
+        await runner.cleanup()
+        return 1
+
+    worker.engine.start()
+    state.serving = worker.serving
+    startup.phases["total"] = time.time() - startup.t0
+    metrics.set_startup_phases(startup.phases)
+    state.ready = True
+    logger.info("%s; weights from %s", startup.summary(), worker.store.source)
+    sd_notify(config.notify_socket, "READY=1")
+
+    await stopper
+    logger.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
+    sd_notify(config.notify_socket, "STOPPING=1")
+    state.draining = True
+    await site.stop()  # stop accepting; open connections keep going
+    deadline = time.monotonic() + config.drain_timeout_s
+    await worker.engine.drain(config.drain_timeout_s)
+    while state.num_http_in_flight and time.monotonic() < deadline + 5.0:
+        await asyncio.sleep(0.02)  # handlers write their final chunks
+    await runner.cleanup()
+    worker.engine.shutdown()
+    worker.store.close()
+    logger.info("stopped")
+    return 0
+
+
+def run_server(config: ServeConfig) -> int:
+    """Serve until SIGTERM; returns the process exit code (0 after a clean drain)."""
+    t0 = config.process_start_time or time.time()
+    # The heavy imports, counted in the "import" phase (the CLI imports nothing heavy).
+    import torch  # noqa: F401
+
+    import resident.worker.engine  # noqa: F401
+    import resident.worker.model_runner  # noqa: F401
+    import resident.worker.tokenizer  # noqa: F401
+    import resident.worker.weight_store  # noqa: F401
+
+    startup = _Startup(t0)
+    startup.phases["import"] = time.time() - t0
+    return asyncio.run(_serve(config, startup))
+
+
+__all__ = ["ServeConfig", "run_server", "sd_notify", "process_start_time"]

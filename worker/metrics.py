@@ -1,0 +1,69 @@
+"""The worker's Prometheus metrics, in a registry of its own per server (no global state:
+a process may build, tear down and rebuild a server).
+
+Exported names (all prefixed `resident_`):
+- `request_ttft_seconds`, `request_inter_token_latency_seconds`, `request_e2e_latency_seconds`
+  (histograms), `request_success_total{finish_reason}`
+- `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_ratio` (gauges, set after
+  every engine step)
+- `prompt_tokens_total`, `generation_tokens_total` (counters)
+- `worker_startup_phase_seconds{phase}`: import, weights, verify, tokenizer, kv_alloc,
+  warmup, total (process start to ready) — the names `resident demo`/`bench restart` read.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+STARTUP_PHASES = ("import", "weights", "verify", "tokenizer", "kv_alloc", "warmup", "total")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str = "") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("resident_request_ttft_seconds", "Time from request arrival to its first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("resident_request_inter_token_latency_seconds",
+                                     "Time between successive tokens of one request.",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("resident_request_e2e_latency_seconds", "Time from arrival to the last token.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.success = Counter("resident_request_success", "Finished requests by finish reason.",
+                               ["finish_reason"], registry=r)
+        self.running = Gauge("resident_num_requests_running", "Requests running in the engine.", registry=r)
+        self.waiting = Gauge("resident_num_requests_waiting", "Requests waiting for the engine.", registry=r)
+        self.kv_usage = Gauge("resident_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).",
+                              registry=r)
+        self.prompt_tokens = Counter("resident_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("resident_generation_tokens", "Tokens generated.", registry=r)
+        self.startup = Gauge("resident_worker_startup_phase_seconds",
+                             "Worker start-up phases in seconds; total = process start to ready.",
+                             ["phase"], registry=r)
+        self.info = Gauge("resident_worker_info", "Constant 1, labelled with what this worker serves.",
+                          ["model", "weights_source"], registry=r)
+        self._model_name = model_name
+
+    def set_startup_phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            if phase not in STARTUP_PHASES:
+                raise ValueError(f"unknown start-up phase {phase!r}; known: {', '.join(STARTUP_PHASES)}")
+            self.startup.labels(phase=phase).set(seconds)
+
+    def set_weights_source(self, source: str) -> None:
+        self.info.labels(model=self._model_name, weights_source=source).set(1)
+
+    def observe_engine(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """Called from the engine thread after each step (prometheus_client is thread-safe)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,289 @@
+"""OpenAI completions and chat completions over the AsyncEngine.
+
+`prepare_*` does everything that can fail with a 400 (tokenize, render the chat template,
+check the context length, build SamplingParams) before anything reaches the engine, so a
+streaming response never starts for a bad request. `n > 1` and batched prompts become one
+engine request per choice (ids suffixed `-<index>`), merged back in choice order.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from resident.worker.async_engine import AsyncEngine
+from resident.worker.metrics import ServerMetrics
+from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequest, RequestError,
+                                      ServingOptions, check_prompt_length)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A validated request: one engine request per choice."""
+
+    kind: str                                  # "completion" | "chat"
+    request: CommonRequest
+    request_id: str
+    created: int
+    prompts: list[list[int]]                   # token ids per prompt
+    prompt_texts: list[str]                    # for echo
+    params: list[Any]                          # SamplingParams per choice
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.params)
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.request.n]
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    last_token_at: float | None = None
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, opts: ServingOptions, metrics: ServerMetrics,
+                 vocab_size: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.opts = opts
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self._warned_fields: set[str] = set()
+
+    # --- preparation -----------------------------------------------------------------------
+    def _note_ignored(self, fields: list[str]) -> None:
+        new = [f for f in fields if f not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            logger.warning("ignoring unknown request field(s): %s (logged once per field)", ", ".join(new))
+
+    def _params(self, req: CommonRequest, logprobs: int | None, num_prompts: int) -> list[Any]:
+        from resident.worker.sampling_params import SamplingParams
+
+        out = []
+        for _ in range(num_prompts):
+            for i in range(req.n):
+                kwargs = dict(req.sampling)
+                if "seed" in kwargs and req.n > 1:
+                    kwargs["seed"] += i      # n seeded choices that still differ from each other
+                try:
+                    out.append(SamplingParams(max_tokens=req.max_tokens, logprobs=logprobs, **kwargs))
+                except ValueError as e:
+                    raise RequestError(str(e)) from None
+        return out
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        return ids
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self._note_ignored(req.ignored_fields)
+        prompts, texts = [], []
+        for p in req.prompts:
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=True)
+                texts.append(p)
+            else:
+                ids = self._check_ids(list(p), "prompt")
+                texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+            check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="prompt")
+            prompts.append(ids)
+        return Prepared("completion", req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts,
+                        self._params(req, req.logprobs, len(prompts)))
+
+    def prepare_chat(self, req: ChatRequest) -> Prepared:
+        from jinja2 import TemplateError
+
+        self._note_ignored(req.ignored_fields)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template, tools=req.tools,
+                **req.chat_template_kwargs)
+        except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+            raise RequestError(f"the chat template failed to render these messages: {e}",
+                               param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="messages")
+        logprobs = req.top_logprobs if req.logprobs else None
+        return Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],
+                        self._params(req, logprobs, 1))
+
+    # --- running ---------------------------------------------------------------------------
+    async def _outputs(self, prep: Prepared) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) from all choices as they arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            gen = self.engine.generate(f"{prep.request_id}-{i}", prep.prompt_of(i), prep.params[i])
+            try:
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, done))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(prep.num_choices)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _track(self, prep: Prepared, choice: _Choice, out: Any) -> None:
+        now = time.monotonic()
+        n = len(out.new_token_ids)
+        if n:
+            if choice.last_token_at is None:
+                self.metrics.ttft.observe(now - prep.arrival)
+            else:
+                self.metrics.inter_token.observe((now - choice.last_token_at) / n)
+            choice.last_token_at = now
+            self.metrics.generation_tokens.inc(n)
+        choice.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            self.metrics.e2e.observe(now - prep.arrival)
+            self.metrics.success.labels(finish_reason=out.finish_reason or "unknown").inc()
+
+    def _usage(self, prep: Prepared, choices: list[_Choice]) -> dict:
+        prompt = sum(len(p) for p in prep.prompts)
+        completion = sum(c.num_output_tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def run(self, prep: Prepared) -> dict:
+        """Non-streaming: the whole response body."""
+        choices = [_Choice() for _ in range(prep.num_choices)]
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
+        async for i, out in self._outputs(prep):
+            c = choices[i]
+            self._track(prep, c, out)
+            c.text.append(out.new_text)
+            c.token_ids.extend(out.new_token_ids)
+            c.logprobs.extend(out.logprobs or [])
+        body = {"id": prep.request_id, "created": prep.created, "model": prep.request.model}
+        if prep.kind == "chat":
+            body["object"] = "chat.completion"
+            body["choices"] = [{
+                "index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": self._chat_logprobs(c.logprobs, prep) if prep.request.logprobs else None,
+                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        else:
+            req: CompletionRequest = prep.request  # type: ignore[assignment]
+            body["object"] = "text_completion"
+            body["choices"] = [{
+                "index": i,
+                "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
+                "logprobs": self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        body["usage"] = self._usage(prep, choices)
+        return body
+
+    async def stream(self, prep: Prepared) -> AsyncIterator[bytes]:
+        """Streaming: SSE events, ending with `data: [DONE]`."""
+        choices = [_Choice() for _ in range(prep.num_choices)]
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
+        chat = prep.kind == "chat"
+        base = {"id": prep.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": prep.created, "model": prep.request.model}
+        if chat:
+            for i in range(prep.num_choices):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        else:
+            req: CompletionRequest = prep.request  # type: ignore[assignment]
+            if req.echo:
+                for i in range(prep.num_choices):
+                    yield sse({**base, "choices": [{"index": i, "text": prep.prompt_texts[i // req.n],
+                                                    "logprobs": None, "finish_reason": None}]})
+        offsets = [0] * prep.num_choices
+        try:
+            async for i, out in self._outputs(prep):
+                c = choices[i]
+                self._track(prep, c, out)
+                if out.new_text or out.new_token_ids:
+                    yield sse({**base, "choices": [self._delta(prep, i, out, offsets)]})
+                if out.finished:
+                    fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}
+                    fin.update({"delta": {}} if chat else {"text": ""})
+                    yield sse({**base, "choices": [fin]})
+        except RequestError as e:
+            yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report inside the stream
+            logger.warning("stream %s failed: %s", prep.request_id, e)
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        else:
+            if prep.request.include_usage:
+                yield sse({**base, "choices": [], "usage": self._usage(prep, choices)})
+        yield sse("[DONE]")
+
+    def _delta(self, prep: Prepared, i: int, out: Any, offsets: list[int]) -> dict:
+        if prep.kind == "chat":
+            lp = self._chat_logprobs(out.logprobs or [], prep) if prep.request.logprobs else None
+            return {"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}
+        lp = None
+        if prep.request.logprobs is not None:  # type: ignore[attr-defined]
+            lp = self._completion_logprobs(out.logprobs or [], offsets[i])
+        offsets[i] += len(out.new_text)
+        return {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": None}
+
+    # --- logprobs --------------------------------------------------------------------------
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, lps: list[Any], offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            s = self._token_str(lp.token_id)
+            tokens.append(s)
+            token_lps.append(lp.logprob)
+            top = {self._token_str(t): v for t, v in lp.top}
+            top.setdefault(s, lp.logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
+        content = []
+        for lp in lps:
+            s = self._token_str(lp.token_id)
+            top = [{"token": (ts := self._token_str(t)), "logprob": v, "bytes": list(ts.encode())}
+                   for t, v in lp.top[: prep.request.top_logprobs]]  # type: ignore[attr-defined]
+            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()), "top_logprobs": top})
+        return {"content": content}

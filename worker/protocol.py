@@ -1,0 +1,311 @@
+"""OpenAI-compatible request schemas: parse and validate request bodies into plain
+dataclasses, and build OpenAI-style error bodies.
+
+Validation here covers types and the OpenAI-documented ranges; `SamplingParams` checks its
+own invariants again when the server builds it (its ValueError also becomes a 400). Fields
+we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
+fields that change processing beyond sampling (a request-supplied chat template, template
+or processor kwargs) are refused unless the server trusts them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Fields we accept on top of OpenAI's, as vLLM does.
+_EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
+                   "include_stop_str_in_output")
+_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
+           "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
+           *_EXTRA_SAMPLING}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix"})
+CHAT_FIELDS = frozenset(_COMMON | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "add_generation_prompt", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs", "metadata", "store",
+    "service_tier", "reasoning_effort", "modalities",
+})
+# Request fields that change processing beyond sampling: refused unless trusted.
+UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
+MAX_N = 128
+MAX_LOGPROBS = 20
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """What the server decides about requests, fixed at start."""
+
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    trust_request_chat_template: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CommonRequest:
+    model: str
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams kwargs except max_tokens/logprobs
+    ignored_fields: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(CommonRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+    logprobs: int | None = None
+
+
+@dataclass
+class ChatRequest(CommonRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# --- field readers ------------------------------------------------------------------------
+def _num(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"'{name}' must be a finite number, got {v!r}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise RequestError(f"'{name}' must be between {lo} and {hi}, got {v}", param=name)
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"'{name}' must be an integer, got {v!r}", param=name)
+    if lo is not None and v < lo:
+        raise RequestError(f"'{name}' must be at least {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise RequestError(f"'{name}' must be at most {hi}, got {v}", param=name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"'{name}' must be true or false, got {v!r}", param=name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    return list(v)
+
+
+def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
+            default_max_tokens: int | None) -> Any:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("'model' is required: one of " + ", ".join(opts.served_model_names), param="model")
+    if model not in opts.served_model_names:
+        raise RequestError(f"The model '{model}' does not exist; this server serves: "
+                           + ", ".join(opts.served_model_names), param="model",
+                           code="model_not_found")
+    n = _int(body, "n", 1, MAX_N) or 1
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise RequestError("'best_of' other than n is not supported", param="best_of")
+    if body.get("logit_bias"):
+        raise RequestError("'logit_bias' is not supported by this server", param="logit_bias")
+    stream = _bool(body, "stream")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(so, dict):
+            raise RequestError("'stream_options' must be an object", param="stream_options")
+        include_usage = _bool(so, "include_usage")
+    max_tokens = _int(body, max_tokens_field, 1, opts.max_model_len)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = _int(body, "max_tokens", 1, opts.max_model_len)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    sampling: dict[str, Any] = {}
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
+                         ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0),
+                         ("repetition_penalty", None, None)):
+        v = _num(body, name, lo, hi)
+        if v is not None:
+            sampling[name] = v
+    top_k = _int(body, "top_k", -1)
+    if top_k is not None:
+        sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") and 0 both mean off
+    seed = _int(body, "seed")
+    if seed is not None:
+        sampling["seed"] = seed
+    sampling["stop"] = _stop(body)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise RequestError("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+        sampling["stop_token_ids"] = list(ids)
+    for flag in ("ignore_eos", "include_stop_str_in_output"):
+        if flag in body:
+            sampling[flag] = _bool(body, flag)
+    ignored = sorted(k for k in body if k not in known)
+    return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+               sampling=sampling, ignored_fields=ignored)
+
+
+# --- completions --------------------------------------------------------------------------
+def _is_token_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def parse_completion_request(body: Any, opts: ServingOptions) -> CompletionRequest:
+    req: CompletionRequest = _common(body, opts, COMPLETION_FIELDS, CompletionRequest, "max_tokens", 16)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif _is_token_list(prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise RequestError("'prompt' must be a string, a list of token ids, or a non-empty list of those",
+                           param="prompt")
+    if body.get("suffix"):
+        raise RequestError("'suffix' is not supported by this server", param="suffix")
+    req.prompts = prompts
+    req.echo = _bool(body, "echo")
+    req.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    if req.echo and req.logprobs is not None:
+        raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
+    return req
+
+
+# --- chat ---------------------------------------------------------------------------------
+def _message(m: Any, i: int) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(f"{param} must be an object with 'role' and 'content'", param=param)
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise RequestError(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
+                           param=f"{param}.role")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{param}.content: only text parts are supported, got {kind!r}",
+                                   param=f"{param}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None and not (role == "assistant" and m.get("tool_calls")):
+        raise RequestError(f"{param}.content is required", param=f"{param}.content")
+    if content is not None and not isinstance(content, str):
+        raise RequestError(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
+    out = dict(m)
+    out["content"] = content
+    return out
+
+
+def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
+    if isinstance(body, dict) and not opts.trust_request_chat_template:
+        for name in UNTRUSTED_CHAT_FIELDS:
+            if body.get(name):
+                raise RequestError(
+                    f"'{name}' changes how the prompt is processed and is refused; the operator can "
+                    "allow it by starting the server with --trust-request-chat-template", param=name)
+    req: ChatRequest = _common(body, opts, CHAT_FIELDS, ChatRequest, "max_completion_tokens", None)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    req.messages = [_message(m, i) for i, m in enumerate(messages)]
+    req.logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not req.logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    req.top_logprobs = top or 0
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError("'tools' must be a list", param="tools")
+    req.tools = tools or None
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise RequestError("only 'tool_choice' none or auto is supported", param="tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError("only 'response_format' {\"type\": \"text\"} is supported", param="response_format")
+    req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise RequestError("'chat_template' must be a string", param="chat_template")
+    req.chat_template = template or None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    req.chat_template_kwargs = dict(kwargs or {})
+    return req
+
+
+def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                        param: str = "messages") -> None:
+    """Refuse prompts that do not fit the context, with the numbers OpenAI's message gives."""
+    if num_prompt_tokens == 0:
+        raise RequestError("the prompt is empty", param=param)
+    requested = num_prompt_tokens + (max_tokens or 0)
+    if num_prompt_tokens >= max_model_len or requested > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 0} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            param=param, code="context_length_exceeded")

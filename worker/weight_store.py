@@ -1,0 +1,225 @@
+"""Where the worker's weights come from, behind one interface.
+
+`RemoteStore` attaches to the preload daemon (zero-copy; the lease lives as long as the
+store's daemon connection). `LocalStore` runs the daemon's own loader in-process, into
+the same kind of slabs, and maps them the way a client does — so both give the same
+tensor table and the same tensors. `open_store` picks one according to `--preload`:
+
+- `auto`: attach if the daemon holds exactly this variant (same key); otherwise ask the
+  daemon to load it (so the next restart is fast) and attach; with no daemon running, or
+  a daemon that refuses the load (not an admin), fall back to LocalStore.
+- `require`: the same, but without a daemon (or when it cannot serve this variant) fail
+  with an error that says how to start one.
+- `off`: LocalStore; never connects.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from resident.daemon.errors import DaemonError, DaemonUnavailable, NotFound, PermissionDenied
+from resident.daemon.loader import LoadSpec, key_for
+from resident.daemon.tensor_table import TensorTable, crc32_of
+
+logger = logging.getLogger(__name__)
+
+PRELOAD_MODES = ("auto", "require", "off")
+#: verify() always checks this many of the smallest and of the largest tensors.
+_EXTREMES = 3
+
+
+class WeightStoreError(RuntimeError):
+    """The weights cannot be obtained the way the operator asked."""
+
+
+class ChecksumMismatch(WeightStoreError):
+    pass
+
+
+class WeightStore(abc.ABC):
+    """The weights of one model variant, in the engine's layout."""
+
+    tensors: Mapping[str, torch.Tensor]
+    config: dict
+    model_key: str
+    source: str               # "daemon" | "local"
+    model_dir: str            # the resolved checkpoint folder (tokenizer files live here)
+    bytes_read_from_disk: int
+    table: TensorTable
+
+    def verify(self, sample: int = 16) -> int:
+        """Recompute CRC-32s of `sample` tensors (always including the smallest and largest
+        few; sample < 0 checks all) against the tensor table; raise ChecksumMismatch.
+        Returns how many tensors were checked."""
+        entries = sorted(self.table.entries, key=lambda e: (e.nbytes, e.name))
+        if sample < 0 or sample >= len(entries):
+            chosen = entries
+        else:
+            extremes = entries[:_EXTREMES] + entries[-_EXTREMES:]
+            rest = [e for e in entries if e not in extremes]
+            extra = max(0, sample - len(extremes))
+            chosen = list({e.name: e for e in extremes}.values()) + random.sample(rest, min(extra, len(rest)))
+        for e in chosen:
+            got = crc32_of(self.tensors[e.name])
+            if got != e.crc32:
+                raise ChecksumMismatch(
+                    f"tensor {e.name} of model {self.model_key[:16]} ({self.source}) has CRC-32 {got:08x}, "
+                    f"the tensor table says {e.crc32:08x}: the weights are corrupt; unload and reload the "
+                    f"model (`resident preload unload`) or serve with --preload off")
+        return len(chosen)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the weights (ends the daemon lease). The tensors must no longer be used."""
+
+
+class LocalStore(WeightStore):
+    """The daemon's loader, in-process, into host_shm slabs mapped as a client maps them."""
+
+    source = "local"
+
+    def __init__(self, spec: LoadSpec) -> None:
+        from resident.daemon.loader import load
+        from resident.daemon.memory import get_backend
+
+        backend = get_backend("host_shm")
+        loaded = load(spec, backend)
+        try:
+            # Map each slab privately (as a client does), then drop the loader's own hold.
+            slabs = [type(backend).import_slab(s.desc, s.export_fd()) for s in loaded.slabs]
+        finally:
+            for s in loaded.slabs:
+                s.close()
+        self.table = loaded.table
+        self.tensors = self.table.views(slabs)
+        self.config = dict(loaded.config)
+        self.model_key = loaded.key
+        self.model_dir = loaded.source
+        self.bytes_read_from_disk = loaded.bytes_read
+        logger.info("loaded %s in-process: %.1f MB read from disk in %.2f s", spec.display_name,
+                    loaded.bytes_read / 1e6, loaded.load_s)
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+class RemoteStore(WeightStore):
+    """Weights leased from the preload daemon; the lease ends with `close()` (or the process)."""
+
+    source = "daemon"
+
+    def __init__(self, client: Any, model_key: str, model_dir: str) -> None:
+        attached = client.attach(model_key, expected_key=model_key)
+        self._client = client
+        self.lease_id = attached.lease_id
+        self.table = _table_of(attached)
+        self.tensors = attached.tensors
+        self.config = dict(attached.config)
+        self.model_key = model_key
+        self.model_dir = model_dir
+        self.bytes_read_from_disk = 0
+        self.attach_s = attached.attach_s
+        logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
+                    attached.attach_s, attached.lease_id)
+
+    def close(self) -> None:
+        self.tensors = {}
+        try:
+            self._client.release(self.lease_id)
+        except DaemonError as e:  # the lease ends with the connection anyway
+            logger.info("release of lease %s: %s", self.lease_id, e)
+        finally:
+            self._client.close()
+
+
+def _table_of(attached: Any) -> TensorTable:
+    table = getattr(attached, "table", None)
+    if isinstance(table, TensorTable):
+        return table
+    raise WeightStoreError("the daemon client returned no tensor table: cannot verify checksums")
+
+
+def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
+    t0 = time.monotonic()
+    last = 0.0
+    for p in client.load(spec.model, name=spec.name, dtype=spec.dtype, quantization=spec.quantization,
+                         revision=spec.revision or ""):
+        now = time.monotonic()
+        if p.done or now - last > 1.0:
+            last = now
+            rate = p.bytes_done / 1e9 / max(now - t0, 1e-9)
+            logger.info("daemon loading %s: %s %.1f/%.1f MB (%.2f GB/s)%s", spec.display_name, p.phase,
+                        p.bytes_done / 1e6, p.bytes_total / 1e6, rate,
+                        " (already resident)" if p.already_resident else "")
+
+
+def _absolute(spec: LoadSpec) -> LoadSpec:
+    """The daemon resolves paths itself: hand it an absolute folder."""
+    if os.path.isdir(spec.model) and not os.path.isabs(spec.model):
+        return LoadSpec(model=os.path.abspath(spec.model), name=spec.name, dtype=spec.dtype,
+                        quantization=spec.quantization, revision=spec.revision, hub_cache=spec.hub_cache)
+    return spec
+
+
+def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = None,
+               client_name: str = "resident-serve") -> WeightStore:
+    """The weights for `spec`, from the daemon or loaded here, per `preload` (see module doc)."""
+    if preload not in PRELOAD_MODES:
+        raise ValueError(f"unknown preload mode {preload!r}; valid: {', '.join(PRELOAD_MODES)}")
+    spec = _absolute(spec)
+    if preload == "off":
+        logger.info("--preload off: loading %s in-process", spec.display_name)
+        return LocalStore(spec)
+    key, source = key_for(spec)
+    from resident.daemon.client import Client
+
+    try:
+        client = Client(socket_path, client_name=client_name)
+    except DaemonUnavailable as e:
+        if preload == "require":
+            raise WeightStoreError(
+                f"--preload require: no preload daemon answers at {socket_path or 'the default socket'} ({e}); "
+                "start one with `resident preload start` (and `resident preload load MODEL`), "
+                "or serve with --preload auto|off") from None
+        logger.info("no preload daemon (%s): loading %s in-process; the next restart would be faster "
+                    "with `resident preload start`", e, spec.display_name)
+        return LocalStore(spec)
+    try:
+        return _from_daemon(client, spec, key, str(source.folder), preload)
+    except BaseException:
+        client.close()
+        raise
+
+
+def _from_daemon(client: Any, spec: LoadSpec, key: str, model_dir: str, preload: str) -> WeightStore:
+    try:
+        return RemoteStore(client, key, model_dir)
+    except NotFound:
+        logger.info("the daemon does not hold %s (key %s): asking it to load it", spec.display_name, key[:16])
+    try:
+        _load_into_daemon(client, spec)
+        return RemoteStore(client, key, model_dir)
+    except PermissionDenied as e:
+        if preload == "require":
+            raise WeightStoreError(
+                f"--preload require: the daemon does not hold {spec.display_name} (key {key[:16]}) and "
+                f"refuses to load it for this user ({e}); load it as an admin with "
+                f"`resident preload load {spec.model}`") from None
+        logger.warning("the daemon refused to load %s (%s): loading it in-process instead",
+                       spec.display_name, e)
+    except NotFound as e:
+        if preload == "require":
+            raise WeightStoreError(
+                f"--preload require: after loading, the daemon still holds no model with key {key[:16]} "
+                f"({e}); does the daemon see the same files as this worker?") from None
+        logger.warning("the daemon loaded %s under a different key (%s): loading in-process",
+                       spec.display_name, e)
+    client.close()
+    return LocalStore(spec)
