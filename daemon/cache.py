@@ -1,0 +1,198 @@
+"""The daemon's logic, without gRPC: load (deduplicated by key, under the byte cap), attach
+(a lease tied to the caller's session), release, unload, and the fd socket's session hooks.
+
+The gRPC servicer (service.py) and the fd socket (fdsock.py) are thin adapters over this.
+Errors are `resident.daemon.errors` types; loader exceptions are mapped to them here.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from resident.daemon.config import DaemonConfig
+from resident.daemon.errors import (
+    DaemonError,
+    InvalidArgument,
+    NotFound,
+    ProtocolMismatch,
+    ResourceExhausted,
+)
+from resident.daemon.registry import Registry, ResidentModel
+from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_MAJOR = 1
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    model: ResidentModel
+    already_resident: bool
+    elapsed_s: float
+
+
+class LoadObserver:
+    """Hooks the metrics layer attaches to (no-ops by default)."""
+
+    def on_load(self, model: ResidentModel, bytes_read: int, load_s: float) -> None: ...
+    def on_attach(self, model: ResidentModel) -> None: ...
+    def on_evict(self, model: ResidentModel) -> None: ...
+
+
+def estimate_nbytes(plan: Any, backend: Any) -> int:
+    """Slab bytes a load will occupy, from its plan (headers only, before reading any data).
+
+    Used to evict before loading; the exact size is checked again after the load."""
+    from resident.daemon.loader import pack
+
+    _, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
+    return sum(slab_sizes)
+
+
+def _as_daemon_error(e: BaseException, model: str) -> DaemonError:
+    if isinstance(e, DaemonError):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return NotFound(f"cannot load {model}: {e}")
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.ENOSPC)):
+        return ResourceExhausted(f"out of memory loading {model}: {e}; free memory or use --max-bytes")
+    name = type(e).__name__
+    if name == "SourceError" and ("no such" in str(e) or "not found" in str(e).lower()):
+        return NotFound(str(e))
+    if isinstance(e, (ValueError, OSError, KeyError)):
+        return InvalidArgument(str(e) or f"{name} while loading {model}")
+    log.exception("internal error loading %s", model)
+    return DaemonError(f"internal error while loading {model}: {name}: {e}", code="INTERNAL")
+
+
+class WeightCache:
+    def __init__(self, config: DaemonConfig, backend: Any, observer: LoadObserver | None = None) -> None:
+        uids, gids = config.effective_allow()
+        self.config = config
+        self.backend = backend
+        self.observer = observer or LoadObserver()
+        self.sessions = SessionTable(AccessPolicy(uids, gids, config.effective_admins()))
+        self.registry = Registry(config.max_bytes, self.sessions.lease_count)
+        self._load_lock = threading.Lock()   # one load at a time: exact accounting under max_bytes
+        self._state_lock = threading.RLock()  # multi-step changes of registry + sessions
+        self.bytes_loaded_total = 0
+        self.bytes_read_total = 0
+        self.last_load_bytes_per_s = 0.0
+        self.num_attaches = 0
+
+    # --- fd socket hooks ------------------------------------------------------------
+    def hello(self, peer: PeerCreds, client_name: str) -> Session:
+        return self.sessions.open_session(peer, client_name)
+
+    def close_session(self, token: str) -> None:
+        with self._state_lock:
+            ended = self.sessions.close_session(token)
+            if ended:
+                self.registry.drop_stale()
+
+    def fetch_fds(self, token: str, lease_id: str) -> list[tuple[int, int]]:
+        lease = self.sessions.lease_of(token, lease_id)
+        model = self.registry.get_key(lease.key)
+        if model is None:
+            raise NotFound(f"lease {lease_id}: model {lease.key} was unloaded (--force); attach again")
+        pairs = []
+        for slab in model.loaded.slabs:
+            fd = slab.export_fd()
+            if fd is not None:
+                pairs.append((slab.desc.index, fd))
+        return pairs
+
+    # --- load -----------------------------------------------------------------------
+    def load(self, spec: Any, progress: Callable[[Any], None] | None = None) -> LoadResult:
+        """Load `spec` (a loader.LoadSpec) unless its exact key is already resident."""
+        from resident.daemon import loader
+
+        start = time.monotonic()
+        try:
+            plan = loader.plan_load(spec)  # validates everything and computes the key; reads no data
+        except Exception as e:  # noqa: BLE001 - mapped to a DaemonError naming the problem
+            raise _as_daemon_error(e, spec.model) from None
+        key = plan.key
+        with self._load_lock:
+            with self._state_lock:
+                existing = self.registry.get_key(key)
+                if existing is not None:
+                    self.registry.touch(existing)
+                    if not existing.latest:
+                        self.registry.promote(existing)
+                    return LoadResult(existing, True, time.monotonic() - start)
+            self._make_room(estimate_nbytes(plan, self.backend))
+            try:
+                loaded = loader.load(spec, self.backend, progress)
+            except Exception as e:  # noqa: BLE001
+                raise _as_daemon_error(e, spec.model) from None
+            with self._state_lock:
+                try:
+                    self._make_room(sum(s.desc.nbytes for s in loaded.slabs))
+                except DaemonError:
+                    for slab in loaded.slabs:
+                        slab.close()
+                    raise
+                model, dropped = self.registry.add(loaded, self.backend.name)
+            for old in dropped:
+                self.observer.on_evict(old)
+            load_s = max(loaded.load_s, 1e-9)
+            self.bytes_loaded_total += model.nbytes
+            self.bytes_read_total += loaded.bytes_read
+            self.last_load_bytes_per_s = model.nbytes / load_s
+            self.observer.on_load(model, loaded.bytes_read, load_s)
+        log.info("loaded %s v%d (key %s): %d bytes in %.2f s", model.name, model.version, model.key,
+                 model.nbytes, load_s)
+        return LoadResult(model, False, time.monotonic() - start)
+
+    def _make_room(self, nbytes: int) -> None:
+        with self._state_lock:
+            for m in self.registry.make_room(nbytes):
+                self.observer.on_evict(m)
+
+    # --- leases ---------------------------------------------------------------------
+    def attach(self, token: str, model: str, expected_key: str = "",
+               protocol_major: int = 0) -> tuple[Lease, ResidentModel]:
+        if protocol_major and protocol_major != PROTOCOL_MAJOR:
+            raise ProtocolMismatch(
+                f"protocol mismatch: this daemon speaks resident protocol {PROTOCOL_MAJOR}, the client "
+                f"{protocol_major}; use a client and daemon of matching versions"
+            )
+        if not model:
+            raise InvalidArgument("attach needs a model name or key")
+        self.sessions.get(token)
+        with self._state_lock:
+            found = self.registry.resolve(model, expected_key)
+            lease = self.sessions.add_lease(token, found.key)
+            self.registry.touch(found, attach=True)
+        self.num_attaches += 1
+        self.observer.on_attach(found)
+        return lease, found
+
+    def release(self, token: str, lease_id: str) -> None:
+        with self._state_lock:
+            self.sessions.release(token, lease_id)
+            for m in self.registry.drop_stale():
+                self.observer.on_evict(m)
+
+    def unload(self, name_or_key: str, force: bool = False) -> list[ResidentModel]:
+        with self._state_lock:
+            removed = self.registry.remove(name_or_key, force)
+            for m in removed:
+                for lease in self.sessions.leases_for(m.key):
+                    # Forced: the clients keep their mappings; the daemon forgets the leases.
+                    try:
+                        self.sessions.release(lease.token, lease.lease_id)
+                    except DaemonError:
+                        pass
+        return removed
+
+    def close(self) -> None:
+        self.sessions.close_all()
+        self.registry.close_all()

@@ -1,0 +1,250 @@
+"""The daemon's client library.
+
+A `Client` is one session: it connects to the fd socket, says hello (the daemon reads our
+uid/gid/pid there and issues a token), and keeps that connection open — leases live exactly
+as long as it. gRPC calls carry the token as metadata. `attach()` leases a model, fetches
+its slab fds over SCM_RIGHTS, maps them (copy-on-write for host_shm) and returns zero-copy
+tensors after validating every tensor-table entry.
+
+    client, model = attach("my-model")          # model.tensors: name -> torch.Tensor
+    ...
+    client.close()                              # ends the lease
+
+Errors are DaemonError subclasses carrying the daemon's message, never raw grpc errors.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from resident.daemon.errors import (
+    ERROR_KIND_METADATA,
+    DaemonError,
+    DaemonUnavailable,
+    ProtocolMismatch,
+    StaleModel,
+    error_from,
+)
+from resident.daemon.fdsock import PROTOCOL_MAJOR, PROTOCOL_MINOR, FrameError, recv_frame, send_frame
+from resident.protos.resident.v1 import fdsock_pb2 as fpb
+from resident.protos.resident.v1 import weight_cache_pb2 as pb
+from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SESSION_METADATA = "x-resident-session"
+#: Deadline for calls that answer at once (everything but Load).
+CALL_TIMEOUT_S = 30.0
+
+
+def _no_daemon(path: str, why: object = "") -> DaemonUnavailable:
+    extra = f" ({why})" if why else ""
+    return DaemonUnavailable(f"no resident daemon at {path}; start one with `resident preload start`{extra}")
+
+
+def _map_rpc_error(e: grpc.RpcError, socket_path: str) -> DaemonError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    message = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return _no_daemon(socket_path, message)
+    kind = ""
+    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+        if key == ERROR_KIND_METADATA:
+            kind = value
+    return error_from(code.name, message or code.name, kind)
+
+
+@dataclass
+class AttachedModel:
+    lease_id: str
+    info: pb.ModelInfo
+    tensors: dict[str, Any]
+    config: dict
+    attach_s: float
+    slabs: list[Any] = field(default_factory=list, repr=False)  # uint8 tensors owning the mappings
+
+
+class Client:
+    """One session with the daemon (one fd-socket connection). Thread-safe."""
+
+    def __init__(self, socket_path: str, fd_socket_path: str | None = None, client_name: str = "") -> None:
+        self.socket_path = os.path.abspath(socket_path)
+        self.fd_socket_path = os.path.abspath(fd_socket_path or self.socket_path + ".fd")
+        self.client_name = client_name or f"pid-{os.getpid()}"
+        self._fd_lock = threading.Lock()
+        self._sock = self._connect_fd_socket()
+        try:
+            self.hello = self._say_hello()
+            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._stub = pb_grpc.WeightCacheStub(self._channel)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._metadata = ((SESSION_METADATA, self.hello.session_token),)
+        self._closed = False
+
+    # --- session --------------------------------------------------------------------
+    def _connect_fd_socket(self) -> socket.socket:
+        if not os.path.exists(self.fd_socket_path):
+            raise _no_daemon(self.socket_path, f"{self.fd_socket_path} does not exist")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.fd_socket_path)
+        except OSError as e:
+            sock.close()
+            raise _no_daemon(self.socket_path, e) from None
+        return sock
+
+    def _fd_call(self, request: fpb.FdRequest, want_fds: bool = False) -> tuple[fpb.FdReply, list[int]]:
+        with self._fd_lock:
+            try:
+                send_frame(self._sock, request)
+                frame = recv_frame(self._sock, want_fds=want_fds)
+            except (OSError, FrameError) as e:
+                raise DaemonUnavailable(f"lost the daemon's fd socket {self.fd_socket_path}: {e}") from None
+        if frame is None:
+            raise DaemonUnavailable(f"the daemon closed the fd socket {self.fd_socket_path}")
+        reply = fpb.FdReply()
+        reply.ParseFromString(frame[0])
+        if reply.WhichOneof("kind") == "error":
+            for fd in frame[1]:
+                os.close(fd)
+            raise error_from(reply.error.code, reply.error.message)
+        return reply, frame[1]
+
+    def _say_hello(self) -> fpb.HelloReply:
+        from resident.daemon.server import daemon_version
+
+        hello = fpb.Hello(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
+                          client_name=self.client_name, client_version=daemon_version())
+        reply, _ = self._fd_call(fpb.FdRequest(hello=hello))
+        if reply.WhichOneof("kind") != "hello":
+            raise DaemonError("the daemon answered hello with something else; versions differ?")
+        if reply.hello.protocol_major != PROTOCOL_MAJOR:
+            raise ProtocolMismatch(f"the daemon speaks protocol {reply.hello.protocol_major}, this client "
+                                   f"{PROTOCOL_MAJOR}; use matching versions")
+        return reply.hello
+
+    def _call(self, method: str, request: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
+        try:
+            return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _map_rpc_error(e, self.socket_path) from None
+
+    # --- calls ----------------------------------------------------------------------
+    def load(self, model: str, name: str = "", dtype: str = "auto", quantization: str = "none",
+             revision: str = "") -> Iterator[pb.LoadProgress]:
+        """Stream the daemon's progress; the last message has done=True and the model's info."""
+        request = pb.LoadRequest(model=model, name=name, dtype=dtype, quantization=quantization,
+                                 revision=revision, tensor_parallel_size=1)
+        try:
+            yield from self._stub.Load(request, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _map_rpc_error(e, self.socket_path) from None
+
+    def attach(self, model: str, expected_key: str = "", *, verify_checksums: bool = False) -> AttachedModel:
+        """Lease `model` (a name or key) and map its weights zero-copy."""
+        from resident.daemon.memory import SlabDesc, backend_class
+        from resident.daemon.tensor_table import TensorTable, crc32_of
+
+        start = time.perf_counter()
+        reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
+                                                      protocol_major=PROTOCOL_MAJOR))
+        try:
+            if expected_key and reply.model.key != expected_key:
+                raise StaleModel(f"stale model key: daemon returned {reply.model.key}, expected {expected_key}")
+            fds = self._fetch_fds(reply.lease_id, len(reply.slabs))
+            slabs = []
+            try:
+                for info in sorted(reply.slabs, key=lambda s: s.index):
+                    desc = SlabDesc(index=info.index, nbytes=info.nbytes, backend=info.backend,
+                                    device=info.device, device_uuid=info.device_uuid,
+                                    ipc_handle=bytes(info.ipc_handle))
+                    slabs.append(backend_class(desc.backend).import_slab(desc, fds.get(info.index)))
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            if [s.index for s in sorted(reply.slabs, key=lambda s: s.index)] != list(range(len(slabs))):
+                raise DaemonError("the daemon described slabs with non-contiguous indices")
+            tensors = TensorTable.from_proto(reply.tensors).views(slabs)
+            if verify_checksums:
+                for entry in reply.tensors:
+                    if entry.crc32 and crc32_of(tensors[entry.name]) != entry.crc32:
+                        raise DaemonError(f"tensor {entry.name}: checksum mismatch (memory corrupted?)")
+        except BaseException:
+            try:
+                self.release(reply.lease_id)
+            except DaemonError:
+                pass
+            raise
+        return AttachedModel(lease_id=reply.lease_id, info=reply.model, tensors=tensors,
+                             config=json.loads(reply.model.config_json or "{}"),
+                             attach_s=time.perf_counter() - start, slabs=slabs)
+
+    def _fetch_fds(self, lease_id: str, num_slabs: int) -> dict[int, int]:
+        reply, fds = self._fd_call(fpb.FdRequest(fetch_fds=fpb.FetchFds(lease_id=lease_id)), want_fds=True)
+        if reply.WhichOneof("kind") != "fds" or len(reply.fds.fd_slabs) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise DaemonError(f"the daemon sent {len(fds)} fds for {len(reply.fds.fd_slabs)} slabs")
+        if any(i >= num_slabs for i in reply.fds.fd_slabs):
+            for fd in fds:
+                os.close(fd)
+            raise DaemonError("the daemon sent fds for slabs it did not describe")
+        return dict(zip(reply.fds.fd_slabs, fds))
+
+    def release(self, lease_id: str) -> None:
+        self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    def list(self) -> list[pb.ModelInfo]:
+        return list(self._call("List", pb.ListRequest()).models)
+
+    def status(self) -> pb.StatusResponse:
+        return self._call("Status", pb.StatusRequest())
+
+    def unload(self, name: str, force: bool = False) -> list[str]:
+        return list(self._call("Unload", pb.UnloadRequest(name=name, force=force)).keys)
+
+    def shutdown(self) -> None:
+        self._call("Shutdown", pb.ShutdownRequest())
+
+    def close(self) -> None:
+        """End the session (and with it every lease; mapped tensors stay valid)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._channel.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(model: str, socket_path: str | None = None, expected_key: str = "") -> tuple[Client, AttachedModel]:
+    """Connect (socket: given, else $RESIDENT_SOCKET, else the default path), lease `model`
+    and map it. Keep the Client open as long as the tensors are in use by the lease."""
+    from resident.daemon.config import default_socket_path
+
+    path = socket_path or default_socket_path(os.environ)
+    client = Client(path)
+    try:
+        return client, client.attach(model, expected_key)
+    except BaseException:
+        client.close()
+        raise
