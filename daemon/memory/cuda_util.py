@@ -13,6 +13,7 @@ after the last view is gone.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
 from typing import Any, Callable
@@ -145,7 +146,8 @@ def device_uuid(index: int) -> str:
     """The GPU's UUID in nvidia-smi's spelling (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)."""
     drv = driver()
     dev = check("cuDeviceGet", drv.cuDeviceGet(index))
-    raw = bytes(check("cuDeviceGetUuid", drv.cuDeviceGetUuid(dev)).bytes)
+    uuid = check("cuDeviceGetUuid", drv.cuDeviceGetUuid(dev))
+    raw = ctypes.string_at(uuid.getPtr(), 16)  # the struct's 16 bytes, whatever `.bytes` returns
     h = raw.hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
