@@ -4,9 +4,11 @@ beside it — special tokens and BOS/EOS policy (tokenizer_config.json), chat te
 a string or a list of named templates) and the EOS ids generation stops at
 (generation_config.json, an int or a list; config.json when there is no generation config).
 
-Behaviour follows transformers 5: `add_bos_token`/`add_eos_token` in tokenizer_config.json
-rewrite the post-processor; `clean_up_tokenization_spaces` is ignored because transformers 5
-ignores it for BPE tokenizers (and it would make streamed text differ from the full decode).
+`add_bos_token`/`add_eos_token`, when tokenizer_config.json states them, rewrite the
+post-processor as transformers' Llama-family tokenizers do (models such as the
+DeepSeek-R1 Qwen distills rely on it); otherwise tokenizer.json's own post-processor decides.
+`clean_up_tokenization_spaces` is ignored, as transformers 5 ignores it for BPE tokenizers
+(it would also make streamed text differ from the full decode).
 Chat prompts are rendered to text; encode them with `add_special_tokens=False`, as
 transformers does, since the template already placed the special tokens.
 """
@@ -131,8 +133,8 @@ class Tokenizer:
         return token_id
 
     def _configure_post_processor(self, add_bos: bool | None, add_eos: bool | None) -> None:
-        # transformers 5 rebuilds the post-processor when tokenizer_config.json says either flag
-        # explicitly (or tokenizer.json has none); otherwise tokenizer.json's own rules stand.
+        # Rebuilt when tokenizer_config.json states either flag (or tokenizer.json has no
+        # post-processor); otherwise tokenizer.json's own rules stand.
         if add_bos is None and add_eos is None and self._backend.post_processor is not None:
             return
         add_bos = bool(add_bos) and self.bos_token_id is not None
