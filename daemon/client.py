@@ -34,7 +34,14 @@ from resident.daemon.errors import (
     StaleModel,
     error_from,
 )
-from resident.daemon.fdsock import PROTOCOL_MAJOR, PROTOCOL_MINOR, FrameError, recv_frame, send_frame
+from resident.daemon.fdsock import (
+    MAX_FDS_PER_MESSAGE,
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    FrameError,
+    recv_frame,
+    send_frame,
+)
 from resident.protos.resident.v1 import fdsock_pb2 as fpb
 from resident.protos.resident.v1 import weight_cache_pb2 as pb
 from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
@@ -201,6 +208,11 @@ class Client:
                 os.close(fd)
             raise DaemonError("the daemon sent fds for slabs it did not describe")
         return dict(zip(reply.fds.fd_slabs, fds))
+
+    def slab_fds(self, lease_id: str) -> dict[int, int]:
+        """The raw slab fds of a lease this session holds (slab index -> fd; the caller closes
+        them): for holders that park fds (an fd store, a successor) rather than map them."""
+        return self._fetch_fds(lease_id, MAX_FDS_PER_MESSAGE)
 
     def release(self, lease_id: str) -> None:
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
