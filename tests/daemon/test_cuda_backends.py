@@ -74,7 +74,7 @@ class Child:
 
     def __init__(self, role: str, *args: str) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.settimeout(180)
+        self.sock.settimeout(90)
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, role, str(theirs.fileno()), *args],
