@@ -236,7 +236,9 @@ class OpenAIServing:
             async for i, out in self._outputs(prep):
                 c = choices[i]
                 self._track(prep, c, out)
-                if out.new_text or out.new_token_ids:
+                # A token that only starts a UTF-8 character has no text yet: send it only
+                # when its logprobs were asked for.
+                if out.new_text or (out.new_token_ids and out.logprobs):
                     yield sse({**base, "choices": [self._delta(prep, i, out, offsets)]})
                 if out.finished:
                     fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}

@@ -1,0 +1,256 @@
+"""The HTTP layer: bad input gets a 400 with an OpenAI error body and the server keeps
+serving (against a real `resident serve`), plus probes, auth, SSE framing and abort on
+client disconnect (in-process, over a scripted engine, through the real AsyncEngine)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+from serve_helpers import MODEL_NAME, http, servable_tiny_model, start_serve, stop_serve
+
+from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.async_engine import AsyncEngine
+from resident.worker.metrics import ServerMetrics
+from resident.worker.openai_serving import OpenAIServing
+from resident.worker.protocol import ServingOptions
+from resident.worker.request import RequestOutput
+
+MAX_MODEL_LEN = 64
+
+
+# --- a real server ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("api")
+    model = servable_tiny_model(work / "llama", "llama")
+    proc = start_serve(model, work / "serve.log", "--preload", "off", "--max-model-len", str(MAX_MODEL_LEN))
+    yield proc
+    stop_serve(proc)
+
+
+def _ok_completion(base: str) -> None:
+    status, body = http(base, "POST", "/v1/completions",
+                        {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 3
+
+
+BAD = {
+    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    "prompt longer than the context": ("/v1/completions", {"model": MODEL_NAME, "prompt": "word " * 200}, "prompt"),
+    "prompt plus max_tokens beyond the context": (
+        "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_MODEL_LEN - 1}, "prompt"),
+    "negative max_tokens": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": -5}, "max_tokens"),
+    "absurd max_tokens": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    "negative temperature": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+    "top_p above 1": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+    "repetition_penalty 0 (SamplingParams)": ("/v1/completions", {"model": MODEL_NAME, "prompt": "x",
+                                                                   "repetition_penalty": 0}, None),
+    "token id outside the vocabulary": ("/v1/completions", {"model": MODEL_NAME, "prompt": [5, 99999]}, "prompt"),
+    "request-supplied chat template": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template"),
+    "request-supplied template kwargs": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    "template fails on these messages": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]}, "messages"),
+    "messages not a list": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_400_with_openai_error_body_and_server_keeps_serving(server, case):
+    path, body, param = BAD[case]
+    status, got = http(server.base_url, "POST", path, body)
+    assert status == 400, (case, got)
+    assert set(got["error"]) == {"message", "type", "param", "code"}, got
+    assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
+    if param is not None:
+        assert got["error"]["param"] == param, got
+    _ok_completion(server.base_url)
+
+
+def test_invalid_json_is_a_400(server):
+    for raw in (b"{not json", b"\xff\xfe", b""):
+        status, got = http(server.base_url, "POST", "/v1/chat/completions", raw=raw)
+        assert status == 400 and "JSON" in got["error"]["message"], got
+    _ok_completion(server.base_url)
+
+
+def test_models_health_ready_metrics(server):
+    status, models = http(server.base_url, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL_NAME]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert http(server.base_url, "GET", "/health")[0] == 200
+    assert http(server.base_url, "GET", "/ready")[0] == 200
+    _ok_completion(server.base_url)
+    status, text = http(server.base_url, "GET", "/metrics")
+    assert status == 200
+    for name in ("resident_request_ttft_seconds_count", "resident_request_inter_token_latency_seconds_count",
+                 "resident_generation_tokens_total", "resident_prompt_tokens_total",
+                 "resident_num_requests_running", "resident_kv_cache_usage_ratio",
+                 'resident_worker_startup_phase_seconds{phase="kv_alloc"}'):
+        assert name in text, name
+
+
+# --- in-process, over a scripted engine ---------------------------------------------------------
+class ScriptedEngine:
+    """Each step appends one token (id 97 = 'a') to every running request."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.running: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.lock = threading.Lock()
+
+    def add_request(self, rid, prompt, params):
+        self.running[rid] = [params, 0, len(prompt)]
+
+    def abort_request(self, rid):
+        if self.running.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        time.sleep(self.step_s)
+        outs = []
+        for rid, state in list(self.running.items()):
+            state[1] += 1
+            done = state[1] >= state[0].max_tokens
+            outs.append(RequestOutput(rid, [97], "a", done, "length" if done else None, state[2], state[1], 0))
+            if done:
+                del self.running[rid]
+        return outs
+
+    def stats(self):
+        return SimpleNamespace(num_running=len(self.running), num_waiting=0, kv_usage=0.0)
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None, tools=None, **kw):
+        return "".join(m["content"] for m in messages)
+
+
+async def _in_process(test, *, engine: ScriptedEngine | None = None, api_key: str | None = None, ready=True):
+    metrics = ServerMetrics("m")
+    engine = engine or ScriptedEngine()
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    opts = ServingOptions(served_model_names=("m",), max_model_len=4096)
+    state = ServerState(served_model_names=("m",), metrics=metrics, api_key=api_key,
+                        serving=OpenAIServing(async_engine, CharTokenizer(), opts, metrics, vocab_size=256),
+                        ready=ready)
+    server = TestServer(ApiServer(state).app())
+    await server.start_server()  # TestServer always cancels handlers on disconnect
+    try:
+        async with ClientSession(str(server.make_url(""))) as session:
+            await test(session, state, engine)
+    finally:
+        await server.close()
+        async_engine.shutdown()
+
+
+def test_ready_turns_200_only_when_ready_and_503_while_draining():
+    async def test(s, state, engine):
+        async with s.get("/ready") as r:
+            assert r.status == 503
+        async with s.get("/health") as r:
+            assert r.status == 200
+        async with s.post("/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            assert r.status == 503 and "error" in await r.json()
+        state.ready = True
+        async with s.get("/ready") as r:
+            assert r.status == 200
+        state.draining = True
+        async with s.get("/ready") as r:
+            assert r.status == 503
+        async with s.post("/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            assert r.status == 503 and (await r.json())["error"]["message"]
+
+    asyncio.run(_in_process(test, ready=False))
+
+
+def test_api_key_is_required_on_v1_only():
+    async def test(s, state, engine):
+        async with s.get("/v1/models") as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+        async with s.get("/v1/models", headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with s.get("/v1/models", headers={"Authorization": "Bearer sekret"}) as r:
+            assert r.status == 200
+        async with s.get("/health") as r:
+            assert r.status == 200
+
+    asyncio.run(_in_process(test, api_key="sekret"))
+
+
+def test_sse_chat_stream_framing_with_n_and_usage():
+    async def test(s, state, engine):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hey"}], "max_tokens": 3, "n": 2,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post("/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+        events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+        assert sorted(c["choices"][0]["index"] for c in roles) == [0, 1]
+        assert chunks.index(roles[-1]) == 1  # role deltas come first
+        text = {0: "", 1: ""}
+        finish = {}
+        for c in chunks[2:-1]:
+            ch = c["choices"][0]
+            text[ch["index"]] += ch["delta"].get("content", "")
+            if ch["finish_reason"]:
+                finish[ch["index"]] = ch["finish_reason"]
+        assert text == {0: "aaa", 1: "aaa"} and finish == {0: "length", 1: "length"}
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+    asyncio.run(_in_process(test))
+
+
+def test_client_disconnect_aborts_the_engine_request():
+    async def test(s, state, engine):
+        body = {"model": "m", "prompt": "x", "max_tokens": 4000, "stream": True}
+        r = await s.post("/v1/completions", json=body)
+        assert r.status == 200
+        await r.content.readline()  # the stream is running
+        assert len(engine.running) == 1
+        r.close()  # the client goes away
+        for _ in range(200):
+            if engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert len(engine.aborted) == 1 and not engine.running
+        # Non-streaming too: the handler is cancelled when the connection drops.
+        task = asyncio.ensure_future(s.post("/v1/completions", json={**body, "stream": False}))
+        for _ in range(200):
+            if engine.running:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(200):
+            if len(engine.aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(engine.aborted) == 2 and not engine.running
+
+    asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))

@@ -1,0 +1,114 @@
+"""Request validation: what a client sends is either a well-formed request or a 400 that
+names the offending field."""
+from __future__ import annotations
+
+import pytest
+
+from resident.worker.protocol import (RequestError, ServingOptions, check_prompt_length, parse_chat_request,
+                                      parse_completion_request)
+
+OPTS = ServingOptions(served_model_names=("tiny",), max_model_len=128)
+TRUSTED = ServingOptions(served_model_names=("tiny",), max_model_len=128, trust_request_chat_template=True)
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def bad(fn, body, opts=OPTS) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        fn(body, opts)
+    err = e.value
+    assert err.status == 400
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_completion_prompt_forms():
+    assert parse_completion_request({"model": "tiny", "prompt": "a"}, OPTS).prompts == ["a"]
+    assert parse_completion_request({"model": "tiny", "prompt": [1, 2]}, OPTS).prompts == [[1, 2]]
+    batch = parse_completion_request({"model": "tiny", "prompt": ["a", [3, 4]]}, OPTS)
+    assert batch.prompts == ["a", [3, 4]]
+    assert batch.max_tokens == 16  # OpenAI's default for completions
+    for prompt in (None, 5, [], [1.5], [["a"]], {"x": 1}):
+        assert bad(parse_completion_request, {"model": "tiny", "prompt": prompt}).param == "prompt"
+
+
+def test_sampling_fields_are_carried_and_vllm_extras_accepted():
+    req = parse_chat_request({
+        "model": "tiny", "messages": MSGS, "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "seed": 3, "stop": "x", "presence_penalty": 0.1, "frequency_penalty": -0.2, "top_k": -1, "min_p": 0.1,
+        "repetition_penalty": 1.1, "ignore_eos": True, "n": 2, "stream": True,
+        "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
+    }, OPTS)
+    assert req.max_tokens == 7 and req.n == 2 and req.stream and req.include_usage
+    assert req.logprobs and req.top_logprobs == 2
+    assert req.sampling == {"temperature": 0.0, "top_p": 0.5, "presence_penalty": 0.1, "frequency_penalty": -0.2,
+                            "min_p": 0.1, "repetition_penalty": 1.1, "top_k": 0, "seed": 3, "stop": ["x"],
+                            "ignore_eos": True}
+    assert parse_chat_request({"model": "tiny", "messages": MSGS, "max_tokens": 9}, OPTS).max_tokens == 9
+    assert parse_chat_request({"model": "tiny", "messages": MSGS}, OPTS).max_tokens is None
+
+
+def test_unknown_fields_are_ignored_and_reported():
+    req = parse_completion_request({"model": "tiny", "prompt": "a", "frobnicate": 1, "zeta": {}}, OPTS)
+    assert req.ignored_fields == ["frobnicate", "zeta"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**9), ("max_tokens", "ten"),
+    ("temperature", -0.5), ("temperature", 3), ("temperature", "hot"), ("top_p", 1.5), ("top_p", True),
+    ("presence_penalty", 5), ("frequency_penalty", -3), ("n", 0), ("n", 1000), ("stop", [""]), ("stop", 3),
+    ("logprobs", 99), ("seed", "x"), ("top_k", -2), ("logit_bias", {"1": 2}),
+])
+def test_bad_completion_fields_name_the_field(field, value):
+    err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", field: value})
+    assert err.param == field
+
+
+def test_unknown_model_and_missing_model():
+    err = bad(parse_completion_request, {"model": "gpt-9", "prompt": "a"})
+    assert err.param == "model" and "tiny" in err.message and err.code == "model_not_found"
+    assert bad(parse_chat_request, {"messages": MSGS}).param == "model"
+    assert bad(parse_chat_request, ["not", "an", "object"]).message.startswith("the request body")
+
+
+def test_stream_options_need_stream():
+    assert bad(parse_chat_request, {"model": "tiny", "messages": MSGS,
+                                    "stream_options": {"include_usage": True}}).param == "stream_options"
+
+
+@pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "wizard", "content": "x"}], [{"role": "user"}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                                      [{"role": "user", "content": 5}]])
+def test_bad_messages(messages):
+    err = bad(parse_chat_request, {"model": "tiny", "messages": messages})
+    assert err.param.startswith("messages")
+
+
+def test_text_content_parts_are_joined():
+    req = parse_chat_request({"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}, OPTS)
+    assert req.messages[0]["content"] == "ab"
+
+
+@pytest.mark.parametrize("field,value", [("chat_template", "{{ 'x' }}"), ("chat_template_kwargs", {"a": 1}),
+                                         ("mm_processor_kwargs", {"a": 1}), ("processor_kwargs", {"a": 1})])
+def test_request_supplied_template_needs_trust(field, value):
+    body = {"model": "tiny", "messages": MSGS, field: value}
+    err = bad(parse_chat_request, body)
+    assert err.param == field and "--trust-request-chat-template" in err.message
+    parse_chat_request(body, TRUSTED)  # allowed when the operator trusts requests
+
+
+def test_top_logprobs_needs_logprobs():
+    assert bad(parse_chat_request, {"model": "tiny", "messages": MSGS, "top_logprobs": 2}).param == "top_logprobs"
+
+
+def test_context_length_check():
+    check_prompt_length(100, 28, 128)
+    check_prompt_length(127, None, 128)
+    for prompt, max_tokens in ((128, None), (100, 29), (0, 1)):
+        with pytest.raises(RequestError) as e:
+            check_prompt_length(prompt, max_tokens, 128)
+        assert e.value.status == 400
+    with pytest.raises(RequestError) as e:
+        check_prompt_length(200, 10, 128)
+    assert e.value.code == "context_length_exceeded" and "128" in e.value.message
