@@ -28,19 +28,22 @@ from resident.cli.common import SIZE, format_bytes, format_table, gb_per_s, pars
 log = logging.getLogger(__name__)
 
 NUM_LAYERS = 8
-HEAD_DIM = 64
+#: hidden sizes are multiples of this; heads of 64 where the head count divides by 4 (GQA 4:1)
+HIDDEN_STEP = 64
 
 
 @dataclass(frozen=True)
 class LlamaShape:
-    """A Llama-3-like shape (GQA 4:1, intermediate 4x hidden, untied embeddings)."""
+    """A Llama-3-like shape (GQA 4:1, intermediate 4x hidden, vocab 8x hidden, untied)."""
 
     hidden_size: int
     num_hidden_layers: int = NUM_LAYERS
 
     def __post_init__(self) -> None:
-        if self.hidden_size <= 0 or self.hidden_size % (4 * HEAD_DIM):
-            raise ValueError(f"hidden_size must be a positive multiple of {4 * HEAD_DIM}, got {self.hidden_size}")
+        if self.hidden_size <= 0 or self.hidden_size % HIDDEN_STEP:
+            raise ValueError(f"hidden_size must be a positive multiple of {HIDDEN_STEP}, got {self.hidden_size}")
+        if self.num_hidden_layers <= 0:
+            raise ValueError(f"num_hidden_layers must be positive, got {self.num_hidden_layers}")
 
     @property
     def intermediate_size(self) -> int:
@@ -52,7 +55,12 @@ class LlamaShape:
 
     @property
     def num_attention_heads(self) -> int:
-        return self.hidden_size // HEAD_DIM
+        heads = self.hidden_size // 64
+        return heads if heads % 4 == 0 else 4
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def num_key_value_heads(self) -> int:
@@ -60,14 +68,13 @@ class LlamaShape:
 
     @classmethod
     def for_bytes(cls, nbytes: int, bytes_per_param: int = 2) -> LlamaShape:
-        # params ≈ layers * 14.5 h² (q, k, v at 1/4, o, gate, up, down) + 16 h² (embed + lm_head)
+        # params ≈ layers * 14.5 h² (q; k, v at 1/4; o; gate, up, down) + 16 h² (embed + lm_head)
         h = math.sqrt(nbytes / bytes_per_param / (NUM_LAYERS * 14.5 + 16))
-        step = 4 * HEAD_DIM
-        return cls(hidden_size=max(step, round(h / step) * step))
+        return cls(hidden_size=max(HIDDEN_STEP, round(h / HIDDEN_STEP) * HIDDEN_STEP))
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = self.num_key_value_heads * HEAD_DIM
+        kv = self.num_key_value_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
         for n in range(self.num_hidden_layers):
             p = f"model.layers.{n}."
@@ -87,7 +94,7 @@ class LlamaShape:
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": HEAD_DIM,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,

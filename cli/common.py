@@ -113,20 +113,14 @@ def report_daemon_errors(f: F) -> F:
 
 @contextlib.contextmanager
 def connect(socket: str, fd_socket: str | None = None, client_name: str = "resident-cli") -> Iterator[Any]:
-    """A daemon session for one command; a missing daemon is a clear ClickException."""
+    """A daemon session for one command; a missing daemon is a clear ClickException (the
+    client raises DaemonUnavailable with the same advice when the socket exists but is dead)."""
     if not os.path.exists(socket):
         raise click.ClickException(no_daemon_message(socket))
     from resident.daemon.client import Client
-    from resident.daemon.errors import DaemonUnavailable
 
-    try:
-        client = Client(socket, fd_socket_path=fd_socket, client_name=client_name)
-    except DaemonUnavailable as e:
-        raise click.ClickException(f"{no_daemon_message(socket)} ({e})") from None
-    try:
+    with Client(socket, fd_socket_path=fd_socket, client_name=client_name) as client:
         yield client
-    finally:
-        client.close()
 
 
 def message_to_dict(message: Any) -> dict[str, Any]:
@@ -189,27 +183,36 @@ def format_age(since_unix: float) -> str:
 
 
 class LoadProgressBar:
-    """A tqdm bar (bytes, GB/s) fed with the daemon's LoadProgress messages, on stderr."""
+    """A tqdm bar (bytes, GB/s) on stderr, fed with the daemon's LoadProgress messages.
 
-    def __init__(self, name: str, enabled: bool = True) -> None:
-        from tqdm import tqdm
+    The bar appears with the first progress message, so a load that fails at once or finds
+    the model already resident prints no empty bar; a failed load's bar is erased.
+    """
 
-        self._bar = tqdm(total=0, unit="B", unit_scale=True, desc=name, disable=not enabled,
-                         dynamic_ncols=True, leave=True, file=click.get_text_stream("stderr"),
-                         mininterval=0.1)
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._bar: Any = None
 
     def update(self, phase: str, bytes_done: int, bytes_total: int) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=bytes_total or None, unit="B", unit_scale=True, desc=self.label,
+                             dynamic_ncols=True, file=click.get_text_stream("stderr"), mininterval=0.1)
         bar = self._bar
         if bytes_total and bar.total != bytes_total:
             bar.total = bytes_total
         bar.set_postfix_str(phase, refresh=False)
         bar.update(max(0, bytes_done - bar.n))
 
-    def close(self) -> None:
-        self._bar.close()
+    def close(self, ok: bool = True) -> None:
+        if self._bar is not None:
+            self._bar.leave = ok
+            self._bar.close()
+            self._bar = None
 
     def __enter__(self) -> LoadProgressBar:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(ok=exc_type is None)

@@ -116,7 +116,7 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
     pid = running_daemon_pid(config)
     if pid is not None:
         raise DaemonStartError(
-            f"a resident daemon (pid {pid}) already runs at {config.socket}; "
+            f"another resident daemon (pid {pid or 'unknown'}) is serving {config.socket}; "
             f"stop it with `resident preload stop --socket {config.socket}` or choose another --socket"
         )
     log_path = log_file or config.socket + ".log"

@@ -112,13 +112,15 @@ def load(model: str, socket: str | None, quantization: str, dtype: str, name: st
     socket = resolve_socket(socket)
     model = _model_arg(model)
     final = None
-    with connect(socket) as client:
-        with LoadProgressBar(name or os.path.basename(model.rstrip("/")) or model) as bar:
-            for event in client.load(model, name=name, dtype=dtype, quantization=quantization,
-                                     revision=revision):
+    bytes_read = 0
+    label = name or os.path.basename(model.rstrip("/")) or model
+    with connect(socket) as client, LoadProgressBar(label) as bar:
+        for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision):
+            if event.done:
+                final = event
+            else:
                 bar.update(event.phase, event.bytes_done, event.bytes_total)
-                if event.done:
-                    final = event
+                bytes_read = max(bytes_read, event.bytes_done)
     if final is None:
         raise click.ClickException(f"the daemon at {socket} ended the load of {model} without a result")
     info = final.model
@@ -129,8 +131,9 @@ def load(model: str, socket: str | None, quantization: str, dtype: str, name: st
     if final.already_resident:
         click.echo(f"{what}: already resident, {format_bytes(info.nbytes)}, nothing read")
     else:
-        click.echo(f"loaded {what}: {format_bytes(info.nbytes)} in {final.elapsed_s:.2f} s, "
-                   f"{gb_per_s(info.nbytes, final.elapsed_s):.2f} GB/s")
+        read = bytes_read or info.nbytes
+        click.echo(f"loaded {what}: read {format_bytes(read)} in {final.elapsed_s:.2f} s "
+                   f"({gb_per_s(read, final.elapsed_s):.2f} GB/s), {format_bytes(info.nbytes)} resident")
 
 
 def _lease_pids(info) -> str:

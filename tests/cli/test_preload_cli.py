@@ -1,0 +1,146 @@
+"""`resident preload …` end to end, as a user runs it: each command a separate process,
+the daemon detached in its own session."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket as socketlib
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CLI = [sys.executable, "-m", "resident.cli.main"]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("RESIDENT_SOCKET", None)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read()
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.fixture
+def daemon(short_tmp):
+    """A detached daemon on a private socket and an ephemeral HTTP port; stopped after."""
+    sock = str(short_tmp / "p.sock")
+    port = free_port()
+    r = run_cli("preload", "start", "--socket", sock, "--http", f"127.0.0.1:{port}", "--backend", "host_shm")
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"pid (\d+), socket (\S+)", r.stdout)
+    assert m and m.group(2) == sock, r.stdout
+    pid = int(m.group(1))
+    yield {"socket": sock, "pid": pid, "port": port}
+    if pid_alive(pid):
+        run_cli("preload", "stop", "--socket", sock)
+        if pid_alive(pid):
+            os.kill(pid, 9)
+
+
+def test_start_load_list_status_unload_stop(daemon, tiny_model):
+    sock, pid = daemon["socket"], daemon["pid"]
+    assert pid_alive(pid)
+    # start returned only once the daemon serves: /ready answers right away
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon['port']}/ready", timeout=5) as resp:
+        assert resp.status == 200
+
+    model = tiny_model("llama")
+    r = run_cli("preload", "load", str(model), "--name", "tiny", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"B/s", r.stderr), f"no progress bar with a rate on stderr: {r.stderr!r}"
+    assert re.match(r"loaded tiny v1 \(key [0-9a-f]{12}, float32, none\): read [\d.]+ KiB in [\d.]+ s "
+                    r"\([\d.]+ GB/s\), [\d.]+ KiB resident$", r.stdout), r.stdout
+
+    again = run_cli("preload", "load", str(model), "--name", "tiny", "--socket", sock)
+    assert again.returncode == 0, again.stderr
+    assert "already resident" in again.stdout and "nothing read" in again.stdout
+
+    listed = run_cli("preload", "list", "--json", "--socket", sock)
+    assert listed.returncode == 0, listed.stderr
+    models = json.loads(listed.stdout)
+    assert [m["name"] for m in models] == ["tiny"]
+    assert int(models[0]["nbytes"]) > 0 and models[0]["source"] == str(model)
+    assert models[0]["config"]["hidden_size"] == 64
+
+    table = run_cli("preload", "list", "--socket", sock)
+    assert "tiny" in table.stdout and "NAME" in table.stdout
+
+    st = run_cli("preload", "status", "--socket", sock)
+    assert st.returncode == 0, st.stderr
+    assert f"pid {pid}" in st.stdout and "host_shm" in st.stdout and "tiny v1" in st.stdout
+    st_json = json.loads(run_cli("preload", "status", "--json", "--socket", sock).stdout)
+    assert st_json["pid"] == pid and st_json["socket"] == sock
+    assert st_json["http"] == f"127.0.0.1:{daemon['port']}"
+    assert st_json["weights_survive_daemon"] is not None and int(st_json["resident_bytes"]) > 0
+
+    un = run_cli("preload", "unload", "tiny", "--socket", sock)
+    assert un.returncode == 0, un.stderr
+    assert un.stdout.startswith("unloaded tiny:")
+    assert json.loads(run_cli("preload", "list", "--json", "--socket", sock).stdout) == []
+
+    stop = run_cli("preload", "stop", "--socket", sock)
+    assert stop.returncode == 0, stop.stderr
+    assert f"pid {pid}) stopped" in stop.stdout
+    assert not pid_alive(pid)
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".fd")
+
+    after = run_cli("preload", "status", "--socket", sock)
+    assert after.returncode == 1
+    assert f"no resident daemon at {sock}; start one with `resident preload start`" in after.stderr
+
+
+def test_second_start_is_refused_naming_the_pid(daemon):
+    r = run_cli("preload", "start", "--socket", daemon["socket"], "--http", "127.0.0.1:0")
+    assert r.returncode == 1
+    assert f"pid {daemon['pid']}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert pid_alive(daemon["pid"])   # the running daemon is untouched and still answers
+    assert run_cli("preload", "status", "--socket", daemon["socket"]).returncode == 0
+
+
+def test_bad_input_is_one_clear_line_and_the_daemon_stays_healthy(daemon, tiny_model, tmp_path):
+    sock = daemon["socket"]
+    missing = tmp_path / "no-such-model"
+    r = run_cli("preload", "load", str(missing), "--socket", sock)
+    assert r.returncode == 1
+    assert str(missing) in r.stderr and "Traceback" not in r.stderr
+
+    model = tiny_model("llama")
+    r = run_cli("preload", "load", str(model), "--quantization", "int3", "--socket", sock)
+    assert r.returncode == 1
+    assert "int3" in r.stderr and "none" in r.stderr and "fp8_per_tensor" in r.stderr
+    assert "Traceback" not in r.stderr
+
+    r = run_cli("preload", "unload", "never-loaded", "--socket", sock)
+    assert r.returncode == 1 and "never-loaded" in r.stderr and "Traceback" not in r.stderr
+
+    r = run_cli("preload", "start", "--socket", sock + "x", "--max-bytes", "lots")
+    assert r.returncode == 2 and "invalid size 'lots'" in r.stderr
+
+    ok = run_cli("preload", "load", str(model), "--socket", sock, "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["num_tensors"] > 0
+
+
+def test_status_without_a_daemon(short_tmp):
+    sock = str(short_tmp / "absent.sock")
+    r = run_cli("preload", "status", "--socket", sock)
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"Error: no resident daemon at {sock}; start one with `resident preload start`"
