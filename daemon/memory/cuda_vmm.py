@@ -16,7 +16,8 @@ holding the fd may map it read-write. What we do instead: mappings are made with
 daemon's own mapping after `seal()`), so a buggy worker faults instead of silently
 corrupting weights that other workers share; where the driver refuses read-only access,
 the mapping falls back to read-write and this is logged. `access_of(tensor)` reports which
-protection a mapping got.
+protection a mapping got. On the H200 (driver 580) read-only mappings are accepted and a
+worker's write through one faults (illegal address) while the shared weights stay intact.
 """
 from __future__ import annotations
 
