@@ -180,12 +180,14 @@ def _machine() -> dict:
             "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
 
 
-def _parse_sizes(text: str) -> list[int]:
+def _parse_sizes(text: str) -> list[tuple[str, int]]:
+    """'16MiB,1GiB' -> [('16MiB', 16777216), ('1GiB', 1073741824)]."""
+    labels = [s.strip() for s in text.split(",") if s.strip()]
     try:
-        sizes = [parse_size(s) for s in text.split(",") if s.strip()]
+        sizes = [(label, parse_size(label)) for label in labels]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sizes") from None
-    if not sizes or any(s <= 0 for s in sizes):
+    if not sizes or any(n <= 0 for _, n in sizes):
         raise click.BadParameter("give one or more positive sizes, e.g. 16MiB,256MiB,1GiB", param_hint="--sizes")
     return sizes
 
@@ -215,9 +217,9 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
     pid = 0
     try:
         folders = []
-        for size in requested:
+        for label, size in requested:
             shape = LlamaShape.for_bytes(size)
-            folder = data_dir / f"llama-{size}"
+            folder = data_dir / f"llama-{label}"
             t = time.perf_counter()
             nbytes = write_checkpoint(folder, shape)
             click.echo(f"wrote {folder.name}: {format_bytes(nbytes)} (hidden {shape.hidden_size}) "
