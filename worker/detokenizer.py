@@ -67,8 +67,9 @@ class IncrementalDetokenizer:
             return ""
         token = self._tokenizer.id_to_token(token_id)
         if token is None:
-            raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary "
-                             f"(size {self._tokenizer.vocab_size})")
+            # A padding row of the embedding (models often have more rows than the tokenizer
+            # has tokens): the full decode skips such ids, so the stream does too.
+            return ""
         self._tokens.append(token)
         decode = self._tokenizer.decode_tokens
         prefix_text = decode(self._tokens[self._prefix_offset:self._read_offset])

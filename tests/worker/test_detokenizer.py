@@ -86,6 +86,15 @@ def test_incomplete_character_at_the_end_is_released_by_finish(tiny: Tokenizer):
     assert detok.finish() == ""
 
 
+def test_ids_beyond_the_tokenizer_vocabulary_add_nothing(smollm: Tokenizer):
+    # Models pad their embedding past the tokenizer's vocabulary; sampling such an id must not
+    # break the stream, and the full decode skips it too.
+    ids = [*smollm.encode("Hi", add_special_tokens=False), smollm.vocab_size + 7,
+           *smollm.encode(" there", add_special_tokens=False)]
+    _, text = stream(smollm, [], ids)
+    assert text == smollm.decode(ids) == "Hi there"
+
+
 def test_special_tokens_are_skipped_or_kept(smollm: Tokenizer):
     ids = smollm.encode("Paris.<|im_end|>", add_special_tokens=False)
     assert ids[-1] == 2
