@@ -53,9 +53,7 @@ def _token_content(value: Any) -> str | None:
 
 
 def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, bool):
+    if value is None or isinstance(value, bool):
         return []
     if isinstance(value, int):
         return [value]
@@ -106,12 +104,13 @@ class Tokenizer:
         self.bos_token: str | None = self.special_tokens.get("bos_token")
         self.eos_token: str | None = self.special_tokens.get("eos_token")
         self.bos_token_id: int | None = self._id_of_special("bos_token")
-        eos_id = self._id_of_special("eos_token")
-        self.eos_token_ids: set[int] = ({eos_id} if eos_id is not None else set()) | set(generation_eos_token_ids or [])
+        self._eos_token_id = self._id_of_special("eos_token")
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # Every EOS counts: the tokenizer's and generation_config.json's (Llama 3 lists several).
         # Models often have more embedding rows than the tokenizer has tokens, so an EOS id past
         # the tokenizer's vocabulary can still be sampled: keep it, but say so.
-        self.eos_token_ids = {i for i in self.eos_token_ids if i >= 0}
+        eos_ids = [self._eos_token_id] if self._eos_token_id is not None else []
+        self.eos_token_ids: set[int] = {i for i in [*eos_ids, *(generation_eos_token_ids or [])] if i >= 0}
         beyond = sorted(i for i in self.eos_token_ids if i >= self.vocab_size)
         if beyond:
             logger.warning("%s: EOS token ids %s lie beyond the tokenizer's vocabulary (size %d); "
@@ -138,7 +137,7 @@ class Tokenizer:
         if add_bos is None and add_eos is None and self._backend.post_processor is not None:
             return
         add_bos = bool(add_bos) and self.bos_token_id is not None
-        eos_id = self._id_of_special("eos_token")
+        eos_id = self._eos_token_id
         add_eos = bool(add_eos) and eos_id is not None
         single = f"{self.bos_token}:0 " if add_bos else ""
         single += "$A:0" + (f" {self.eos_token}:0" if add_eos else "")
