@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
@@ -77,7 +78,22 @@ def resolve_socket(socket: str | None) -> str:
         return os.path.abspath(socket)
     from resident.daemon.config import default_socket_path
 
-    return os.path.abspath(default_socket_path(os.environ))
+    try:
+        return os.path.abspath(default_socket_path(os.environ))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@dataclass(frozen=True)
+class DaemonAddress:
+    """Where a client command finds the daemon."""
+
+    socket: str
+    fd_socket: str = ""   # "" = <socket>.fd
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.socket):
+            raise ValueError(f"DaemonAddress.socket must be absolute, got {self.socket!r}")
 
 
 def socket_option(f: F) -> F:
@@ -86,6 +102,20 @@ def socket_option(f: F) -> F:
         help="Daemon gRPC socket. Default: $RESIDENT_SOCKET, else /run/resident/preload.sock "
              "if it exists or when root, else $XDG_RUNTIME_DIR/resident/preload.sock.",
     )(f)
+
+
+def daemon_options(f: F) -> F:
+    """--socket and --fd-socket, passed to the command as `daemon: DaemonAddress`."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, socket: str | None, fd_socket: str | None, **kwargs: Any) -> Any:
+        return f(*args, daemon=DaemonAddress(resolve_socket(socket), os.path.abspath(fd_socket) if fd_socket else ""),
+                 **kwargs)
+
+    wrapper = click.option("--fd-socket", "fd_socket", metavar="PATH", default=None,
+                           help="The daemon's fd socket, if it was started with --fd-socket "
+                                "(default: <socket>.fd).")(wrapper)
+    return socket_option(wrapper)  # type: ignore[return-value]
 
 
 def no_daemon_message(socket: str) -> str:
@@ -112,14 +142,14 @@ def report_daemon_errors(f: F) -> F:
 
 
 @contextlib.contextmanager
-def connect(socket: str, fd_socket: str | None = None, client_name: str = "resident-cli") -> Iterator[Any]:
+def connect(daemon: DaemonAddress, client_name: str = "resident-cli") -> Iterator[Any]:
     """A daemon session for one command; a missing daemon is a clear ClickException (the
     client raises DaemonUnavailable with the same advice when the socket exists but is dead)."""
-    if not os.path.exists(socket):
-        raise click.ClickException(no_daemon_message(socket))
+    if not os.path.exists(daemon.socket):
+        raise click.ClickException(no_daemon_message(daemon.socket))
     from resident.daemon.client import Client
 
-    with Client(socket, fd_socket_path=fd_socket, client_name=client_name) as client:
+    with Client(daemon.socket, fd_socket_path=daemon.fd_socket or None, client_name=client_name) as client:
         yield client
 
 

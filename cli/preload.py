@@ -16,8 +16,10 @@ import click
 from resident.cli.common import (
     SIZE,
     HostPortParam,
+    DaemonAddress,
     LoadProgressBar,
     connect,
+    daemon_options,
     echo_json,
     format_age,
     format_bytes,
@@ -57,7 +59,8 @@ def preload() -> None:
 @click.option("--socket-group", default=None, help="Group owning the sockets (mode 0660).")
 @click.option("--tcp", type=HostPortParam(), default=None, help="Also serve gRPC on HOST:PORT (off unless given).")
 @click.option("--foreground", is_flag=True, help="Run in this process instead of detaching.")
-@click.option("--log-file", metavar="PATH", default=None, help="Daemon log when detached (default: <socket>.log).")
+@click.option("--log-file", metavar="PATH", default=None,
+              help="Daemon log (detached default: <socket>.log; in the foreground, in addition to stderr).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
               help="Seconds to wait for the detached daemon to become ready.")
 def start(socket: str | None, fd_socket: str | None, http: str | None, backend: str | None,
@@ -80,6 +83,10 @@ def start(socket: str | None, fd_socket: str | None, http: str | None, backend: 
     if foreground:
         from resident.daemon.server import run_daemon
 
+        if log_file:
+            handler = logging.FileHandler(log_file)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger().addHandler(handler)
         sys.exit(run_daemon(config))
     try:
         started = start_detached(config, log_file, timeout_s)
@@ -99,22 +106,21 @@ def _model_arg(model: str) -> str:
 
 @preload.command()
 @click.argument("model")
-@socket_option
+@daemon_options
 @click.option("--quantization", default="none", show_default=True, help="none | fp8_per_tensor.")
 @click.option("--dtype", default="auto", show_default=True, help="auto | bfloat16 | float16 | float32.")
 @click.option("--name", default="", help="Name to list the model under (default: MODEL).")
 @click.option("--revision", default="", help="Hub revision (branch, tag or commit) for a hub id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the resident model's info as JSON.")
 @report_daemon_errors
-def load(model: str, socket: str | None, quantization: str, dtype: str, name: str, revision: str,
+def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name: str, revision: str,
          as_json: bool) -> None:
     """Load MODEL (a local HF folder, or a hub id from the local HF cache) into the daemon."""
-    socket = resolve_socket(socket)
     model = _model_arg(model)
     final = None
     bytes_read = 0
     label = name or os.path.basename(model.rstrip("/")) or model
-    with connect(socket) as client, LoadProgressBar(label) as bar:
+    with connect(daemon) as client, LoadProgressBar(label) as bar:
         for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision):
             if event.done:
                 final = event
@@ -122,7 +128,7 @@ def load(model: str, socket: str | None, quantization: str, dtype: str, name: st
                 bar.update(event.phase, event.bytes_done, event.bytes_total)
                 bytes_read = max(bytes_read, event.bytes_done)
     if final is None:
-        raise click.ClickException(f"the daemon at {socket} ended the load of {model} without a result")
+        raise click.ClickException(f"the daemon at {daemon.socket} ended the load of {model} without a result")
     info = final.model
     if as_json:
         echo_json(message_to_dict(info))
@@ -141,12 +147,12 @@ def _lease_pids(info) -> str:
 
 
 @preload.command("list")
-@socket_option
+@daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (a list of ModelInfo objects).")
 @report_daemon_errors
-def list_models(socket: str | None, as_json: bool) -> None:
+def list_models(daemon: DaemonAddress, as_json: bool) -> None:
     """List the resident models."""
-    with connect(resolve_socket(socket)) as client:
+    with connect(daemon) as client:
         models = list(client.list())
     if as_json:
         echo_json([message_to_dict(m) for m in models])
@@ -161,12 +167,12 @@ def list_models(socket: str | None, as_json: bool) -> None:
 
 
 @preload.command()
-@socket_option
+@daemon_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's StatusResponse as JSON.")
 @report_daemon_errors
-def status(socket: str | None, as_json: bool) -> None:
+def status(daemon: DaemonAddress, as_json: bool) -> None:
     """Show the daemon: pid, sockets, backend, memory, models and their leases."""
-    with connect(resolve_socket(socket)) as client:
+    with connect(daemon) as client:
         st = client.status()
     if as_json:
         echo_json(message_to_dict(st))
@@ -192,36 +198,56 @@ def status(socket: str | None, as_json: bool) -> None:
 
 @preload.command()
 @click.argument("name")
-@socket_option
+@daemon_options
 @click.option("--force", is_flag=True, help="Unload even while clients lease it.")
 @report_daemon_errors
-def unload(name: str, socket: str | None, force: bool) -> None:
+def unload(name: str, daemon: DaemonAddress, force: bool) -> None:
     """Unload NAME (all versions) or one version by its key."""
-    with connect(resolve_socket(socket)) as client:
+    with connect(daemon) as client:
         keys = list(client.unload(name, force=force))
     click.echo(f"unloaded {name}: {', '.join(k[:12] for k in keys) or 'nothing'}")
 
 
+def _running_pid(socket: str) -> int | None:
+    """The pid in the daemon's lock file while a daemon holds it (for a daemon that no
+    longer answers on its sockets)."""
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.server import running_daemon_pid
+
+    return running_daemon_pid(DaemonConfig(socket=socket, http=""))
+
+
 @preload.command()
-@socket_option
+@daemon_options
 @click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
               help="Seconds to wait for the daemon to exit before sending SIGTERM.")
 @report_daemon_errors
-def stop(socket: str | None, timeout_s: float) -> None:
-    """Shut the daemon down (Shutdown RPC; SIGTERM if it does not exit in time)."""
+def stop(daemon: DaemonAddress, timeout_s: float) -> None:
+    """Shut the daemon down (Shutdown RPC; SIGTERM if it does not exit in time or does not answer)."""
     from resident.cli.daemon_process import wait_exit
+    from resident.daemon.errors import DaemonUnavailable
 
-    socket = resolve_socket(socket)
-    with connect(socket) as client:
-        pid = client.status().pid
-        client.shutdown()
-    stopped = wait_exit(pid, socket, timeout_s)
+    socket = daemon.socket
+    try:
+        with connect(daemon) as client:
+            pid = client.status().pid
+            client.shutdown()
+        stopped = wait_exit(pid, socket, timeout_s)
+    except (DaemonUnavailable, click.ClickException):
+        pid = _running_pid(socket)
+        if not pid:  # None: no daemon at all; 0: its pid is unknown
+            raise
+        click.echo(f"the daemon (pid {pid}) holds {socket}.lock but does not answer", err=True)
+        stopped = False
     if not stopped and pid:
-        click.echo(f"daemon pid {pid} still running after {timeout_s:.0f} s; sending SIGTERM", err=True)
-        os.kill(pid, signal.SIGTERM)
+        click.echo(f"sending SIGTERM to daemon pid {pid}", err=True)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
         stopped = wait_exit(pid, socket, timeout_s)
     if not stopped:
-        raise click.ClickException(f"the daemon (pid {pid}) at {socket} did not stop within {2 * timeout_s:.0f} s")
+        raise click.ClickException(f"the daemon (pid {pid}) at {socket} did not stop; kill it with `kill -9 {pid}`")
     if os.path.exists(socket):
         click.echo(f"warning: the daemon exited but left {socket} behind", err=True)
     click.echo(f"resident daemon (pid {pid}) stopped")

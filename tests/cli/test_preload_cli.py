@@ -139,6 +139,15 @@ def test_bad_input_is_one_clear_line_and_the_daemon_stays_healthy(daemon, tiny_m
     assert json.loads(ok.stdout)["num_tensors"] > 0
 
 
+def test_stop_falls_back_to_sigterm_when_the_daemon_does_not_answer(daemon):
+    sock, pid = daemon["socket"], daemon["pid"]
+    os.unlink(sock + ".fd")    # the daemon still runs and holds its lock, but no client can say hello
+    r = run_cli("preload", "stop", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert f"pid {pid}) holds" in r.stderr and "SIGTERM" in r.stderr
+    assert not pid_alive(pid) and not os.path.exists(sock)
+
+
 def test_status_without_a_daemon(short_tmp):
     sock = str(short_tmp / "absent.sock")
     r = run_cli("preload", "status", "--socket", sock)
