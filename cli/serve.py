@@ -55,13 +55,17 @@ logger = logging.getLogger(__name__)
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Allow requests to supply chat_template / chat_template_kwargs / processor kwargs "
                    "(they change how prompts are built; refused by default).")
+@click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
+              help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
+                   "models on a busy machine.")
 @click.option("--verify-sample", type=int, default=16, show_default=True,
               help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
-          chat_template_file: str | None, trust_request_chat_template: bool, verify_sample: int) -> None:
+          chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
+          verify_sample: int) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
 
@@ -78,6 +82,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
+            cpu_threads=cpu_threads,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time())
     except ValueError as e:
         raise click.UsageError(str(e)) from None

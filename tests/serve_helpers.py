@@ -32,7 +32,9 @@ def servable_tiny_model(path: Path, arch: str = "llama", **overrides: Any) -> Pa
 
 
 def serve_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    # One intra-op thread: on a loaded 2-core CI machine, torch's two-thread parallel regions
+    # wait on a descheduled peer and a tiny model's step grows from ~2 ms to ~150 ms.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.pop("RESIDENT_SOCKET", None)
     env.update(extra)
     return env

@@ -55,6 +55,7 @@ class ServeConfig:
     preload: str = "auto"
     socket: str | None = None                 # the daemon's socket; required unless preload == "off"
     device: str = "cpu"
+    cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
     max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     num_kv_blocks: int | None = None          # overrides kv_cache_memory_bytes
@@ -87,6 +88,8 @@ class ServeConfig:
             raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
 
@@ -300,13 +303,15 @@ def run_server(config: ServeConfig) -> int:
     """Serve until SIGTERM; returns the process exit code (0 after a clean drain)."""
     t0 = config.process_start_time or time.time()
     # The heavy imports, counted in the "import" phase (the CLI imports nothing heavy).
-    import torch  # noqa: F401
+    import torch
 
     import resident.worker.engine  # noqa: F401
     import resident.worker.model_runner  # noqa: F401
     import resident.worker.tokenizer  # noqa: F401
     import resident.worker.weight_store  # noqa: F401
 
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     startup = _Startup(t0)
     startup.phases["import"] = time.time() - t0
     return asyncio.run(_serve(config, startup))

@@ -209,7 +209,7 @@ class OpenAIServing:
             body["choices"] = [{
                 "index": i,
                 "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
-                "logprobs": self._completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                "logprobs": self._completion_logprobs(c.logprobs, 0, req.tokens_as_ids) if req.logprobs is not None else None,
                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
         body["usage"] = self._usage(prep, choices)
         return body
@@ -260,21 +260,23 @@ class OpenAIServing:
             return {"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}
         lp = None
         if prep.request.logprobs is not None:  # type: ignore[attr-defined]
-            lp = self._completion_logprobs(out.logprobs or [], offsets[i])
+            lp = self._completion_logprobs(out.logprobs or [], offsets[i], prep.request.tokens_as_ids)
         offsets[i] += len(out.new_text)
         return {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": None}
 
     # --- logprobs --------------------------------------------------------------------------
-    def _token_str(self, token_id: int) -> str:
+    def _token_str(self, token_id: int, as_id: bool = False) -> str:
+        if as_id:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, lps: list[Any], offset: int) -> dict:
+    def _completion_logprobs(self, lps: list[Any], offset: int, as_id: bool) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in lps:
-            s = self._token_str(lp.token_id)
+            s = self._token_str(lp.token_id, as_id)
             tokens.append(s)
             token_lps.append(lp.logprob)
-            top = {self._token_str(t): v for t, v in lp.top}
+            top = {self._token_str(t, as_id): v for t, v in lp.top}
             top.setdefault(s, lp.logprob)
             tops.append(top)
             offsets.append(offset)
@@ -283,9 +285,10 @@ class OpenAIServing:
 
     def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
         content = []
+        as_id = prep.request.tokens_as_ids
         for lp in lps:
-            s = self._token_str(lp.token_id)
-            top = [{"token": (ts := self._token_str(t)), "logprob": v, "bytes": list(ts.encode())}
+            s = self._token_str(lp.token_id, as_id)
+            top = [{"token": (ts := self._token_str(t, as_id)), "logprob": v, "bytes": list(ts.encode())}
                    for t, v in lp.top[: prep.request.top_logprobs]]  # type: ignore[attr-defined]
             content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()), "top_logprobs": top})
         return {"content": content}

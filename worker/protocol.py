@@ -18,7 +18,7 @@ _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_t
                    "include_stop_str_in_output")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
-           *_EXTRA_SAMPLING}
+           "return_tokens_as_token_ids", *_EXTRA_SAMPLING}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix"})
 CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
@@ -77,6 +77,7 @@ class CommonRequest:
     include_usage: bool = False
     max_tokens: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams kwargs except max_tokens/logprobs
+    tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     ignored_fields: list[str] = field(default_factory=list)
 
 
@@ -200,7 +201,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             sampling[flag] = _bool(body, flag)
     ignored = sorted(k for k in body if k not in known)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-               sampling=sampling, ignored_fields=ignored)
+               sampling=sampling, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 
 
 # --- completions --------------------------------------------------------------------------
