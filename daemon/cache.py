@@ -28,6 +28,8 @@ from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, Se
 log = logging.getLogger(__name__)
 
 PROTOCOL_MAJOR = 1
+# source.SourceError messages that mean "there is no such model" (NOT_FOUND, not INVALID_ARGUMENT).
+_SOURCE_NOT_FOUND = ("no such model folder", "not in the hub cache", "missing from the hub cache")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _as_daemon_error(e: BaseException, model: str) -> DaemonError:
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.ENOSPC)):
         return ResourceExhausted(f"out of memory loading {model}: {e}; free memory or use --max-bytes")
     name = type(e).__name__
-    if name == "SourceError" and ("no such" in str(e) or "not found" in str(e).lower()):
+    if name == "SourceError" and any(p in str(e) for p in _SOURCE_NOT_FOUND):
         return NotFound(str(e))
     if isinstance(e, (ValueError, OSError, KeyError)):
         return InvalidArgument(str(e) or f"{name} while loading {model}")

@@ -1,0 +1,160 @@
+"""The client library: attach() and its AttachedModel, errors as DaemonError subclasses with
+the daemon's message, the session as the lease's lifetime, loads with dtype/quantization."""
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from fixtures_models import make_tiny_model
+from helpers import load, start_daemon
+from weights_util import fused_weights_from_hf_folder
+
+from resident.daemon.client import Client, attach
+from resident.daemon.errors import DaemonError, DaemonUnavailable, NotFound, PermissionDenied
+
+
+@pytest.fixture(scope="module")
+def env():
+    d = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    model = make_tiny_model(d / "qwen3", "qwen3")   # tied embeddings, q/k norms
+    daemon = start_daemon(d)
+    try:
+        with daemon.client("fixture") as c:
+            load(c, model, name="qwen3")
+        yield d, model, daemon
+    finally:
+        code = daemon.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        assert code == 0, daemon.log()
+
+
+def test_no_daemon_is_a_clear_unavailable_error(short_tmp):
+    path = str(short_tmp / "none.sock")
+    with pytest.raises(DaemonUnavailable) as e:
+        Client(path)
+    assert f"no resident daemon at {path}" in str(e.value) and "resident preload start" in str(e.value)
+    # A socket file nobody listens on (a daemon that died) reads the same.
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path + ".fd")
+    s.close()
+    with pytest.raises(DaemonUnavailable, match="no resident daemon"):
+        Client(path)
+
+
+def test_attach_returns_zero_copy_tensors_config_and_lease(env):
+    _, model, daemon = env
+    client, m = attach("qwen3", socket_path=daemon.socket)
+    try:
+        expected = fused_weights_from_hf_folder(model)
+        assert set(m.tensors) == set(expected) and "lm_head.weight" not in m.tensors   # tied
+        for name, t in expected.items():
+            assert torch.equal(m.tensors[name], t), name
+        assert m.config["model_type"] == "qwen3" and m.info.name == "qwen3" and m.info.version == 1
+        assert m.attach_s > 0 and m.lease_id
+        # Zero-copy: every tensor views one of the mapped slabs.
+        ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in m.slabs]
+        for t in m.tensors.values():
+            assert any(lo <= t.data_ptr() < hi for lo, hi in ptrs)
+        verified = client.attach("qwen3", expected_key=m.info.key, verify_checksums=True)
+        assert verified.info.key == m.info.key
+        with daemon.client("observer") as other:
+            leases = {lease.lease_id for x in other.status().models for lease in x.leases}
+        assert {m.lease_id, verified.lease_id} <= leases
+    finally:
+        client.close()
+    with daemon.client("observer") as other:
+        leases = {lease.lease_id for x in other.status().models for lease in x.leases}
+    assert m.lease_id not in leases          # close() ended the session and its leases
+    assert torch.isfinite(m.tensors["model.norm.weight"]).all()    # mappings outlive the lease
+
+
+def test_errors_are_daemon_errors_with_the_daemons_message(env):
+    _, _, daemon = env
+    with daemon.client() as c:
+        with pytest.raises(NotFound) as e:
+            c.attach("no-such-model")
+        assert not isinstance(e.value, grpc.RpcError)
+        assert "no-such-model" in str(e.value) and "qwen3" in str(e.value)   # names what is resident
+        m = c.attach("qwen3")
+        c.release(m.lease_id)
+        with pytest.raises(NotFound, match="no lease"):
+            c.release(m.lease_id)
+        with pytest.raises(DaemonError, match="unknown quantization 'int3'.*none, fp8_per_tensor"):
+            load(c, "qwen3-missing", quantization="int3")
+
+
+def test_dtype_cast_and_fp8_quantization_through_the_daemon(env):
+    _, model, daemon = env
+    expected = fused_weights_from_hf_folder(model)
+    with daemon.client() as c:
+        bf16 = load(c, model, name="qwen3-bf16", dtype="bfloat16").model
+        fp8 = load(c, model, name="qwen3-fp8", quantization="fp8_per_tensor").model
+        keys = {m.key for m in c.list()}
+        assert len({bf16.key, fp8.key} | keys) == len(keys) >= 3   # each variant its own key
+        b = c.attach("qwen3-bf16")
+        name = "model.layers.0.mlp.gate_up_proj.weight"
+        assert b.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(b.tensors[name], expected[name].to(torch.bfloat16))
+        q = c.attach("qwen3-fp8")
+        assert q.tensors[name].dtype == torch.float8_e4m3fn and q.info.quantization == "fp8_per_tensor"
+        scale = q.tensors[name.removesuffix(".weight") + ".weight_scale"]
+        assert scale.shape == () and scale.dtype == torch.float32
+        deq = q.tensors[name].float() * scale
+        w = expected[name]
+        assert (deq - w).abs().max() <= w.abs().max() / 448 * 16  # within fp8 e4m3 rounding
+        assert q.tensors["model.norm.weight"].dtype == torch.float32   # norms stay
+
+
+def test_concurrent_loads_of_one_model_read_it_once(env):
+    d, _, daemon = env
+    folder = make_tiny_model(d / "twice", "llama", seed=5)
+    results, errors = [], []
+
+    def run():
+        try:
+            with daemon.client() as c:
+                results.append(load(c, folder, name="twice"))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(r.already_resident for r in results) == [False, True, True]
+    assert len({r.model.key for r in results}) == 1
+
+
+def test_non_admin_may_attach_but_not_load_unload_or_shutdown(short_tmp, tiny_model):
+    daemon = start_daemon(short_tmp, "--admin-uid", "4242")   # we stay allowed, but not admin
+    try:
+        with daemon.client() as c:
+            assert not c.hello.admin
+            with pytest.raises(PermissionDenied, match="not an admin"):
+                load(c, tiny_model("llama"))
+            with pytest.raises(PermissionDenied):
+                c.unload("anything")
+            with pytest.raises(PermissionDenied):
+                c.shutdown()
+            assert c.list() == []
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_shutdown_rpc_stops_the_daemon_cleanly(short_tmp):
+    daemon = start_daemon(short_tmp)
+    with daemon.client() as c:
+        assert c.hello.admin and c.hello.daemon_pid == daemon.pid
+        c.shutdown()
+    assert daemon.proc.wait(timeout=20) == 0, daemon.log()
+    assert not Path(daemon.socket).exists() and not Path(daemon.fd_socket).exists()
+    with pytest.raises(DaemonUnavailable):
+        Client(daemon.socket)
