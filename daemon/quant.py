@@ -17,8 +17,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 #: amax below this counts as zero (as vLLM clamps it), so an all-zero weight gets a finite scale.
 _MIN_AMAX = 1e-12
-#: Elements per chunk when quantizing, so a large weight needs only a bounded float32 temporary.
-_CHUNK_NUMEL = 1 << 24
+#: Elements per chunk when quantizing, so a large weight needs only a bounded float32 temporary
+#: (4 MB: below glibc's mmap threshold, so temporaries reuse heap pages instead of faulting).
+_CHUNK_NUMEL = 1 << 20
 
 
 def check_dtype(name: str) -> str:
