@@ -90,9 +90,25 @@ def test_start_load_list_status_unload_stop(daemon, tiny_model):
     assert st_json["http"] == f"127.0.0.1:{daemon['port']}"
     assert st_json["weights_survive_daemon"] is not None and int(st_json["resident_bytes"]) > 0
 
-    un = run_cli("preload", "unload", "tiny", "--socket", sock)
-    assert un.returncode == 0, un.stderr
-    assert un.stdout.startswith("unloaded tiny:")
+    # a client holding a lease: status shows its pid; unload needs --force
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from resident.daemon.client import attach; "
+         f"c, m = attach('tiny', {sock!r}); print('attached', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "attached"
+        st = run_cli("preload", "status", "--socket", sock)
+        assert re.search(rf"lease \S+  pid {holder.pid} ", st.stdout), st.stdout
+        assert str(holder.pid) in run_cli("preload", "list", "--socket", sock).stdout
+        refused = run_cli("preload", "unload", "tiny", "--socket", sock)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert "--force" in refused.stderr or "lease" in refused.stderr, refused.stderr
+        un = run_cli("preload", "unload", "tiny", "--force", "--socket", sock)
+        assert un.returncode == 0, un.stderr
+        assert un.stdout.startswith("unloaded tiny:")
+    finally:
+        holder.kill()
+        holder.wait()
     assert json.loads(run_cli("preload", "list", "--json", "--socket", sock).stdout) == []
 
     stop = run_cli("preload", "stop", "--socket", sock)
@@ -137,6 +153,26 @@ def test_bad_input_is_one_clear_line_and_the_daemon_stays_healthy(daemon, tiny_m
     ok = run_cli("preload", "load", str(model), "--socket", sock, "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["num_tensors"] > 0
+
+
+_PROBE = """
+import json, sys
+from click.testing import CliRunner
+from resident.cli.main import cli
+r = CliRunner().invoke(cli, sys.argv[1:])
+print(json.dumps({"exit_code": r.exit_code, "output": r.output, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_status_list_stop_against_a_live_daemon_import_no_torch(daemon):
+    for command in ("status", "list", "stop"):
+        out = subprocess.run([sys.executable, "-c", _PROBE, "preload", command, "--socket", daemon["socket"]],
+                             capture_output=True, text=True, timeout=60, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["exit_code"] == 0, r
+        assert not r["torch"], f"`resident preload {command}` imported torch"
+    assert f"pid {daemon['pid']}) stopped" in r["output"]
+    assert not pid_alive(daemon["pid"])
 
 
 def test_stop_falls_back_to_sigterm_when_the_daemon_does_not_answer(daemon):
