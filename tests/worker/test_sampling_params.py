@@ -1,0 +1,81 @@
+"""SamplingParams and EngineConfig reject bad values with messages that name the field."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from resident.worker.engine_config import EngineConfig
+from resident.worker.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid():
+    p = SamplingParams()
+    assert p.max_tokens == 16 and p.temperature == 1.0 and p.top_k == 0
+    assert p.stop == [] and p.stop_token_ids == [] and p.logprobs is None
+    assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.01}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_boundaries_and_normalisation():
+    p = SamplingParams(max_tokens=None, temperature=2, top_p=1, top_k=-1, min_p=1, seed=-5,
+                       presence_penalty=-2, frequency_penalty=2, logprobs=20, stop="END",
+                       stop_token_ids=(7, 8))
+    assert p.top_k == 0  # -1 is vLLM's spelling of "off"
+    assert p.stop == ["END"] and p.stop_token_ids == [7, 8]
+    assert isinstance(p.temperature, float)
+    assert SamplingParams(logprobs=0).logprobs == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_size": 0}, "block_size"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
+    ({"max_model_len": 1}, "max_model_len"),
+    ({"num_kv_blocks": 3}, "cannot hold one request"),  # 3 x 16 < 64
+])
+def test_engine_config_invariants(kwargs, match):
+    base = {"block_size": 16, "num_kv_blocks": 8, "max_model_len": 64}
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{**base, **kwargs})
+
+
+def test_engine_config_is_frozen():
+    cfg = EngineConfig(num_kv_blocks=4, max_model_len=64)
+    assert cfg.block_size == 16 and cfg.max_num_blocks_per_seq == 4
+    with pytest.raises(AttributeError):
+        cfg.block_size = 8  # type: ignore[misc]

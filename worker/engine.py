@@ -1,0 +1,148 @@
+"""LLMEngine: add requests, step (schedule -> execute -> postprocess), abort.
+
+Not thread-safe: one thread owns the engine (see async_engine.py).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from resident.worker.engine_config import EngineConfig
+from resident.worker.output_processor import DetokenizerFactory, OutputState
+from resident.worker.outputs import ModelRunnerOutput
+from resident.worker.request import Request, RequestOutput, RequestStatus
+from resident.worker.sampling_params import SamplingParams
+from resident.worker.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests, 0..1
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of which found there
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    """The engine loop over a model runner (anything with execute(SchedulerOutput) ->
+    ModelRunnerOutput) and an optional tokenizer (for text, EOS ids and stop strings)."""
+
+    def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None = None,
+                 *, detokenizer_factory: DetokenizerFactory | None = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config)
+        self.eos_token_ids: frozenset[int] = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
+        if tokenizer is not None and detokenizer_factory is None:
+            from resident.worker.detokenizer import IncrementalDetokenizer
+
+            detokenizer_factory = IncrementalDetokenizer
+        self._make_detokenizer = detokenizer_factory
+        self._states: dict[str, OutputState] = {}
+        self._pending: list[RequestOutput] = []  # final outputs of aborted requests
+        self._arrivals = itertools.count()
+        self.num_generated_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. ValueError (nothing queued) for an unusable one: an empty or too
+        long prompt, a duplicate id, stop strings without a tokenizer."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests or request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use; ids must be unique")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty; send at least one token")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"prompt token ids must be non-negative integers, got {t!r}")
+        limit = self.config.max_model_len
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but the context holds {limit} "
+                             f"tokens including at least one generated token; shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none; "
+                             "use stop_token_ids instead")
+        room = limit - len(prompt)
+        max_output = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, prompt, params, next(self._arrivals), max_output)
+        detokenizer = (self._make_detokenizer(self.tokenizer, prompt)
+                       if self._make_detokenizer is not None and self.tokenizer is not None else None)
+        self.scheduler.add_request(request)
+        self._states[request_id] = OutputState(request, detokenizer)
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort in any state and free its blocks; the next step() reports it finished with
+        finish_reason "abort". Unknown or already finished ids are ignored (a client may go
+        away just as its request finishes)."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        state = self._states.pop(request_id, None)
+        if request is not None and state is not None:
+            self._pending.append(state.make_output())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; outputs for every request that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return outputs
+        runner_output = self.runner.execute(scheduler_output)
+        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
+            outputs.append(self._process_token(request, runner_output))
+        return outputs
+
+    def _process_token(self, request: Request, runner_output: ModelRunnerOutput) -> RequestOutput:
+        rid = request.request_id
+        state = self._states[rid]
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        self.num_generated_tokens += 1
+        if params.logprobs is not None:
+            logprob = runner_output.logprobs.get(rid)
+            if logprob is None:
+                raise RuntimeError(f"request {rid!r} asked for logprobs, but the model runner "
+                                   f"returned none for it")
+            state.pending_logprobs.append(logprob)
+        status: RequestStatus | None = None
+        stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if stop_token:
+            status = RequestStatus.FINISHED_STOPPED
+        # A stop token's own text is shown only with include_stop_str_in_output.
+        if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output) \
+                and status is None:
+            status = RequestStatus.FINISHED_STOPPED
+        if status is None and request.num_output_tokens >= request.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_request(rid, status)
+            del self._states[rid]
+        return state.make_output()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.block_manager.usage,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_generated_tokens=self.num_generated_tokens,
+        )

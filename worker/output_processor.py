@@ -1,0 +1,85 @@
+"""Per-request output state: incremental text, stop strings, what was already reported.
+
+Stop strings are matched on the detokenized generated text (so a stop string split over
+several tokens is found); the text is cut before the stop string, or after it with
+include_stop_str_in_output. While a request runs, the last len(longest stop) - 1
+characters are held back from the stream, because they may be the beginning of a stop
+string that the next token completes and that the client must then never see.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from resident.worker.request import Request, RequestOutput, TokenLogprob
+
+
+class Detokenizer(Protocol):
+    def step(self, token_id: int) -> str: ...
+
+
+DetokenizerFactory = Callable[[Any, list[int]], Detokenizer]
+
+
+class OutputState:
+    """What the engine keeps per request between steps to build incremental RequestOutputs."""
+
+    def __init__(self, request: Request, detokenizer: Detokenizer | None) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.detokenizer = detokenizer
+        self.stop = list(params.stop)
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        hold = 0 if params.include_stop_str_in_output or not self.stop else self.max_stop_len - 1
+        self.num_held_chars = hold
+        self.include_stop = params.include_stop_str_in_output
+        self.text = ""  # generated text so far (cut at the stop string once one matched)
+        self.num_sent_chars = 0
+        self.num_sent_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+
+    def add_token(self, token_id: int, detokenize: bool = True) -> bool:
+        """Extend the text by token_id; True when that completes a stop string."""
+        if self.detokenizer is None or not detokenize:
+            return False
+        new_text = self.detokenizer.step(token_id)
+        if not new_text:
+            return False
+        num_old = len(self.text)
+        self.text += new_text
+        if not self.stop:
+            return False
+        # A match must end inside the new text, so it starts at most max_stop_len-1 before it.
+        window_start = max(0, num_old - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, window_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        return True
+
+    def make_output(self) -> RequestOutput:
+        """Everything new since the last output (text held back while a stop string may be forming)."""
+        request = self.request
+        finished = request.is_finished
+        end = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self.num_held_chars)
+        new_text = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        new_tokens = request.output_token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = request.num_output_tokens
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            logprobs=logprobs,
+        )
