@@ -149,12 +149,15 @@ def test_non_admin_may_attach_but_not_load_unload_or_shutdown(short_tmp, tiny_mo
         assert daemon.stop() == 0
 
 
-def test_shutdown_rpc_stops_the_daemon_cleanly(short_tmp):
-    daemon = start_daemon(short_tmp)
+def test_shutdown_rpc_stops_the_daemon_cleanly(env):
+    # Last in this module on purpose: it stops the module's daemon (the fixture copes).
+    _, _, daemon = env
     with daemon.client() as c:
+        held = c.attach("qwen3")
         assert c.hello.admin and c.hello.daemon_pid == daemon.pid
         c.shutdown()
     assert daemon.proc.wait(timeout=20) == 0, daemon.log()
     assert not Path(daemon.socket).exists() and not Path(daemon.fd_socket).exists()
+    assert torch.isfinite(held.tensors["model.norm.weight"]).all()
     with pytest.raises(DaemonUnavailable):
         Client(daemon.socket)
