@@ -261,7 +261,7 @@ def load(
     try:
         for i, n in enumerate(slab_sizes):
             slabs.append(backend.allocate(n, i) if device is None else backend.allocate(n, i, device))
-        crcs = _fill(plan, places, slabs, emit, total, num_threads or min(4, os.cpu_count() or 1))
+        crcs = _fill(plan, places, slabs, emit, total, num_threads or min(8, os.cpu_count() or 1))
         emit("pack", total, total, force=True)
         for s in slabs:
             s.seal()
