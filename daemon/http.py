@@ -64,7 +64,11 @@ class HttpEndpoint:
             def log_message(self, fmt: str, *args) -> None:
                 log.debug("http %s - " + fmt, self.address_string(), *args)
 
-        self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
+        try:
+            self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot serve HTTP on {address}: {e.strerror}; choose another --http "
+                                   "HOST:PORT (port 0 picks a free one) or --http off") from None
         bound_host, bound_port = self._server.server_address[:2]
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         self._thread: threading.Thread | None = None

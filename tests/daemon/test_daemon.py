@@ -257,3 +257,33 @@ def test_sigterm_stops_gracefully_and_removes_its_files(short_tmp, tiny_model):
         assert not os.path.exists(daemon.socket + suffix), suffix
     with pytest.raises(OSError):
         urllib.request.urlopen(base + "/health", timeout=2)
+
+
+def test_two_daemons_in_one_process_keep_separate_state(short_tmp, tiny_model):
+    """No module-level state: two Daemon objects side by side, each with its own metrics."""
+    from resident.daemon.client import Client
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.server import Daemon
+
+    folder = tiny_model("llama")
+    daemons = [Daemon(DaemonConfig(socket=str(short_tmp / f"{i}.sock"), http="127.0.0.1:0", backend="host_shm"))
+               for i in range(2)]
+    try:
+        for dm in daemons:
+            dm.start()
+        with Client(daemons[0].config.socket) as c:
+            load(c, folder)
+            c.attach(str(folder))
+        m0 = urllib.request.urlopen(f"http://{daemons[0].http_address}/metrics").read().decode()
+        m1 = urllib.request.urlopen(f"http://{daemons[1].http_address}/metrics").read().decode()
+        assert "resident_attaches_total 1.0" in m0 and "resident_attaches_total 0.0" in m1
+        assert "resident_models 1.0" in m0 and "resident_models 0.0" in m1
+        # A busy HTTP port is a clear start-up error, and the lock is released again.
+        clash = Daemon(DaemonConfig(socket=str(short_tmp / "c.sock"), http=daemons[0].http_address))
+        with pytest.raises(OSError, match="choose another --http"):
+            clash.start()
+        assert not os.path.exists(short_tmp / "c.sock.lock") and not os.path.exists(short_tmp / "c.sock")
+    finally:
+        for dm in daemons:
+            dm.stop()
+    assert not any(p.name.endswith((".sock", ".fd", ".lock")) for p in short_tmp.iterdir())
