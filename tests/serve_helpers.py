@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import signal
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -89,9 +90,13 @@ def metric(base_url: str, name: str, labels: str = "") -> float | None:
 def daemon_helpers():
     """The daemon engineer's test helpers (tests/daemon/helpers.py), loaded by path: `tests/daemon`
     is not a package and `daemon` would clash with the repository's own folder."""
+    name = "resident_test_daemon_helpers"
+    if name in sys.modules:
+        return sys.modules[name]
     path = Path(__file__).parent / "daemon" / "helpers.py"
-    spec = importlib.util.spec_from_file_location("resident_test_daemon_helpers", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module

@@ -187,7 +187,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         metrics.set_weights_source(store.source)
         startup.end("weights")
         checked = store.verify(config.verify_sample)
-        logger.info("verified CRC-32 of %d/%d tensors", checked, len(store.table.entries))
+        logger.info("verified CRC-32 of %d/%d tensors", checked, len(store.tensors))
         startup.end("verify")
         template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
         tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
@@ -228,13 +228,21 @@ def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
     def target() -> None:
         try:
             result = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the event loop
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            loop.call_soon_threadsafe(settle, None, e)
         else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+            loop.call_soon_threadsafe(settle, result, None)
 
     threading.Thread(target=target, name="resident-startup", daemon=True).start()
     return fut
