@@ -25,7 +25,7 @@ from resident.daemon.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from resident.daemon.fdsock import recv_frame, send_frame
+from resident.daemon.fdsock import recv_frame
 from resident.protos.resident.v1 import fdsock_pb2 as fpb
 from resident.protos.resident.v1 import weight_cache_pb2 as pb
 from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
