@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fake_hub import COMMIT, fake_hub
-from resident.daemon import loader
+from resident.daemon import loader, tensor_reader
 from resident.daemon.loader import LoadSpec, key_for, load, pack
 from resident.daemon.memory.host_shm import HostShmBackend
 from resident.daemon.safetensors_io import CheckpointError
@@ -65,7 +65,7 @@ def test_dtype_cast(tiny_model, backend, src, requested, stored):
 
 def test_cast_in_chunks_equals_whole(tiny_model, backend, monkeypatch):
     folder = tiny_model("llama")
-    monkeypatch.setattr(loader, "_CAST_CHUNK_BYTES", 1000)  # many partial reads per tensor
+    monkeypatch.setattr(tensor_reader, "_CAST_CHUNK_BYTES", 1000)  # many partial reads per tensor
     v = views_of(load(LoadSpec(str(folder), dtype="bfloat16"), backend))
     hf = load_file(str(folder / "model.safetensors"))
     assert torch.equal(v["model.embed_tokens.weight"], hf["model.embed_tokens.weight"].to(torch.bfloat16))
@@ -171,7 +171,7 @@ def test_tensor_in_two_shards_is_refused(tiny_model, backend):
 
 def test_failure_while_reading_releases_slabs(tiny_model, backend, monkeypatch):
     folder = tiny_model("llama")
-    real = loader._load_tensor
+    real = tensor_reader._load_tensor
     calls = []
 
     def flaky(t, *a):
@@ -180,7 +180,7 @@ def test_failure_while_reading_releases_slabs(tiny_model, backend, monkeypatch):
             raise CheckpointError("disk went away")
         return real(t, *a)
 
-    monkeypatch.setattr(loader, "_load_tensor", flaky)
+    monkeypatch.setattr(tensor_reader, "_load_tensor", flaky)
     with pytest.raises(CheckpointError, match="disk went away"):
         load(LoadSpec(str(folder)), backend, num_threads=1)
     assert backend.slabs and all(s._fd is None for s in backend.slabs)  # every memfd closed
