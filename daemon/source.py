@@ -89,19 +89,19 @@ def _hub_snapshot(hub_id: str, revision: str | None, cache: Path) -> tuple[Path,
         + f"` on a machine with network (into {cache}, or set HF_HUB_CACHE), or pass a local folder"
     )
     if not repo.is_dir():
-        raise SourceError(f"model {hub_id!r} is not a local folder and not in the hub cache {cache}; {hint}")
+        raise SourceError(f"model {hub_id!r} not found: it is not a local folder and not in the hub cache {cache}; {hint}")
     if _COMMIT.match(rev) and (repo / "snapshots" / rev).is_dir():
         commit = rev
     else:
         ref = repo / "refs" / rev
         if not _is_inside(ref, repo / "refs") or not ref.is_file():
-            raise SourceError(f"revision {rev!r} of {hub_id!r} is not in the hub cache {cache}; {hint}")
+            raise SourceError(f"revision {rev!r} of {hub_id!r} not found in the hub cache {cache}; {hint}")
         commit = ref.read_text().strip()
         if not _COMMIT.match(commit):
             raise SourceError(f"hub cache ref {ref} does not hold a commit hash ({commit[:60]!r}); {hint}")
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        raise SourceError(f"snapshot {commit} of {hub_id!r} is missing from the hub cache {cache}; {hint}")
+        raise SourceError(f"snapshot {commit} of {hub_id!r} not found in the hub cache {cache}; {hint}")
     return snapshot, commit
 
 

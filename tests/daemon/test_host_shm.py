@@ -48,6 +48,12 @@ def test_sealed_fd_rejects_write_and_truncate(sealed_slab):
     fd = sealed_slab.export_fd()
     with pytest.raises(PermissionError):
         os.pwrite(fd, b"x", 0)
+    dup = os.dup(fd)
+    try:
+        with pytest.raises(PermissionError):
+            os.write(dup, b"x")
+    finally:
+        os.close(dup)
     with pytest.raises(PermissionError):
         os.ftruncate(fd, 0)
     with pytest.raises(PermissionError):
