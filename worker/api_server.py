@@ -157,15 +157,15 @@ class ApiServer:
                 return web.json_response(await serving.run(prep))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            # Leaving this block early (client gone: write raises, or the handler is
-            # cancelled) closes the generator, which aborts the engine requests.
-            async with contextlib.aclosing(serving.stream(prep)) as chunks:
-                async for chunk in chunks:
-                    await resp.write(chunk)
-            await resp.write_eof()
+            try:
+                # Leaving this block early (client gone: write raises, or the handler is
+                # cancelled) closes the generator, which aborts the engine requests.
+                async with contextlib.aclosing(serving.stream(prep)) as chunks:
+                    async for chunk in chunks:
+                        await resp.write(chunk)
+                await resp.write_eof()
+            except ConnectionError:
+                logger.info("client went away during %s; its requests were aborted", prep.request_id)
             return resp
-        except (ConnectionResetError, ConnectionError):
-            logger.info("client went away during %s; its requests were aborted", prep.request_id)
-            raise
         finally:
             self.state.num_http_in_flight -= 1

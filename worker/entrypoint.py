@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -114,10 +115,22 @@ def sd_notify(notify_socket: str | None, state: str) -> bool:
 
 
 def process_start_time() -> float:
-    """When this process started (unix time), from the kernel's record."""
-    import psutil
+    """When this process started (unix time), from the kernel's record.
 
-    return psutil.Process().create_time()
+    The process's age is /proc/uptime minus its start in clock ticks since boot (10 ms
+    resolution); psutil's create_time adds that to /proc/stat's boot time, which is whole
+    seconds and can put the start up to a second early.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process().create_time()
 
 
 class _Startup:
@@ -279,7 +292,8 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     except Exception as e:  # noqa: BLE001 - reported as one clear line, the process exits 1
         state.failed = str(e)
         stopper.cancel()
-        logger.error("resident serve could not start: %s", e, exc_info=not isinstance(e, (ValueError, RuntimeError, OSError)))
+        expected = isinstance(e, (ValueError, RuntimeError, OSError))  # they explain themselves
+        logger.error("resident serve could not start: %s", e, exc_info=not expected)
         await runner.cleanup()
         return 1
 

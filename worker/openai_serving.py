@@ -209,7 +209,8 @@ class OpenAIServing:
             body["choices"] = [{
                 "index": i,
                 "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
-                "logprobs": self._completion_logprobs(c.logprobs, 0, req.tokens_as_ids) if req.logprobs is not None else None,
+                "logprobs": (self._completion_logprobs(c.logprobs, 0, req.tokens_as_ids)
+                             if req.logprobs is not None else None),
                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
         body["usage"] = self._usage(prep, choices)
         return body
