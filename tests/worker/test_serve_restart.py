@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -93,9 +94,14 @@ def _stream(base: str, body: dict, chunks: list, started: threading.Event) -> No
 
 def test_auto_without_daemon_serves_locally_and_sigterm_drains(short_tmp, tmp_path):
     model = servable_tiny_model(tmp_path / "llama", "llama")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short_tmp / "notify"))
+    notify.settimeout(30)
     w = start_serve(model, tmp_path / "w.log", "--preload", "auto", "--socket", str(short_tmp / "none.sock"),
-                    "--max-model-len", "512", "--drain-timeout", "60")
+                    "--max-model-len", "512", "--drain-timeout", "60",
+                    env=serve_env(NOTIFY_SOCKET=str(short_tmp / "notify")))
     try:
+        assert notify.recv(4096) == b"READY=1"  # systemd hears about readiness
         assert metric(w.base_url, "resident_worker_info", f'model="{MODEL_NAME}",weights_source="local"') == 1
         assert "no preload daemon" in w.log_path.read_text()
         assert _completion(w.base_url)
@@ -111,6 +117,7 @@ def test_auto_without_daemon_serves_locally_and_sigterm_drains(short_tmp, tmp_pa
         reader.join(120)
         assert not reader.is_alive()
         assert w.proc.wait(60) == 0
+        assert notify.recv(4096) == b"STOPPING=1"
         assert chunks[-1][1] == b"[DONE]"
         events = [json.loads(c) for _, c in chunks[:-1]]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
@@ -118,3 +125,4 @@ def test_auto_without_daemon_serves_locally_and_sigterm_drains(short_tmp, tmp_pa
         assert "stopped" in w.log_path.read_text()
     finally:
         stop_serve(w)
+        notify.close()
