@@ -156,6 +156,8 @@ class OpenAIServing:
                 i, item = await queue.get()
                 if item is done:
                     remaining -= 1
+                elif isinstance(item, ValueError) and not isinstance(item, RequestError):
+                    raise RequestError(str(item)) from item  # the engine refused the request
                 elif isinstance(item, BaseException):
                     raise item
                 else:
