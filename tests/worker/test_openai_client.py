@@ -60,6 +60,17 @@ def test_chat_usage_and_max_tokens(client, tokenizer):
     assert r2.usage.completion_tokens == 3
 
 
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                       top_logprobs=2, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5)  # greedy picks the top
+
+
 def test_chat_stream_matches_non_stream(client):
     full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, **GREEDY)
     stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, stream=True,
