@@ -1,0 +1,138 @@
+"""Sampler behaviour: greedy, temperature, truncation, seeds, penalties, logprobs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from resident.worker.layers.sampler import Sampler, SamplingRow, apply_penalties, truncation_mask
+from resident.worker.sampling_params import SamplingParams
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def row(prompt=(), output=(), generator=None, **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), list(prompt), list(output), generator)
+
+
+def frequencies(sampler: Sampler, logits: torch.Tensor, n: int, **params) -> torch.Tensor:
+    out = sampler(logits.expand(n, -1), [row(**params) for _ in range(n)])
+    return torch.bincount(torch.tensor(out.token_ids), minlength=logits.shape[-1]).float() / n
+
+
+def test_greedy_is_argmax_and_reports_raw_logprobs() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler(seed=0)(logits, [row(temperature=0.0, logprobs=5)] * 3)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    raw = logits.log_softmax(-1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(raw[i, lp.token_id].item(), abs=1e-6)
+        assert [t for t, _ in lp.top] == raw[i].topk(5).indices.tolist()
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+
+
+def test_logprobs_sum_to_one_over_the_vocabulary_and_none_when_not_asked() -> None:
+    logits = torch.randn(2, 12, generator=torch.Generator().manual_seed(1))
+    out = Sampler(seed=0)(logits, [row(temperature=1.0, logprobs=12, repetition_penalty=1.5, prompt=[1, 2]),
+                                   row(temperature=0.7)])
+    top = out.logprobs[0].top
+    assert len(top) == 12 and math.fsum(math.exp(v) for _, v in top) == pytest.approx(1.0, abs=1e-5)
+    # the chosen token's logprob is the raw model's, not the penalized/tempered one
+    assert out.logprobs[0].logprob == pytest.approx(dict(top)[out.token_ids[0]], abs=1e-6)
+    assert out.logprobs[1] is None
+    zero = Sampler(seed=0)(logits[:1], [row(temperature=0.0, logprobs=0)])
+    assert zero.logprobs[0].top == [] and zero.logprobs[0].token_id == int(logits[0].argmax())
+
+
+def test_temperature_sampling_follows_the_tempered_distribution() -> None:
+    sampler = Sampler(seed=0)
+    for temperature in (1.0, 0.5):
+        want = torch.softmax(LOGITS / temperature, -1)
+        got = frequencies(sampler, LOGITS, 20000, temperature=temperature)
+        assert (got - want).abs().max() < 0.015, (temperature, got, want)
+
+
+def test_top_k_top_p_min_p_remove_the_right_tokens() -> None:
+    x = LOGITS[None]
+    k = lambda v: torch.tensor([v])                       # noqa: E731
+    p = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
+    kept = lambda m: (~m[0]).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(truncation_mask(x, k(2), p(1.0), p(0.0))) == [0, 1]
+    assert kept(truncation_mask(x, k(0), p(0.75), p(0.0))) == [0, 1]       # 0.5 + 0.3 reaches 0.75
+    assert kept(truncation_mask(x, k(0), p(0.85), p(0.0))) == [0, 1, 2]
+    assert kept(truncation_mask(x, k(0), p(0.1), p(0.0))) == [0]           # the top token always stays
+    assert kept(truncation_mask(x, k(0), p(1.0), p(0.2))) == [0, 1, 2]     # >= 0.2 * 0.5
+    assert kept(truncation_mask(x, k(0), p(1.0), p(0.7))) == [0]
+    # top-p applies to what top-k left (renormalized): top-2 gives [0.625, 0.375]
+    assert kept(truncation_mask(x, k(2), p(0.6), p(0.0))) == [0]
+
+
+def test_truncated_sampling_draws_only_kept_tokens_renormalized() -> None:
+    sampler = Sampler(seed=1)
+    got = frequencies(sampler, LOGITS, 20000, temperature=1.0, top_k=2)
+    assert got[2:].sum() == 0
+    assert got[0].item() == pytest.approx(0.625, abs=0.015)
+    got = frequencies(sampler, LOGITS, 20000, temperature=1.0, min_p=0.2)
+    assert got[3] == 0 and got[2].item() == pytest.approx(0.15 / 0.95, abs=0.015)
+    got = frequencies(sampler, LOGITS, 5000, temperature=1.0, top_p=0.75)
+    assert got[2:].sum() == 0
+
+
+def _seeded_run(steps: int, seed: int, position: int, batch: int, sampler_seed: int) -> list[int]:
+    """Draw `steps` tokens for one seeded request placed at `position` among `batch` others."""
+    logits = torch.zeros(batch, 1000)          # flat: every token equally likely
+    g = torch.Generator().manual_seed(seed)
+    sampler = Sampler(seed=sampler_seed)
+    others = [torch.Generator().manual_seed(1000 + i) for i in range(batch)]
+    tokens = []
+    for _ in range(steps):
+        rows = [row(temperature=1.0, generator=others[i] if i % 2 else None) for i in range(batch)]
+        rows[position] = row(temperature=1.0, top_p=0.99, generator=g)
+        tokens.append(sampler(logits, rows).token_ids[position])
+    return tokens
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    alone = _seeded_run(6, seed=42, position=0, batch=1, sampler_seed=0)
+    assert _seeded_run(6, seed=42, position=3, batch=5, sampler_seed=9) == alone
+    assert _seeded_run(6, seed=42, position=1, batch=8, sampler_seed=3) == alone
+    assert _seeded_run(6, seed=43, position=0, batch=1, sampler_seed=0) != alone
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    out = apply_penalties(logits, [row(prompt=[0], output=[1, 1], repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 0.5]]
+    assert logits.tolist() == [[2.0, -2.0, 1.0, -1.0, 0.5]]      # input untouched
+
+
+def test_presence_and_frequency_penalties_openai_semantics() -> None:
+    logits = torch.zeros(2, 6)
+    rows = [row(prompt=[4, 4], output=[3, 3, 5], presence_penalty=0.5, frequency_penalty=0.25), row()]
+    out = apply_penalties(logits, rows)
+    assert out[0].tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, -0.75]   # prompt tokens (4) not penalized
+    assert out[1].tolist() == [0.0] * 6
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert Sampler(seed=0)(logits, [row(temperature=0.0)]).token_ids == [0]
+    assert Sampler(seed=0)(logits, [row(temperature=0.0, output=[0], frequency_penalty=0.5)]).token_ids == [1]
+    assert Sampler(seed=0)(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=1.2)]).token_ids == [1]
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
+    rows = [row(temperature=0.0), row(temperature=1.5), row(temperature=0.0, top_k=3), row(temperature=0.3, seed=1)]
+    for _ in range(20):
+        out = Sampler()(logits, rows).token_ids
+        assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+
+
+def test_sampler_rejects_shape_mismatch() -> None:
+    with pytest.raises(ValueError, match="for 2 rows"):
+        Sampler()(torch.zeros(3, 5), [row(), row()])
