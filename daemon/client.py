@@ -78,6 +78,7 @@ class AttachedModel:
     config: dict
     attach_s: float
     slabs: list[Any] = field(default_factory=list, repr=False)  # uint8 tensors owning the mappings
+    table: Any = field(default=None, repr=False)  # the validated TensorTable (for sampled checksum checks)
 
 
 class Client:
@@ -182,7 +183,8 @@ class Client:
                     os.close(fd)
             if [s.index for s in sorted(reply.slabs, key=lambda s: s.index)] != list(range(len(slabs))):
                 raise DaemonError("the daemon described slabs with non-contiguous indices")
-            tensors = TensorTable.from_proto(reply.tensors).views(slabs)
+            table = TensorTable.from_proto(reply.tensors)
+            tensors = table.views(slabs)
             if verify_checksums:
                 for entry in reply.tensors:
                     if entry.crc32 and crc32_of(tensors[entry.name]) != entry.crc32:
@@ -195,7 +197,7 @@ class Client:
             raise
         return AttachedModel(lease_id=reply.lease_id, info=reply.model, tensors=tensors,
                              config=json.loads(reply.model.config_json or "{}"),
-                             attach_s=time.perf_counter() - start, slabs=slabs)
+                             attach_s=time.perf_counter() - start, slabs=slabs, table=table)
 
     def _fetch_fds(self, lease_id: str, num_slabs: int) -> dict[int, int]:
         reply, fds = self._fd_call(fpb.FdRequest(fetch_fds=fpb.FetchFds(lease_id=lease_id)), want_fds=True)

@@ -15,7 +15,6 @@ tensor table and the same tensors. `open_store` picks one according to `--preloa
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 import os
 import random
@@ -117,18 +116,10 @@ class RemoteStore(WeightStore):
     source = "daemon"
 
     def __init__(self, client: Any, model_key: str, model_dir: str) -> None:
-        # The client's AttachedModel carries no tensor table (docs/internals.md's contract
-        # lists none), so the per-tensor CRC-32s are not available for a sampled check here:
-        # ask the client to check every tensor at attach instead. With a `table` attribute
-        # (a later client), verify() does the sampled check.
-        from resident.daemon.client import AttachedModel
-
-        full_check = "table" not in {f.name for f in dataclasses.fields(AttachedModel)}
-        attached = client.attach(model_key, expected_key=model_key, verify_checksums=full_check)
+        attached = client.attach(model_key, expected_key=model_key)
         self._client = client
         self.lease_id = attached.lease_id
-        table = getattr(attached, "table", None)
-        self.table = table if isinstance(table, TensorTable) else None
+        self.table = attached.table
         self.tensors = attached.tensors
         self.config = dict(attached.config)
         self.model_key = model_key
@@ -136,13 +127,8 @@ class RemoteStore(WeightStore):
         self.bytes_read_from_disk = 0
         self.attach_s = attached.attach_s
         self.num_tensors = len(attached.tensors)
-        logger.info("attached %s from the preload daemon in %.3f s (lease %s%s)", model_key[:16],
-                    attached.attach_s, attached.lease_id, ", all checksums verified" if full_check else "")
-
-    def verify(self, sample: int = 16) -> int:
-        if self.table is None:  # every tensor was checked by the client at attach
-            return self.num_tensors
-        return super().verify(sample)
+        logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
+                    attached.attach_s, attached.lease_id)
 
     def close(self) -> None:
         self.tensors = {}

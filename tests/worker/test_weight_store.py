@@ -11,6 +11,7 @@ import torch
 import resident.daemon.client as client_module
 from resident.daemon.errors import DaemonUnavailable, NotFound, PermissionDenied
 from resident.daemon.loader import LoadSpec, key_for
+from resident.daemon.tensor_table import TensorEntry, TensorTable, crc32_of
 from resident.worker import weight_store
 from resident.worker.weight_store import (ChecksumMismatch, LocalStore, RemoteStore, WeightStoreError,
                                           open_store)
@@ -42,8 +43,10 @@ class FakeClient:
         self.calls.append(("attach", model, expected_key))
         if model not in FakeClient.holds:
             raise NotFound(f"no model {model}")
-        return SimpleNamespace(lease_id="L1", info=None, tensors={"w": torch.zeros(2)}, config={"a": 1},
-                               attach_s=0.001)
+        w = torch.zeros(2)
+        table = TensorTable([TensorEntry("w", "float32", (2,), (1,), 0, 0, 8, crc32_of(w))])
+        return SimpleNamespace(lease_id="L1", info=None, tensors={"w": w}, config={"a": 1},
+                               attach_s=0.001, table=table)
 
     def load(self, model, name="", dtype="auto", quantization="none", revision=""):
         self.calls.append(("load", model, dtype, quantization))
