@@ -125,11 +125,13 @@ class LLMEngine:
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
         # A stop token's own text is shown only with include_stop_str_in_output.
-        if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output) \
-                and status is None:
+        stop_string = state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output)
+        if stop_string:
             status = RequestStatus.FINISHED_STOPPED
-        if status is None and request.num_output_tokens >= request.max_output_tokens:
+        elif status is None and request.num_output_tokens >= request.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH
+        if status is not None and not stop_string and state.flush():
+            status = RequestStatus.FINISHED_STOPPED  # the released tail completed a stop string
         if status is not None:
             self.scheduler.finish_request(rid, status)
             del self._states[rid]

@@ -15,6 +15,8 @@ from resident.worker.request import Request, RequestOutput, TokenLogprob
 
 
 class Detokenizer(Protocol):
+    """worker/detokenizer.py's IncrementalDetokenizer; finish() is optional."""
+
     def step(self, token_id: int) -> str: ...
 
 
@@ -30,8 +32,8 @@ class OutputState:
         self.detokenizer = detokenizer
         self.stop = list(params.stop)
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
-        hold = 0 if params.include_stop_str_in_output or not self.stop else self.max_stop_len - 1
-        self.num_held_chars = hold
+        # With include_stop_str_in_output the stop string is shown anyway: nothing to hold.
+        self.hold_back = bool(self.stop) and not params.include_stop_str_in_output
         self.include_stop = params.include_stop_str_in_output
         self.text = ""  # generated text so far (cut at the stop string once one matched)
         self.num_sent_chars = 0
@@ -42,7 +44,15 @@ class OutputState:
         """Extend the text by token_id; True when that completes a stop string."""
         if self.detokenizer is None or not detokenize:
             return False
-        new_text = self.detokenizer.step(token_id)
+        return self._append_text(self.detokenizer.step(token_id))
+
+    def flush(self) -> bool:
+        """At the end of generation: append what the detokenizer still held back (a trailing
+        incomplete character, rendered as the full decode renders it). True on a stop string."""
+        finish = getattr(self.detokenizer, "finish", None)
+        return self._append_text(finish()) if finish is not None else False
+
+    def _append_text(self, new_text: str) -> bool:
         if not new_text:
             return False
         num_old = len(self.text)
@@ -62,11 +72,21 @@ class OutputState:
         self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
         return True
 
+    def _num_held_chars(self) -> int:
+        """Length of the longest end of the text that begins a stop string."""
+        if not self.hold_back:
+            return 0
+        for n in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
     def make_output(self) -> RequestOutput:
         """Everything new since the last output (text held back while a stop string may be forming)."""
         request = self.request
         finished = request.is_finished
-        end = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self.num_held_chars)
+        end = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self._num_held_chars())
         new_text = self.text[self.num_sent_chars:end]
         self.num_sent_chars = end
         new_tokens = request.output_token_ids[self.num_sent_tokens:]

@@ -85,6 +85,9 @@ def test_prefix_hit_covers_full_blocks_only_and_never_the_whole_sequence():
     # Block 2's tokens after a different prefix: the chained hash must not match.
     other_prefix = make_request("e", [9, 9, 9, 9, 4, 5, 6, 7, 8, 9, 10, 11, 1])
     assert bm.get_computed_blocks(other_prefix)[1] == 0
+    # Cached blocks in another order are other prefixes: no hit at all.
+    swapped = make_request("f", [4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 1])
+    assert bm.get_computed_blocks(swapped)[1] == 0
 
 
 def test_shared_blocks_are_ref_counted():
