@@ -15,7 +15,9 @@ Order within a step:
      a preempted request whose blocks were not evicted yet) are admitted before requests
      with no cache hit; within each class, in queue order (preempted requests first, then
      arrival order). Admission stops at the first request that does not get its blocks, so
-     a large request is not overtaken indefinitely by smaller ones of its class.
+     a large request is not overtaken indefinitely by smaller ones of its class. (A request
+     with no cache hit can wait behind a steady stream of requests with one: cheap
+     admissions first is the point of the rule.)
 """
 from __future__ import annotations
 
