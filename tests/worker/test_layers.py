@@ -181,11 +181,16 @@ def _dense_reference(q, k, v, scale, window=None):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_equals_dense_causal_attention(window: int | None) -> None:
+@pytest.mark.parametrize("cached", [
+    [0, 3, 9, 0, 21],       # prefill, chunked prefill and decode mixed in one batch
+    [0, 6, 12, 3, 21],      # decodes only (batched), one of them the first token of its sequence
+])
+def test_paged_attention_equals_dense_causal_attention(window: int | None, cached: list[int]) -> None:
+    """Tokens already in the cache are written by an earlier step; the cache starts as NaN,
+    so any read outside a sequence's own slots would show."""
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, block_size, num_blocks = 6, 2, 16, 4, 40
     lens = [1, 7, 13, 4, 22]            # odd lengths, one single-token sequence
-    cached = [0, 3, 9, 0, 21]           # tokens already in the cache (chunked prefill / decode)
     blocks = list(range(num_blocks))
     random.Random(1).shuffle(blocks)
     tables, used = [], 0

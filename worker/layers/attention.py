@@ -6,7 +6,8 @@ seq_lens[i] - 1`. The KV cache of a layer is `[2, num_blocks, block_size, num_kv
 head_dim]`; token slot s lives at block s // block_size, offset s % block_size. Each step
 first writes the new keys/values at `slot_mapping`, then every query attends causally to
 its sequence's whole context gathered through the sequence's block table (prefill, chunked
-prefill and decode are the same computation). Scores and softmax are computed in float32.
+prefill and decode are the same computation; single-token queries are batched together).
+Scores and softmax are computed in float32.
 """
 from __future__ import annotations
 
@@ -90,17 +91,57 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out.transpose(0, 1).to(q.dtype)
 
 
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Single-token queries of b sequences at once: q [b, Hq, D] -> [b, Hq, D] (float32 math).
+
+    Contexts are gathered padded to the longest; padded and out-of-window keys are masked
+    (their keys and values zeroed too, so stale cache contents never reach the output).
+    """
+    b, hq, d = q.shape
+    block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    max_len = max(seq_lens)
+    tables = block_tables[:, : -(-max_len // block_size)]
+    k = kv_cache[0][tables].flatten(1, 2)[:, :max_len].to(torch.float32)   # [b, L, Hkv, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :max_len].to(torch.float32)
+    lens = torch.tensor(seq_lens, device=q.device)
+    k_pos = torch.arange(max_len, device=q.device)
+    q_pos = lens - 1
+    allowed = k_pos[None, :] <= q_pos[:, None]                               # [b, L]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    # Zero what is masked: stale or garbage cache slots must not turn into NaN (NaN - inf).
+    hidden = ~allowed[:, :, None, None]
+    k, v = k.masked_fill(hidden, 0.0), v.masked_fill(hidden, 0.0)
+    out = F.scaled_dot_product_attention(
+        q.to(torch.float32)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True)           # [b, Hq, 1, D]
+    return out[:, :, 0, :].to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Write k/v of this step into the cache, then attend. q [T, Hq, D] -> [T, Hq, D]."""
+    """Write k/v of this step into the cache, then attend. q [T, Hq, D] -> [T, Hq, D].
+
+    Sequences with one query token (decodes) are attended in one batched call; longer
+    chunks (prefill) one sequence at a time.
+    """
     if q.shape[0] != meta.num_tokens or k.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
+    if q.shape[1] % kv_cache.shape[3]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} kv heads")
     write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+    singles = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+    if singles:
+        rows = torch.tensor(singles, device=q.device)
+        tokens = torch.tensor([qsl[i] for i in singles], device=q.device)
+        out[tokens] = decode_attention(q[tokens], kv_cache, meta.block_tables[rows], [lens[i] for i in singles],
+                                       scale, sliding_window)
     for i in range(meta.num_seqs):
         start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
-        if end == start:
+        if end - start <= 1:
             continue
         keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
         k_pos = torch.arange(seq_len, device=q.device)
