@@ -98,8 +98,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     Contexts are gathered padded to the longest; padded and out-of-window keys are masked
     (their keys and values zeroed too, so stale cache contents never reach the output).
     """
-    b, hq, d = q.shape
-    block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
     max_len = max(seq_lens)
     tables = block_tables[:, : -(-max_len // block_size)]
     k = kv_cache[0][tables].flatten(1, 2)[:, :max_len].to(torch.float32)   # [b, L, Hkv, D]
