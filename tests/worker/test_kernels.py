@@ -1,0 +1,374 @@
+"""Each Triton kernel against its PyTorch reference, in Triton's CPU interpreter (float32, float16).
+
+Triton decides at import time whether its kernels are interpreted (TRITON_INTERPRET=1),
+and that must not leak into the GPU tests of the same pytest process, so the kernel cases
+run in one subprocess (this file run as a script) and each pytest test reports one case.
+bfloat16 does not compute correctly in the interpreter: it is covered by test_kernels_gpu.py.
+The fp8 linear and the dispatch registry need no Triton and run in-process.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kernel_batches import make_paged_batch  # noqa: E402
+
+from resident.worker.config import RopeConfig  # noqa: E402
+from resident.worker.kernels import reference as ref  # noqa: E402
+from resident.worker.layers import activation as layer_activation  # noqa: E402
+from resident.worker.layers.attention import paged_attention as layer_paged_attention  # noqa: E402
+from resident.worker.layers.norm import RMSNorm  # noqa: E402
+from resident.worker.layers.rotary import RotaryEmbedding, compute_inv_freq  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# Tolerances against the float32-math reference: attention casts probabilities to the
+# cache dtype for P @ V (as flash attention does); elementwise kernels differ by ulps.
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    cases: dict[str, Callable[[], None]] = {}
+    for dname, dtype in DTYPES.items():
+        for name, fn in (("rms_norm", _rms_norm), ("fused_add_rms_norm", _fused_add_rms_norm),
+                         ("silu_and_mul", _silu_and_mul), ("rotary_kv_write", _rotary_kv_write),
+                         ("attention_mixed_batch", _attention_mixed), ("attention_gqa_shapes", _attention_shapes),
+                         ("attention_sliding_window", _attention_window), ("decode_split_k", _decode_split_k),
+                         ("decode_ignores_garbage_slots", _decode_garbage)):
+            cases[f"{name}[{dname}]"] = (lambda fn=fn, dtype=dtype: fn(dtype))
+    cases["validation_errors"] = _validation_errors
+    cases["static_decode_metadata[float32]"] = _static_decode
+    return cases
+
+
+# --- the cases (run in the interpreter subprocess) --------------------------------------------
+def _rms_norm(dtype: torch.dtype) -> None:
+    from resident.worker.kernels import rmsnorm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    torch.testing.assert_close(rmsnorm.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), atol=ATOL[dtype], rtol=0)
+    # Qwen3's per-head q norm: [T, H, D] views of a wider fused qkv row, hidden not a power of 2.
+    qkv = torch.randn(5, 3 * 4 * 24, generator=g).to(dtype)
+    q = qkv[:, : 4 * 24].view(5, 4, 24)
+    wq = torch.randn(24, generator=g).to(dtype)
+    got = rmsnorm.rms_norm(q, wq, 1e-5)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, ref.rms_norm(q, wq, 1e-5), atol=ATOL[dtype] * 4, rtol=0)
+    # A float32 weight promotes the output, as the reference's `weight * h` does.
+    got32 = rmsnorm.rms_norm(x, w.float(), 1e-6)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, ref.rms_norm(x, w.float(), 1e-6), atol=ATOL[dtype], rtol=0)
+
+
+def _fused_add_rms_norm(dtype: torch.dtype) -> None:
+    from resident.worker.kernels import rmsnorm
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 130, generator=g).to(dtype)
+    r = torch.randn(2, 3, 130, generator=g).to(dtype)
+    w = torch.randn(130, generator=g).to(dtype)
+    x0, r0 = x.clone(), r.clone()
+    out, res = rmsnorm.fused_add_rms_norm(x, r, w, 1e-6)
+    want_out, want_res = RMSNorm(w, 1e-6)(x, r)
+    assert torch.equal(res, want_res), "the new residual must be exactly x + residual in the activation dtype"
+    torch.testing.assert_close(out, want_out, atol=ATOL[dtype] * 4, rtol=0)
+    assert torch.equal(x, x0) and torch.equal(r, r0), "inputs must be left untouched"
+
+
+def _silu_and_mul(dtype: torch.dtype) -> None:
+    from resident.worker.kernels import activation
+
+    g = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(3, 4, 2 * 1100, generator=g)).to(dtype)   # I = 1100 spans two column blocks
+    got = activation.silu_and_mul(x)
+    assert got.shape == (3, 4, 1100)
+    torch.testing.assert_close(got, layer_activation.silu_and_mul(x), atol=ATOL[dtype] * 4, rtol=1e-3)
+    try:
+        activation.silu_and_mul(x[..., :-1])
+    except ValueError as e:
+        assert "even" in str(e)
+    else:
+        raise AssertionError("an odd last dimension must be refused")
+
+
+def _rotary_kv_write(dtype: torch.dtype) -> None:
+    from resident.worker.kernels import rotary
+
+    hq, hkv, d, bs = 6, 2, 24, 4
+    rope = RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=32)
+    batch = make_paged_batch([5, 1, 3], [0, 9, 30], num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, seed=4)
+    t = batch.meta.num_tokens
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)     # strided views, as the runner has them
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    table = ref.build_cos_sin_cache(compute_inv_freq(rope, d), 64, dtype)
+    slots = batch.meta.slot_mapping.clone()
+    slots[2] = -1                                                 # a padded token: not cached
+    cache = batch.kv_cache.clone()
+    q_rot = rotary.rotary_kv_write(batch.positions, q, k, v, table, cache, slots)
+
+    want_q, want_k = RotaryEmbedding(rope, d)(batch.positions, q, k)
+    assert torch.equal(q_rot, want_q), "rotated q must be bit-identical to RotaryEmbedding"
+    want_cache = batch.kv_cache.clone()
+    keep = slots >= 0
+    flat = want_cache.view(2, -1, hkv, d)
+    flat[0, slots[keep]] = want_k[keep]
+    flat[1, slots[keep]] = v[keep]
+    assert torch.equal(cache, want_cache), "the cache must hold exactly the rotated keys and the values, nowhere else"
+
+
+def _attend_both(batch, q: torch.Tensor, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from resident.worker.kernels import paged_attention
+
+    got = paged_attention.paged_attention(q, batch.kv_cache, batch.meta, scale, window)
+    # The reference writes this step's k/v first: hand it the values already in their slots.
+    flat = batch.kv_cache.view(2, -1, *batch.kv_cache.shape[3:])
+    k, v = flat[0][batch.meta.slot_mapping], flat[1][batch.meta.slot_mapping]
+    want = layer_paged_attention(q, k, v, batch.kv_cache.clone(), batch.meta, scale, window)
+    return got, want
+
+
+def _attention_mixed(dtype: torch.dtype) -> None:
+    # A fresh prefill, a chunk over cached context, decodes, and a chunk longer than one query tile.
+    hq, hkv, d = 8, 2, 32
+    batch = make_paged_batch([9, 1, 6, 1, 20], [0, 37, 11, 1, 70], num_kv_heads=hkv, head_dim=d, block_size=16,
+                             dtype=dtype, seed=6)
+    q = torch.randn(batch.meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(7)).to(dtype)
+    got, want = _attend_both(batch, q, d ** -0.5, None)
+    torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
+
+
+def _attention_shapes(dtype: torch.dtype) -> None:
+    # GQA group of 3 (not a power of 2), MHA, MQA; head_dim 24 (masked), block sizes 1 and 8.
+    for hq, hkv, d, bs in ((9, 3, 24, 8), (4, 4, 16, 1), (8, 1, 32, 8)):
+        batch = make_paged_batch([3, 1, 17], [5, 12, 0], num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype,
+                                 seed=hq + bs)
+        q = torch.randn(batch.meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(8)).to(dtype)
+        got, want = _attend_both(batch, q, d ** -0.5, None)
+        torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{(hq, hkv, d, bs)}: {m}")
+
+
+def _attention_window(dtype: torch.dtype) -> None:
+    hq, hkv, d = 4, 2, 16
+    for q_lens, ctx in (([7, 1, 12], [20, 30, 3]), ([1, 1], [40, 2])):   # mixed, then decode-only
+        batch = make_paged_batch(q_lens, ctx, num_kv_heads=hkv, head_dim=d, block_size=4, dtype=dtype, seed=9)
+        q = torch.randn(batch.meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(10)).to(dtype)
+        got, want = _attend_both(batch, q, 0.3, 6)
+        torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
+
+
+def _decode_split_k(dtype: torch.dtype) -> None:
+    from resident.worker.kernels import paged_attention
+
+    hq, hkv, d = 8, 2, 32
+    batch = make_paged_batch([1, 1, 1, 1], [0, 63, 64, 300], num_kv_heads=hkv, head_dim=d, block_size=16,
+                             dtype=dtype, seed=11)
+    q = torch.randn(4, hq, d, generator=torch.Generator().manual_seed(12)).to(dtype)
+    _, want = _attend_both(batch, q, d ** -0.5, None)
+    for splits in (1, 2, 5, 8):   # more splits than key tiles leaves some splits empty
+        got = paged_attention.decode_attention(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                                               d ** -0.5, num_splits=splits)
+        torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{splits} splits: {m}")
+
+
+def _decode_garbage(dtype: torch.dtype) -> None:
+    # Slots past each context (block tails, spare blocks, padded table entries) hold NaN.
+    hq, hkv, d = 8, 2, 32
+    for q_lens, ctx in (([1, 1, 1], [4, 20, 33]), ([1, 5], [8, 13])):
+        batch = make_paged_batch(q_lens, ctx, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=13,
+                                 nan_unused=True)
+        q = torch.randn(batch.meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(14)).to(dtype)
+        got, want = _attend_both(batch, q, d ** -0.5, None)
+        assert bool(torch.isfinite(got).all()), "stale cache contents leaked into the output"
+        torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0)
+
+
+def _static_decode() -> None:
+    """CUDA-graph decode metadata: no host copies, block tables as wide as max_model_len."""
+    import dataclasses
+
+    from resident.worker.kernels import paged_attention
+    from resident.worker.layers.attention import AttentionMetadata
+
+    if "static_decode" not in {f.name for f in dataclasses.fields(AttentionMetadata)}:
+        raise _Skip("AttentionMetadata has no static_decode field in this tree")
+    hq, hkv, d, bs = 8, 2, 32, 4
+    batch = make_paged_batch([1, 1, 1], [6, 0, 50], num_kv_heads=hkv, head_dim=d, block_size=bs,
+                             dtype=torch.float32, seed=15, nan_unused=True)
+    m = batch.meta
+    wide = torch.zeros(3, 40, dtype=torch.int64)        # 160 positions of max_model_len
+    wide[:, : m.block_tables.shape[1]] = m.block_tables
+    static = AttentionMetadata(slot_mapping=m.slot_mapping, query_start_loc=m.query_start_loc, seq_lens=m.seq_lens,
+                               block_tables=wide, static_decode=True)
+    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(16))
+    got = paged_attention.paged_attention(q, batch.kv_cache, static, d ** -0.5)
+    _, want = _attend_both(batch, q, d ** -0.5, None)
+    torch.testing.assert_close(got, want, atol=ATOL[torch.float32], rtol=0)
+
+
+def _validation_errors() -> None:
+    from resident.worker.kernels import paged_attention, rmsnorm
+
+    batch = make_paged_batch([1], [3], num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    q = torch.randn(1, 4, 16, dtype=torch.float16)
+    for call, words in (
+        (lambda: paged_attention.paged_attention(q, batch.kv_cache, batch.meta, 1.0), "must match"),
+        (lambda: paged_attention.paged_attention(torch.randn(1, 3, 16), batch.kv_cache, batch.meta, 1.0), "multiple"),
+        (lambda: rmsnorm.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-6), "contiguous"),
+        (lambda: rmsnorm.rms_norm(torch.randn(4, 8), torch.ones(7), 1e-6), "does not match"),
+    ):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            assert words in str(e), f"error {e!r} should say {words!r}"
+        else:
+            raise AssertionError(f"expected an error mentioning {words!r}")
+
+
+# --- the subprocess and its pytest face ---------------------------------------------------
+class _Skip(Exception):
+    """A case that cannot run in this tree; reported as a pytest skip with its reason."""
+
+
+def _install_interpreter_numpy_shim() -> None:
+    """Triton 3.6's interpreter turns scalars into Python ints with int(ndarray), which numpy >= 2.4
+    refuses for the 1-element arrays it uses, so a loop bounded by a loaded value fails there
+    (compiled kernels are unaffected). Read the element instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _run_cases(out_path: str) -> None:
+    _install_interpreter_numpy_shim()
+    results = {}
+    for name, fn in _cases().items():
+        try:
+            fn()
+            results[name] = "ok"
+        except _Skip as e:
+            results[name] = f"skip: {e}"
+        except Exception:  # noqa: BLE001 - reported back to the pytest test of this case
+            results[name] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tmp_path_factory) -> dict[str, str]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: the Triton kernels cannot be tested (pip install triton)")
+    out = tmp_path_factory.mktemp("kernels") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"the interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_kernel_matches_reference_in_interpreter(case: str, interpreted_results: dict[str, str]) -> None:
+    result = interpreted_results.get(case, "case did not run")
+    if result.startswith("skip: "):
+        pytest.skip(result.removeprefix("skip: "))
+    assert result == "ok", f"{case}:\n{result}"
+
+
+# --- in-process: fp8 (torch._scaled_mm, no Triton) and the registry ------------------------------
+def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = 0.05 * torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    scale = (w.abs().amax() / 448.0).to(torch.float32)
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_reference(dtype: torch.dtype, bias: bool) -> None:
+    from resident.worker.kernels import fp8
+
+    w, s = _fp8_weight(48, 64, 0)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    b = torch.randn(48).to(dtype) if bias else None
+    try:
+        got = fp8.fp8_linear(x, w, s, b)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build ({e}); covered on GPU")
+    assert got.shape == (2, 5, 48) and got.dtype == dtype
+    torch.testing.assert_close(got, ref.fp8_linear(x, w, s, b), atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_fp8_linear_unaligned_shape_uses_reference_math() -> None:
+    from resident.worker.kernels import fp8
+
+    w, s = _fp8_weight(24, 40, 2)           # 40 and 24 are not multiples of 16
+    x = torch.randn(3, 40)
+    assert torch.equal(fp8.fp8_linear(x, w, s), ref.fp8_linear(x, w, s))
+    with pytest.raises(ValueError, match="row-major"):
+        fp8.fp8_linear(torch.randn(3, 24), w.t(), s)
+
+
+def test_get_kernels_rejects_unknown_backend_listing_valid_ones() -> None:
+    from resident.worker.kernels.dispatch import get_kernels
+
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        get_kernels("cpu", "cuda-magic")
+
+
+def test_get_kernels_on_cpu(monkeypatch) -> None:
+    from resident.worker.kernels.dispatch import get_kernels, triton_available
+
+    assert get_kernels("cpu").backend == "torch"
+    assert get_kernels("cpu", "torch").backend == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    with pytest.raises(ValueError, match="CUDA devices"):
+        get_kernels("cpu", "triton")
+
+
+def test_torch_backend_is_the_reference_layers() -> None:
+    """The torch backend run as the engine would (rotary + cache write, then attention) equals
+    RotaryEmbedding + the reference paged_attention."""
+    from resident.worker.kernels.dispatch import get_kernels
+
+    k = get_kernels("cpu", "torch")
+    hq, hkv, d = 4, 2, 16
+    rope = RopeConfig(theta=10000.0)
+    batch = make_paged_batch([4, 1], [0, 9], num_kv_heads=hkv, head_dim=d, block_size=4, dtype=torch.float32)
+    t = batch.meta.num_tokens
+    g = torch.Generator().manual_seed(3)
+    q, kk, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    table = ref.build_cos_sin_cache(compute_inv_freq(rope, d), 32, torch.float32)
+    cache = batch.kv_cache.clone()
+    out = k.paged_attention(k.rotary_kv_write(batch.positions, q, kk, v, table, cache, batch.meta.slot_mapping),
+                            cache, batch.meta, d ** -0.5)
+    qr, kr = RotaryEmbedding(rope, d)(batch.positions, q, kk)
+    want = layer_paged_attention(qr, kr, v, batch.kv_cache.clone(), batch.meta, d ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    x = torch.randn(3, 16)
+    assert torch.equal(k.silu_and_mul(x), layer_activation.silu_and_mul(x))
+
+
+if __name__ == "__main__":
+    _run_cases(sys.argv[1])

@@ -1,0 +1,29 @@
+"""Checks shared by the kernel wrappers (nano-vllm style: assert layout before launch)."""
+from __future__ import annotations
+
+import torch
+
+#: Activation dtypes the kernels accept (bf16 computes correctly only on a real GPU, not
+#: in Triton's CPU interpreter).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} is {t.dtype}; the kernels take float16, bfloat16 or float32")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} {tuple(t.shape)} must have a contiguous last dimension (stride {t.stride()}); "
+                         f"pass .contiguous()")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {n: t.device for n, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"kernel inputs are on different devices: {devices}")

@@ -1,0 +1,65 @@
+"""fp8_per_tensor (W8A8) linear through `torch._scaled_mm`, the GPU twin of `layers.linear`.
+
+Exactly the reference's steps: quantize the activations per tensor on the fly
+(`quantize_fp8_per_tensor_dynamic`: scale_a = max(amax|x| / 448, 1e-12), x_q = clamp(x /
+scale_a) as float8_e4m3fn), then one fp8 GEMM with float32 accumulation, scaled by
+scale_a * scale_w, bias added, output in the activation dtype. `_scaled_mm` wants a
+row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-major
+[N, K] weight, no copy), K and N multiples of 16, and scales as float32 tensors of one
+element. Shapes it cannot take (K or N not a multiple of 16) go through the reference
+math instead, which is exact but slow; a debug log line says so.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from resident.worker.layers.linear import FP8_DTYPE, fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
+
+logger = logging.getLogger(__name__)
+
+#: `_scaled_mm`'s alignment requirement on K and N.
+SCALED_MM_ALIGN = 16
+
+
+def scaled_mm_supports(in_features: int, out_features: int) -> bool:
+    return in_features % SCALED_MM_ALIGN == 0 and out_features % SCALED_MM_ALIGN == 0
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        raise ValueError(f"fp8 weight must be a 2-D {FP8_DTYPE} [out, in], got {weight.dtype} {tuple(weight.shape)}")
+    if weight.stride(1) != 1 or weight.stride(0) != weight.shape[1]:
+        raise ValueError(f"fp8 weight {tuple(weight.shape)} must be row-major (stride {weight.stride()}); "
+                         f"it is used transposed as _scaled_mm's column-major operand")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not match the weight's in_features {weight.shape[1]}")
+    if weight_scale.numel() != 1 or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be one float32 value, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}]")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"fp8 linear activations must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (activation dtype) @ (weight [N, K] fp8 * weight_scale).T + bias -> [..., N] in x's dtype."""
+    _check(x, weight, weight_scale, bias)
+    shape = x.shape
+    n_out, k_in = weight.shape
+    x2 = x.reshape(-1, k_in)
+    x_q, scale_a = quantize_fp8_per_tensor_dynamic(x2)
+    scale_w = weight_scale.reshape(())
+    if x2.shape[0] == 0 or not scaled_mm_supports(k_in, n_out):
+        logger.debug("fp8 linear %dx%d: shape not supported by _scaled_mm, using the reference math", n_out, k_in)
+        out = fp8_scaled_mm_reference(x_q, scale_a, weight, scale_w, bias, x.dtype)
+        return out.reshape(*shape[:-1], n_out)
+    # _scaled_mm adds the bias in the output dtype; the reference adds it in float32 before
+    # the final cast. The two differ by at most one rounding of the output dtype.
+    out = torch._scaled_mm(x_q.contiguous(), weight.t(), scale_a=scale_a.to(torch.float32),
+                           scale_b=scale_w.to(torch.float32),
+                           bias=bias.to(x.dtype) if bias is not None else None, out_dtype=x.dtype)
+    return out.reshape(*shape[:-1], n_out)

@@ -1,0 +1,311 @@
+"""Paged attention (Triton): split-K decode, and chunked prefill / mixed batches, with GQA.
+
+Same semantics as `layers.attention.paged_attention`, except that the cache already holds
+this step's keys and values (written by `rotary.rotary_kv_write`). KV cache of a layer:
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`; key j of sequence b lives in block
+`block_tables[b, j // block_size]` at offset `j % block_size`. Query token i of sequence b
+(of q_len) sits at position `seq_len - q_len + i` and sees keys j <= its position (and
+j > position - window with a sliding window). Scores, softmax and accumulation run in
+float32 (exp2 with log2(e) folded into the scale); probabilities are cast to the cache
+dtype for the P @ V product, as flash attention does.
+
+GQA: one program serves all query heads of one kv head, so each key/value tile is loaded
+once per group: the query rows of a tile are (token, head-in-group) pairs.
+
+- `decode_attention`: one query token per sequence. Grid (batch, kv heads, splits); each
+  split walks a slice of the context, and a second small kernel merges the splits'
+  partial results (flash-decoding). Splits fill the GPU when batch x kv heads is small.
+- `prefill_attention`: any number of query tokens per sequence, causal within the chunk,
+  over the cached context. Grid (batch, kv heads, query tiles).
+- `paged_attention`: picks one of the two from `AttentionMetadata`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
+from resident.worker.kernels.rotary import check_kv_cache
+from resident.worker.layers.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+#: Finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN.
+NEG_BIG = -1.0e30
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_N = 64
+PREFILL_BLOCK_M = 64
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, j, hi, q_pos, qk_scale,
+                 window, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """One key tile [j, j + BLOCK_N) of the online softmax; returns the updated (m_i, l_i, acc)."""
+    offs = j + tl.arange(0, BLOCK_N)
+    kmask = offs < hi
+    blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+    tok_off = blk * sc_blk + (offs % BLOCK_SIZE) * sc_tok + head_off
+    lmask = kmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache + tok_off[:, None] + d[None, :], mask=lmask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    allowed = kmask[None, :]
+    if CAUSAL:
+        allowed = allowed & (offs[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (offs[None, :] > q_pos[:, None] - window)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache + tok_off[:, None] + d[None, :], mask=lmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                   sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window,
+                   REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    hmask = rows < REP
+    head = kvh * REP + rows
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    qmask = hmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    head_off = kvh.to(tl.int64) * sc_head
+    for j in range(lo, hi, BLOCK_N):
+        # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off,
+                                     j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW,
+                                     PREC)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # part_* are [B, Hq, NUM_SPLITS(, BLOCK_D)] contiguous.
+        idx = (b * (tl.num_programs(1) * REP) + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + idx, m_i, mask=hmask)
+        tl.store(part_l_ptr + idx, l_i, mask=hmask)
+        tl.store(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], acc, mask=hmask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, so_b, so_h,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    smask = s < NUM_SPLITS
+    base = (b * NUM_HEADS + h) * NUM_SPLITS
+    m = tl.load(part_m_ptr + base + s, mask=smask, other=NEG_BIG)
+    l_s = tl.load(part_l_ptr + base + s, mask=smask, other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    denom = tl.sum(w * l_s, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+                    sq_t, sq_h, so_t, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window,
+                    REP: tl.constexpr, REP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_Q * REP_P2
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    t0 = tl.program_id(2) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + b + 1) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = rows // REP_P2
+    hoff = rows % REP_P2
+    rmask = (hoff < REP) & (t0 + tok < q_len)
+    head = kvh * REP + hoff
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    qmask = rmask[:, None] & dmask[None, :]
+    q_rows = q_start + t0 + tok
+    q = tl.load(q_ptr + q_rows[:, None] * sq_t + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    q_pos = ctx + t0 + tok
+    # Keys up to the last query of this tile; none at all for a tile past the chunk's end.
+    hi = tl.minimum(seq_len, ctx + t0 + BLOCK_Q)
+    hi = hi * (t0 < q_len).to(tl.int32)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + t0 - window + 1, 0)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    head_off = kvh.to(tl.int64) * sc_head
+    for j in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off,
+                                     j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
+                                     PREC)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Validate shapes and layouts; return the GQA group size."""
+    check_dtype("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
+    check_last_dim_contiguous("q", q)
+    check_kv_cache(kv_cache)
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens)
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache is {kv_cache.dtype}; they must match")
+    n_kh, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    if q.shape[2] != head_dim or q.shape[1] % n_kh:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the KV cache's {n_kh} kv heads of dim {head_dim} "
+                         f"(query heads must be a multiple of kv heads)")
+    if block_tables.dim() != 2 or (block_tables.shape[1] > 1 and block_tables.stride(1) != 1) or seq_lens.dim() != 1:
+        raise ValueError(f"block_tables must be [batch, max_blocks] with contiguous rows and seq_lens [batch]; "
+                         f"got {tuple(block_tables.shape)} stride {block_tables.stride()}, "
+                         f"seq_lens {tuple(seq_lens.shape)}")
+    if block_tables.shape[0] != seq_lens.shape[0] or block_tables.is_floating_point():
+        raise ValueError(f"block_tables {block_tables.dtype} {tuple(block_tables.shape)} must be integer rows, "
+                         f"one per entry of seq_lens {tuple(seq_lens.shape)}")
+    return q.shape[1] // n_kh
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 dots would silently run as TF32 on tensor cores; the reference computes in full float32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough (batch x kv head x split) programs for ~2 waves over the SMs, one key tile at least each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max(1, max_seq_len), DECODE_BLOCK_N), MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, sliding_window: int | None = None, max_seq_len: int | None = None,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] -> [B, Hq, D] (new, contiguous, q's dtype).
+
+    seq_lens [B] (device, int) counts the query token itself. Give `num_splits` (fixed, e.g.
+    for CUDA graphs) or `max_seq_len` (host int, to choose it); with neither, the choice
+    reads seq_lens back from the device.
+    """
+    rep = _check(q, kv_cache, block_tables, seq_lens)
+    batch, n_qh, head_dim = q.shape
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"decode got {batch} queries for {seq_lens.shape[0]} sequences")
+    out = torch.empty((batch, n_qh, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    n_kh = kv_cache.shape[3]
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = default_num_splits(batch, n_kh, max_seq_len, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    block_d = next_pow2(head_dim)
+    if num_splits > 1:
+        part_acc = torch.empty((batch, n_qh, num_splits, block_d), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, n_qh, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out
+    kc, vc = kv_cache[0], kv_cache[1]
+    _decode_kernel[(batch, n_kh, num_splits)](
+        q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0,
+        REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None,
+        PREC=_precision(q.dtype), num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, n_qh)](
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            SPLITS_P2=next_pow2(num_splits), num_warps=4)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """Chunks of query tokens (any lengths, decodes included): q [T, Hq, D] -> [T, Hq, D].
+
+    query_start_loc [B + 1] (device, int, cumulative); `max_query_len` is a host int that
+    sizes the grid (a larger value only adds idle programs).
+    """
+    rep = _check(q, kv_cache, block_tables, seq_lens)
+    num_tokens, n_qh, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    if query_start_loc.shape != (batch + 1,):
+        raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} must be [{batch + 1}]")
+    out = torch.empty((num_tokens, n_qh, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0:
+        return out
+    rep_p2 = next_pow2(rep)
+    block_q = max(1, PREFILL_BLOCK_M // rep_p2)
+    kc, vc = kv_cache[0], kv_cache[1]
+    grid = (batch, kv_cache.shape[3], triton.cdiv(max(1, max_query_len), block_q))
+    _prefill_kernel[grid](
+        q, kc, vc, block_tables, seq_lens, query_start_loc, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0,
+        REP=rep, REP_P2=rep_p2, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=kv_cache.shape[2], USE_WINDOW=sliding_window is not None,
+        PREC=_precision(q.dtype), num_warps=4, num_stages=2)
+    return out
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] over a cache that already holds this step's keys -> [T, Hq, D].
+
+    A batch of only single-token queries takes the split-K decode kernel; anything else
+    (prefill, chunked prefill, mixed) the prefill kernel. With `meta.static_decode` (CUDA
+    graphs) nothing is read from the host: the split count follows from the block tables'
+    width, so a captured graph replays correctly for any context lengths within it.
+    """
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
+    if getattr(meta, "static_decode", False):
+        span = meta.block_tables.shape[1] * kv_cache.shape[2]
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                                max_seq_len=span)
+    qsl = meta.query_start_loc_host
+    max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
+    if max_query_len == 1 and meta.num_tokens == meta.num_seqs:
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                                max_seq_len=max(meta.seq_lens_host))
+    return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, max_query_len,
+                             scale, sliding_window)

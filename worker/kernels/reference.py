@@ -1,0 +1,84 @@
+"""The torch backend: the reference layers (`resident.worker.layers`) under the kernels' signatures.
+
+Nothing here imports triton, so this backend (and `build_cos_sin_cache`, which both
+backends use) works everywhere. Each function composes the reference's own pieces; it
+is the oracle the Triton kernels are tested against.
+"""
+from __future__ import annotations
+
+import torch
+
+from resident.worker.layers import activation as ref_activation
+from resident.worker.layers import norm as ref_norm
+from resident.worker.layers.attention import AttentionMetadata, paged_attention as ref_paged_attention, write_kv
+from resident.worker.layers.linear import fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
+from resident.worker.layers.rotary import rotate_half
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype) -> torch.Tensor:
+    """[max_position, head_dim] = [cos | sin] of each position's angles, in `dtype`.
+
+    The angles are `float32(position) * inv_freq` as in `RotaryEmbedding.cos_sin`, so row p
+    equals what the reference computes for position p. `inv_freq` is
+    `layers.rotary.compute_inv_freq(rope, head_dim, device)`; the table lands on its device.
+    """
+    if max_position <= 0:
+        raise ValueError(f"max_position must be > 0, got {max_position}")
+    positions = torch.arange(max_position, device=inv_freq.device, dtype=torch.int64).to(torch.float32)
+    freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
+    return torch.cat((freqs.cos().to(dtype), freqs.sin().to(dtype)), dim=-1).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ref_norm.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return ref_norm.RMSNorm(weight, eps)(x, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return ref_activation.silu_and_mul(x)
+
+
+def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """RotaryEmbedding's math with cos/sin read from the table, then write_kv; returns rotated q.
+
+    Negative slots are skipped (as in the kernel).
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache.index_select(0, positions)
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :]
+    q_rot = q * cos + rotate_half(q) * sin
+    k_rot = k * cos + rotate_half(k) * sin
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        write_kv(k_rot, v, kv_cache, slot_mapping)
+    else:
+        write_kv(k_rot[keep], v[keep], kv_cache, slot_mapping[keep])
+    return q_rot
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """The reference paged attention over a cache that already holds this step's keys and values.
+
+    The reference writes k/v before attending; handing it the values just read back from
+    their slots makes that write a no-op, so its attention runs unchanged.
+    """
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    k = flat[0].index_select(0, meta.slot_mapping)
+    v = flat[1].index_select(0, meta.slot_mapping)
+    return ref_paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 per-tensor: x [..., K] (activation dtype), weight [N, K] float8_e4m3fn, scale float32 ()."""
+    shape = x.shape
+    x_q, scale_a = quantize_fp8_per_tensor_dynamic(x.reshape(-1, shape[-1]))
+    out = fp8_scaled_mm_reference(x_q, scale_a, weight, weight_scale.reshape(()), bias, x.dtype)
+    return out.reshape(*shape[:-1], weight.shape[0])
