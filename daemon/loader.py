@@ -5,8 +5,11 @@ safetensors header, check the layout and the shapes and compute the key — all 
 byte of tensor data is read or a slab allocated. Then the storage plan (sizes after the
 dtype cast and fp8) is packed into a few large aligned slabs, tensors are streamed in one
 at a time (several in parallel, with bounded staging memory) straight into their place —
-fused sources concatenated in place, cast or quantized on the way — with a CRC-32 per
-stored tensor, and the slabs are sealed.
+fused sources concatenated in place, cast or quantized on the way — with a checksum per
+stored tensor, and the slabs are sealed. Host slabs are filled by reader threads straight
+from the files (CRC-32); GPU slabs through pinned staging buffers and several CUDA streams,
+casting, quantizing and checksumming (wsum32) on the GPU (see tensor_reader, staging and
+checksum).
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from resident.daemon import layout, quant
+from resident.daemon import checksum, layout, quant
 from resident.daemon.memory.base import MemoryBackend, Slab
 from resident.daemon.model_key import compute_key, file_identity
 from resident.daemon.safetensors_io import CheckpointError, SafetensorsHeader, TensorInfo, read_header
 from resident.daemon.source import ModelSource, index_weight_map, resolve_model
+from resident.daemon.staging import StagingConfig
 from resident.daemon.tensor_reader import fill_slabs
 from resident.daemon.tensor_table import TensorEntry, TensorTable, contiguous_strides, dtype_name
 
@@ -77,6 +81,7 @@ class LoadedModel:
     nbytes: int
     bytes_read: int
     load_s: float
+    checksum: str = "crc32"  # algorithm of the entries' checksums (checksum.algorithm_for(slab device))
 
 
 @dataclass(frozen=True)
@@ -241,8 +246,15 @@ def load(
     *,
     num_threads: int | None = None,
     device: str | None = None,
+    staging: StagingConfig | None = None,
+    staged: bool | None = None,
 ) -> LoadedModel:
-    """Load `spec` into slabs of `backend`; see the module docstring for the order of work."""
+    """Load `spec` into slabs of `backend`; see the module docstring for the order of work.
+
+    `num_threads` reader threads (default: min(8, CPUs) for host slabs, min(16, CPUs) for
+    GPU slabs); `staging` sizes the GPU pipeline (pinned buffers, streams); `staged=True`
+    sends host slabs through that pipeline too (how it is tested without a GPU; the
+    checksums are then wsum32)."""
     t0 = time.monotonic()
     emit = _Progress(progress, t0)
     plan = plan_load(spec)
@@ -254,7 +266,10 @@ def load(
     try:
         for i, n in enumerate(slab_sizes):
             slabs.append(backend.allocate(n, i) if device is None else backend.allocate(n, i, device))
-        crcs = fill_slabs(plan, places, slabs, emit, total, num_threads or min(8, os.cpu_count() or 1))
+        on_gpu = slabs[0].desc.device not in ("", "cpu")
+        staged = on_gpu if staged is None else staged
+        threads = num_threads or min(16 if staged else 8, os.cpu_count() or 1)
+        crcs = fill_slabs(plan, places, slabs, emit, total, threads, staged=staged, staging=staging)
         emit("pack", total, total, force=True)
         for s in slabs:
             s.seal()
@@ -285,11 +300,12 @@ def load(
         key=plan.key, name=spec.display_name, source=str(plan.source.folder), dtype=plan.dtype,
         quantization=plan.quantization, layout=layout.LAYOUT, config=plan.source.config, table=table,
         slabs=slabs, content_checksum=content_checksum(entries), nbytes=nbytes, bytes_read=total, load_s=load_s,
+        checksum=checksum.WSUM32 if staged else checksum.CRC32,
     )
 
 
 def content_checksum(entries: list[TensorEntry]) -> str:
-    """sha256 over the stored tensors' names and CRC-32s, in table order."""
+    """sha256 over the stored tensors' names and checksums, in table order."""
     h = hashlib.sha256()
     for e in entries:
         h.update(e.name.encode() + b"\0" + e.crc32.to_bytes(4, "little"))

@@ -57,17 +57,33 @@ def amax(w: torch.Tensor) -> float:
 
 def fp8_scale(amax_value: float) -> torch.Tensor:
     """The per-tensor scale for a weight whose max |w| is `amax_value`: shape (), float32."""
-    a = torch.tensor(amax_value, dtype=torch.float32).clamp(min=_MIN_AMAX)
-    return a / FP8_MAX
+    return fp8_scale_tensor(torch.tensor(amax_value, dtype=torch.float32))
 
 
-def quantize_fp8_into(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
-    """Write (w / scale).clamp(-448, 448) as float8_e4m3fn into `out` (same numel, chunked)."""
+def fp8_scale_tensor(amax_t: torch.Tensor) -> torch.Tensor:
+    """`fp8_scale` of an amax that is a 0-dim tensor on any device, without a host sync.
+
+    Divides by a tensor on the same device, never by a Python number: CUDA turns division
+    by a host scalar into multiplication by its reciprocal, which can differ in the last
+    bit from the CPU's true division.
+    """
+    a = amax_t.to(torch.float32).clamp(min=_MIN_AMAX)
+    return a / torch.full((), FP8_MAX, dtype=torch.float32, device=a.device)
+
+
+def quantize_fp8_into(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, chunk_numel: int = _CHUNK_NUMEL) -> None:
+    """Write (w / scale).clamp(-448, 448) as float8_e4m3fn into `out` (same numel, chunked).
+
+    `scale` is divided as a tensor on w's device (see fp8_scale_tensor), so CPU and GPU
+    give the same bytes.
+    """
     if out.dtype != FP8_DTYPE or out.numel() != w.numel():
         raise ValueError(f"quantize_fp8_into: out must be {FP8_DTYPE} with {w.numel()} elements")
     flat_out = out.reshape(-1)
+    flat_w = w.reshape(-1)
     s = scale.to(device=w.device, dtype=torch.float32)
-    for start, c in _chunks(w.reshape(-1)):
+    for start in range(0, flat_w.numel(), chunk_numel):
+        c = flat_w[start : start + chunk_numel]
         q = (c.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         flat_out[start : start + c.numel()].copy_(q)
 

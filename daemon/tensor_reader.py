@@ -1,10 +1,14 @@
-"""Streaming a load plan's tensors into slabs: read, fuse in place, cast or quantize, CRC.
+"""Streaming a load plan's tensors into slabs: read, fuse in place, cast or quantize, checksum.
 
-Each stored tensor is one task on a small thread pool (reads, torch casts and zlib.crc32 all
-release the GIL). Sources that already have the stored dtype are read with preadv straight
-into the slab; others go through small staging chunks; an fp8 weight is staged whole (its
-scale needs the amax of the fused tensor). Staging memory in flight is bounded. GPU slabs
-get each finished tensor from a (pinned) host buffer.
+Host slabs (host_shm): each stored tensor is one task on a small thread pool (reads, torch
+casts and zlib.crc32 all release the GIL), and a tensor larger than `_SPLIT_BYTES` whose
+sources already have the stored dtype is cut into chunks read by several threads at once,
+each straight into the slab with preadv, their CRC-32s combined (`checksum.crc32_combine`).
+Sources that change dtype go through small staging chunks; an fp8 weight is staged whole
+(its scale needs the amax of the fused tensor). Staging memory in flight is bounded.
+
+GPU slabs go through `staging.StagedFill`: pinned staging ring, H2D copies on several
+streams, cast/quantize and the wsum32 checksum on the GPU (see that module).
 """
 from __future__ import annotations
 
@@ -12,16 +16,18 @@ import os
 import zlib
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from resident.daemon import quant
+from resident.daemon import checksum, quant
 from resident.daemon.memory.base import Slab
 from resident.daemon.safetensors_io import CheckpointError
 
 if TYPE_CHECKING:
     from resident.daemon.loader import LoadPlan, StoredTensor, _Part
+    from resident.daemon.staging import StagingConfig
 
 #: Bytes per read/cast chunk when a tensor's dtype changes on the way in. Small enough that
 #: the staging buffers stay below glibc's mmap threshold (reused heap memory, not fresh
@@ -29,54 +35,122 @@ if TYPE_CHECKING:
 _CAST_CHUNK_BYTES = 4 << 20
 #: Staging memory the parallel readers may hold at once (at least one tensor always proceeds).
 _STAGING_BUDGET_BYTES = 2 << 30
+#: Host tensors larger than this (stored dtype = source dtype) are read in chunks of this size
+#: by several threads.
+_SPLIT_BYTES = 64 << 20
 
 
 def fill_slabs(
     plan: LoadPlan, places: list[tuple[int, int]], slabs: list[Slab], emit: Callable[..., None], total: int,
-    num_threads: int,
+    num_threads: int, *, staged: bool | None = None, staging: StagingConfig | None = None,
 ) -> list[int]:
-    """Read every stored tensor into place; returns the CRC-32s in plan order.
+    """Read every stored tensor into place; returns the checksums in plan order: CRC-32 for
+    host slabs, wsum32 for GPU slabs (and whenever `staged` forces the GPU pipeline).
 
     Writable views live only inside this call, so the slabs can be sealed after it.
     """
     views = [s.writable() for s in slabs]
+    on_gpu = views[0].device.type != "cpu"
+    if staged is None:
+        staged = on_gpu
+    if on_gpu and not staged:
+        raise ValueError("GPU slabs are filled through the staged pipeline (staged=True)")
     fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
+    try:
+        if staged:
+            from resident.daemon.staging import StagedFill, StagingConfig
+
+            config = staging or StagingConfig(num_threads=num_threads)
+            fill = StagedFill(plan, places, views, lambda p, buf, rel: _pread(p, fds, buf, rel), config)
+            sums = fill.run(emit, total)
+            del fill
+        else:
+            sums = _fill_host(plan, places, views, fds, emit, total, num_threads)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        del views
+    emit("read", total, total, force=True)
+    return sums
+
+
+@dataclass
+class _Split:
+    """A host tensor read in chunks: the chunks' (crc, length) in order, combined at the end."""
+
+    index: int
+    pieces: list[tuple[int, int] | None] = field(default_factory=list)
+    left: int = 0
+
+
+def _split_chunks(t: StoredTensor, dst: torch.Tensor) -> list[tuple[_Part, torch.Tensor, int]]:
+    """(part, destination bytes, offset in the part) for each chunk of a same-dtype tensor."""
+    out, start = [], 0
+    for p in t.parts:
+        for lo in range(0, p.info.nbytes, _SPLIT_BYTES):
+            n = min(_SPLIT_BYTES, p.info.nbytes - lo)
+            out.append((p, dst[start + lo : start + lo + n], lo))
+        start += p.info.nbytes
+    return out
+
+
+def _fill_host(plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.Tensor], fds: dict[str, int],
+               emit: Callable[..., None], total: int, num_threads: int) -> list[int]:
     crcs = [0] * len(plan.tensors)
     done = 0
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="resident-load")
     try:
-        pending: dict[Future, tuple[int, int]] = {}
+        pending: dict[Future, tuple] = {}
         in_flight = 0
         for i, t in enumerate(plan.tensors):
             if t.is_scale:
                 continue  # written together with its weight
-            cost = _staging_cost(t, views[places[i][0]])
+            slab, off = places[i]
+            dst = views[slab][off : off + t.nbytes]
+            if t.nbytes > _SPLIT_BYTES and not t.quantize and all(p.info.torch_dtype == t.dtype for p in t.parts):
+                chunks = _split_chunks(t, dst)
+                split = _Split(i, [None] * len(chunks), len(chunks))
+                for k, (p, chunk_dst, lo) in enumerate(chunks):
+                    while pending and len(pending) >= 4 * num_threads:
+                        done, in_flight = _collect(pending, crcs, done, in_flight, emit, total)
+                    pending[pool.submit(_read_chunk, p, fds, chunk_dst, lo)] = (i, 0, split, k)
+                continue
+            cost = _staging_cost(t)
             while pending and (in_flight + cost > _STAGING_BUDGET_BYTES or len(pending) >= 4 * num_threads):
                 done, in_flight = _collect(pending, crcs, done, in_flight, emit, total)
             scale_dst = None
             if t.quantize:
                 ss, so = places[i + 1]
                 scale_dst = views[ss][so : so + 4]
-            slab, off = places[i]
-            fut = pool.submit(_load_tensor, t, views[slab][off : off + t.nbytes], scale_dst, fds)
-            pending[fut] = (i, cost)
+            fut = pool.submit(_load_tensor, t, dst, scale_dst, fds)
+            pending[fut] = (i, cost, None, 0)
             in_flight += cost
         while pending:
             done, in_flight = _collect(pending, crcs, done, in_flight, emit, total)
     finally:
         # On failure, queued tensors are dropped and running ones finish before fds close.
         pool.shutdown(wait=True, cancel_futures=True)
-        for fd in fds.values():
-            os.close(fd)
-        del views
-    emit("read", total, total, force=True)
     return crcs
+
+
+def _read_chunk(p: _Part, fds: dict[str, int], dst: torch.Tensor, lo: int) -> tuple[int, int]:
+    """Read bytes [lo, lo + len(dst)) of `p` into `dst`; returns (crc32, length)."""
+    _pread(p, fds, memoryview(dst.numpy()), lo)
+    return _crc(dst), dst.numel()
 
 
 def _collect(pending, crcs, done, in_flight, emit, total) -> tuple[int, int]:
     finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
     for fut in finished:
-        i, cost = pending.pop(fut)
+        i, cost, split, k = pending.pop(fut)
+        if split is not None:
+            crc, n = fut.result()
+            split.pieces[k] = (crc, n)
+            split.left -= 1
+            if split.left == 0:
+                crcs[i] = checksum.crc32_of_pieces(split.pieces)
+            done += n
+            continue
         crc, scale_crc, nread = fut.result()
         crcs[i] = crc
         if scale_crc is not None:
@@ -87,20 +161,20 @@ def _collect(pending, crcs, done, in_flight, emit, total) -> tuple[int, int]:
     return done, in_flight
 
 
-def _staging_cost(t: StoredTensor, view: torch.Tensor) -> int:
-    cost = 0 if view.device.type == "cpu" else t.nbytes
+def _staging_cost(t: StoredTensor) -> int:
     if t.quantize:
-        return cost + sum(p.info.nbytes for p in t.parts)
+        return sum(p.info.nbytes for p in t.parts)
     if any(p.info.torch_dtype != t.dtype for p in t.parts):
-        cost += _CAST_CHUNK_BYTES
-    return cost
+        return _CAST_CHUNK_BYTES
+    return 0
 
 
 def _load_tensor(
     t: StoredTensor, dst: torch.Tensor, scale_dst: torch.Tensor | None, fds: dict[str, int]
 ) -> tuple[int, int | None, int]:
-    """Read, fuse, cast/quantize one stored tensor into `dst` (uint8). Returns (crc, scale crc, bytes read)."""
-    target = dst if dst.device.type == "cpu" else _host_buffer(t.nbytes)
+    """Read, fuse, cast/quantize one stored tensor into host bytes `dst` (uint8).
+    Returns (crc, scale crc, bytes read)."""
+    target = dst
     scale_crc = None
     if t.quantize:
         staged = [_read_part(p, fds) for p in t.parts]
@@ -119,14 +193,7 @@ def _load_tensor(
         for p in t.parts:
             _read_part_into(p, fds, target, elem_off, t.dtype)
             elem_off += p.info.numel
-    crc = _crc(target)
-    if target is not dst:
-        dst.copy_(target)
-    return crc, scale_crc, sum(p.info.nbytes for p in t.parts)
-
-
-def _host_buffer(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return _crc(target), scale_crc, sum(p.info.nbytes for p in t.parts)
 
 
 def _crc(t: torch.Tensor) -> int:

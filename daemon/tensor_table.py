@@ -7,7 +7,6 @@ outside a slab).
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +51,12 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def crc32_of(t: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU tensor's bytes."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return zlib.crc32(flat.numpy().data) & 0xFFFFFFFF
+    """The stored checksum of a tensor's bytes: CRC-32 for host tensors (unchanged), and
+    for tensors in GPU memory the GPU checksum the loader records for GPU slabs (wsum32,
+    computed on the device); see resident.daemon.checksum."""
+    from resident.daemon.checksum import checksum_of
+
+    return checksum_of(t)
 
 
 class TensorTableError(ValueError):

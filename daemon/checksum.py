@@ -1,0 +1,174 @@
+"""Per-tensor checksums of stored weights, and which algorithm applies where.
+
+Two algorithms, chosen by where a tensor's bytes live (the slab's device):
+
+- `crc32` (host memory): zlib's CRC-32 of the tensor's bytes. Computed by the loader's
+  reader threads right after each read (zlib releases the GIL), combined across chunks
+  with `crc32_combine` so a large tensor can be read by several threads at once.
+- `wsum32` (GPU memory): a position-weighted sum of 32-bit words, computed with a handful
+  of integer torch ops on the GPU right where the bytes are, after any cast or fp8
+  quantization (CRC-32 is sequential and would need the bytes back on the host). The CPU
+  implementation is the same torch code, so both give identical results (integer math,
+  no overflow: see `wsum32_parts`).
+
+`checksum_of(t)` dispatches on `t.device`; `tensor_table.crc32_of` is that function, so
+every verifier (the worker's `verify`, `Client.attach(verify_checksums=True)`, the
+daemon's state checks) computes the algorithm the loader recorded for that slab's device.
+
+wsum32 definition: pad the bytes with zeros to a multiple of 4, read them as
+little-endian unsigned 32-bit words w_0 … w_{n-1};
+  s1 = Σ w_i mod 2^32,  s2 = Σ (i + 1)·w_i mod 2^32,
+  wsum32 = s1 XOR (s2·0x9E3779B1 mod 2^32) XOR (nbytes·0x85EBCA77 mod 2^32).
+It catches flipped bits, zeroed or shifted regions and swapped words (not adversaries).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+CRC32 = "crc32"
+WSUM32 = "wsum32"
+ALGORITHMS = (CRC32, WSUM32)
+
+_MASK = 0xFFFFFFFF
+#: Words per row when wsum32 reduces a tensor as a [rows, _ROW_WORDS] matrix.
+_ROW_WORDS = 4096
+_K2 = 0x9E3779B1
+_KN = 0x85EBCA77
+#: Reflected CRC-32 polynomial (zlib's).
+_CRC_POLY = 0xEDB88320
+
+
+def algorithm_for(device: str | torch.device) -> str:
+    """The checksum algorithm of tensors stored on `device` ("cpu", "cuda:0", ...)."""
+    return CRC32 if torch.device(device).type == "cpu" else WSUM32
+
+
+def checksum_of(t: torch.Tensor) -> int:
+    """The checksum of a tensor's bytes, by the algorithm of its device (see module doc)."""
+    return crc32(t) if t.device.type == "cpu" else wsum32(t)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def crc32(t: torch.Tensor) -> int:
+    """zlib CRC-32 of a CPU tensor's bytes."""
+    if t.device.type != "cpu":
+        raise ValueError(f"crc32 is computed on the host; this tensor is on {t.device} (use wsum32 there)")
+    flat = _flat_bytes(t)
+    return zlib.crc32(flat.numpy().data) & _MASK if flat.numel() else 0
+
+
+def _words(flat: torch.Tensor) -> torch.Tensor:
+    """int32 view of a uint8 tensor whose length is a multiple of 4 (copying if misaligned)."""
+    if flat.storage_offset() % 4 or flat.data_ptr() % 4:
+        flat = flat.clone()
+    return flat.view(torch.int32)
+
+
+def wsum32_parts(t: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) of `t`'s bytes as an int64 tensor of shape [2] on t's device (no host sync).
+
+    Values stay below 2^63 throughout: row and column sums of int32 words over at most
+    2^31 words, each reduced mod 2^32 before it is multiplied by a position.
+    """
+    flat = _flat_bytes(t)
+    n = flat.numel()
+    dev = flat.device
+    s = torch.zeros(2, dtype=torch.int64, device=dev)
+    if n == 0:
+        return s
+    if n >= 1 << 33:
+        raise ValueError(f"wsum32: tensors over 8 GiB are not supported ({n} bytes)")
+    rows = (n // 4) // _ROW_WORDS
+    main_words = rows * _ROW_WORDS
+    if rows:
+        x = _words(flat[: main_words * 4]).view(rows, _ROW_WORDS)
+        row_sums = x.sum(dim=1, dtype=torch.int64)
+        col_sums = x.sum(dim=0, dtype=torch.int64)
+        s[0] += row_sums.sum()
+        # position i = r*C + c: (i+1)·w = C·r·w + (c+1)·w
+        r = torch.arange(rows, dtype=torch.int64, device=dev)
+        by_row = (((row_sums & _MASK) * r) & _MASK).sum() & _MASK
+        c = torch.arange(1, _ROW_WORDS + 1, dtype=torch.int64, device=dev)
+        by_col = (((col_sums & _MASK) * c) & _MASK).sum()
+        s[1] += (by_row * _ROW_WORDS + by_col) & _MASK
+    rest = flat[main_words * 4 :]
+    if rest.numel():
+        padded = torch.zeros((rest.numel() + 3) // 4 * 4, dtype=torch.uint8, device=dev)
+        padded[: rest.numel()] = rest
+        w = padded.view(torch.int32).to(torch.int64)
+        pos = torch.arange(main_words + 1, main_words + 1 + w.numel(), dtype=torch.int64, device=dev)
+        s[0] += w.sum()
+        s[1] += (((w & _MASK) * pos) & _MASK).sum()
+    return s & _MASK
+
+
+def wsum32_finish(parts: tuple[int, int] | list[int], nbytes: int) -> int:
+    """The wsum32 value from (s1, s2) and the byte count."""
+    s1, s2 = int(parts[0]) & _MASK, int(parts[1]) & _MASK
+    return (s1 ^ ((s2 * _K2) & _MASK) ^ ((nbytes * _KN) & _MASK)) & _MASK
+
+
+def wsum32(t: torch.Tensor) -> int:
+    """wsum32 of a tensor's bytes, on whatever device it lives (one host sync)."""
+    nbytes = t.numel() * t.element_size()
+    return wsum32_finish(wsum32_parts(t).tolist(), nbytes)
+
+
+def wsum32_reference(data: bytes) -> int:
+    """wsum32 straight from its definition (numpy, for tests and cross-checks)."""
+    n = len(data)
+    padded = data + b"\0" * (-n % 4)
+    w = np.frombuffer(padded, dtype="<u4").astype(np.uint64)
+    pos = np.arange(1, len(w) + 1, dtype=np.uint64)
+    s1 = int(w.sum(dtype=np.uint64)) & _MASK  # uint64 wraps mod 2^64: fine mod 2^32
+    s2 = int(((w * pos) & _MASK).sum(dtype=np.uint64)) & _MASK
+    return wsum32_finish((s1, s2), n)
+
+
+# --- CRC-32 of a concatenation from the CRCs of its pieces -------------------------------
+def _gf2_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a.astype(np.int64) @ b.astype(np.int64)) & 1
+
+
+def _zeros_operator(num_bytes: int) -> np.ndarray:
+    """The 32x32 GF(2) matrix that feeds `num_bytes` zero bytes through the CRC register."""
+    one_bit = np.zeros((32, 32), dtype=np.int64)
+    for j in range(32):  # column j: the register after one zero bit when only bit j was set
+        col = _CRC_POLY if j == 0 else 1 << (j - 1)
+        one_bit[:, j] = [(col >> i) & 1 for i in range(32)]
+    op = one_bit
+    for _ in range(3):  # 8 zero bits = one zero byte
+        op = _gf2_matmul(op, op)
+    result = np.eye(32, dtype=np.int64)
+    n = num_bytes
+    while n:
+        if n & 1:
+            result = _gf2_matmul(op, result)
+        op = _gf2_matmul(op, op)
+        n >>= 1
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine)."""
+    if len2 <= 0:
+        return crc1 & _MASK
+    bits = np.array([(crc1 >> i) & 1 for i in range(32)], dtype=np.int64)
+    shifted = (_zeros_operator(len2) @ bits) & 1
+    value = int(sum(int(b) << i for i, b in enumerate(shifted)))
+    return (value ^ crc2) & _MASK
+
+
+def crc32_of_pieces(pieces: list[tuple[int, int]]) -> int:
+    """CRC-32 of consecutive pieces given as (crc32, length) in order."""
+    crc = 0
+    for piece_crc, length in pieces:
+        crc = crc32_combine(crc, piece_crc, length)
+    return crc
+

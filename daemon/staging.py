@@ -1,0 +1,310 @@
+"""The GPU load pipeline: parallel reads into a ring of pinned staging buffers, overlapped
+with host-to-device copies on several CUDA streams; casts, fp8 quantization and checksums
+run on the GPU right after the copies.
+
+Every stored tensor is a job on one stream (round-robin). Its source bytes are cut into
+chunks of at most one staging buffer. A reader thread takes a free buffer (waiting for the
+event of the copy that last read from it), preads a chunk into it, and enqueues on the
+job's stream: the copy into the slab (same dtype), or into a device temporary followed by
+a cast into the slab, or — for fp8 — into a device temporary holding the whole fused
+source. It then records the buffer's event and returns the buffer to the ring. The thread
+that enqueues a job's last chunk also enqueues its finish on the same stream, so stream
+order puts it after every copy of the job: the fp8 amax/scale/quantize, and the wsum32
+checksum parts of the stored bytes (`checksum.wsum32_parts`) into one device tensor that
+is read back once, after all streams are synchronized.
+
+Nothing here is GPU-only: on a CPU device the streams are no-ops and copies synchronous,
+which is how the pipeline's logic is tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from resident.daemon import checksum, quant
+
+if TYPE_CHECKING:
+    from resident.daemon.loader import LoadPlan, StoredTensor
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
+_QUANT_CHUNK_NUMEL = 64 << 20
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """Sizes of the GPU load pipeline. Pinned host memory = num_buffers x buffer_bytes."""
+
+    buffer_bytes: int = 32 * MiB
+    num_buffers: int = 0            # 0: reader threads + 8
+    num_streams: int = 4
+    num_threads: int = 0            # 0: min(16, CPU count)
+
+    def __post_init__(self) -> None:
+        if self.buffer_bytes < 64 << 10 or self.buffer_bytes % (64 << 10):
+            raise ValueError(f"staging buffer_bytes must be a positive multiple of 64 KiB, got {self.buffer_bytes}")
+        for name in ("num_buffers", "num_streams", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"staging {name} must be >= 0, got {getattr(self, name)}")
+        if self.num_streams == 0:
+            raise ValueError("staging num_streams must be at least 1")
+
+    def threads(self) -> int:
+        return self.num_threads or min(16, os.cpu_count() or 1)
+
+    def buffers(self) -> int:
+        return self.num_buffers or self.threads() + 8
+
+
+class StagingRing:
+    """Reusable host buffers (pinned for CUDA devices) and the copy streams of one device.
+
+    A buffer is handed out only after the copy that last read it has completed (its event),
+    so a reader never overwrites bytes a copy engine is still reading.
+    """
+
+    def __init__(self, config: StagingConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.cuda = device.type == "cuda"
+        n = config.buffers()
+        self._buffers: list[torch.Tensor | None] = [None] * n
+        self._events: list[object | None] = [None] * n
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(n):
+            self._free.put(i)
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(config.num_streams)] if self.cuda \
+            else [None] * config.num_streams
+        self._lock = threading.Lock()
+        self.alloc_s = 0.0   # time spent allocating (pinning) buffers, summed over threads
+        self.wait_s = 0.0    # time readers waited for a free buffer
+
+    def acquire(self) -> tuple[int, torch.Tensor]:
+        t0 = time.monotonic()
+        i = self._free.get()
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        t1 = time.monotonic()
+        buf = self._buffers[i]
+        if buf is None:
+            buf = torch.empty(self.config.buffer_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self._buffers[i] = buf
+        t2 = time.monotonic()
+        with self._lock:
+            self.wait_s += t1 - t0
+            self.alloc_s += t2 - t1
+        return i, buf
+
+    def release(self, i: int, stream_index: int) -> None:
+        """Return buffer `i` once the work enqueued so far on that stream is done with it."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.streams[stream_index])
+            self._events[i] = event
+        self._free.put(i)
+
+    def on_stream(self, index: int) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.streams[index]) if self.cuda else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        for s in self.streams:
+            if s is not None:
+                s.synchronize()
+
+
+@dataclass
+class _Job:
+    """One stored tensor (and its fp8 scale) on its way into the slab."""
+
+    index: int
+    tensor: StoredTensor
+    dst: torch.Tensor                  # uint8 view of the stored tensor's bytes in the slab
+    scale_dst: torch.Tensor | None     # uint8 view of the scale's 4 bytes (fp8)
+    stream: int
+    num_chunks: int = 0
+    temps: list[torch.Tensor] = field(default_factory=list)   # fp8: each part's source bytes
+    _left: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def part_elem_offsets(self) -> list[int]:
+        offs, acc = [], 0
+        for p in self.tensor.parts:
+            offs.append(acc)
+            acc += p.info.numel
+        return offs
+
+    def chunk_done(self) -> bool:
+        """Count one enqueued chunk; True for the last one."""
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    job: _Job
+    part: int
+    lo: int           # byte range [lo, hi) of the part's data in its file
+    hi: int
+    elem_off: int     # the part's first element within the stored tensor
+
+
+class StagedFill:
+    """Fill GPU slabs through the staging ring; `run()` returns the wsum32 per stored tensor."""
+
+    def __init__(self, plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.Tensor],
+                 read: Callable[..., None], config: StagingConfig) -> None:
+        self.plan, self.places, self.views, self.read = plan, places, views, read
+        self.config = config
+        self.device = views[0].device
+        self.ring = StagingRing(config, self.device)
+        self.sums = torch.zeros(len(plan.tensors), 2, dtype=torch.int64, device=self.device)
+        self.finish_s = 0.0
+        self.read_s = 0.0
+        self._lock = threading.Lock()
+
+    # --- planning -----------------------------------------------------------------------
+    def _jobs(self) -> Iterator[_Job]:
+        k = 0
+        for i, t in enumerate(self.plan.tensors):
+            if t.is_scale:
+                continue  # written by its weight's job
+            slab, off = self.places[i]
+            scale_dst = None
+            if t.quantize:
+                ss, so = self.places[i + 1]
+                scale_dst = self.views[ss][so : so + 4]
+            job = _Job(i, t, self.views[slab][off : off + t.nbytes], scale_dst, k % self.config.num_streams)
+            k += 1
+            yield job
+
+    def _chunks(self, job: _Job) -> list[_Chunk]:
+        step = self.config.buffer_bytes
+        out = []
+        for p_idx, (p, e0) in enumerate(zip(job.tensor.parts, job.part_elem_offsets())):
+            for lo in range(0, p.info.nbytes, step):
+                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0))
+        return out
+
+    # --- the pipeline -------------------------------------------------------------------
+    def run(self, emit: Callable[..., None], total: int) -> list[int]:
+        threads = self.config.threads()
+        max_pending = 2 * threads + self.config.buffers()
+        done = 0
+        t0 = time.monotonic()
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resident-stage")
+        pending: dict[Future, int] = {}
+        if self.ring.cuda:
+            # The streams do not order themselves after the default stream (sums' zero-fill).
+            torch.cuda.synchronize(self.device)
+        try:
+            for job in self._jobs():
+                chunks = self._chunks(job)
+                job.num_chunks = job._left = len(chunks)
+                if job.tensor.quantize:
+                    with self.ring.on_stream(job.stream):
+                        job.temps = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=self.device)
+                                     for p in job.tensor.parts]
+                if not chunks:  # an empty tensor: nothing to read, still finished (and checksummed)
+                    with self.ring.on_stream(job.stream):
+                        self._finish(job)
+                    continue
+                for c in chunks:
+                    while len(pending) >= max_pending:
+                        done = self._collect(pending, done, emit, total)
+                    pending[pool.submit(self._run_chunk, c)] = c.hi - c.lo
+            while pending:
+                done = self._collect(pending, done, emit, total)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            # Nothing may still be copying into the slabs (or from the ring) when we return.
+            self.ring.synchronize()
+        sums = self.sums.cpu().tolist()
+        elapsed = time.monotonic() - t0
+        log.info(
+            "staged load: %.2f GB in %.2f s (%.2f GB/s) with %d reader threads, %d x %d MiB staging buffers, "
+            "%d streams; thread-seconds: reading %.2f, waiting for buffers %.2f, pinning buffers %.2f, "
+            "enqueuing finishes %.2f", total / 1e9, elapsed, total / 1e9 / max(elapsed, 1e-9), threads,
+            self.config.buffers(), self.config.buffer_bytes // MiB, self.config.num_streams, self.read_s,
+            self.ring.wait_s, self.ring.alloc_s, self.finish_s)
+        return [checksum.wsum32_finish(sums[i], t.nbytes) for i, t in enumerate(self.plan.tensors)]
+
+    @staticmethod
+    def _collect(pending: dict[Future, int], done: int, emit: Callable[..., None], total: int) -> int:
+        finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+        for fut in finished:
+            nbytes = pending.pop(fut)
+            fut.result()  # re-raises a reader's error
+            done += nbytes
+        emit("read", done, total)
+        return done
+
+    def _run_chunk(self, c: _Chunk) -> None:
+        job = c.job
+        part = job.tensor.parts[c.part]
+        n = c.hi - c.lo
+        i, buf = self.ring.acquire()
+        try:
+            host = buf[:n]
+            t0 = time.monotonic()
+            self.read(part, memoryview(host.numpy()), c.lo)
+            t1 = time.monotonic()
+            with self._lock:
+                self.read_s += t1 - t0
+            with self.ring.on_stream(job.stream):
+                self._place(c, host)
+        finally:
+            self.ring.release(i, job.stream)
+        if job.chunk_done():
+            t0 = time.monotonic()
+            with self.ring.on_stream(job.stream):
+                self._finish(job)
+            with self._lock:
+                self.finish_s += time.monotonic() - t0
+
+    def _place(self, c: _Chunk, host: torch.Tensor) -> None:
+        """Enqueue the copy (and cast) of one chunk on the current stream."""
+        job, t = c.job, c.job.tensor
+        src_dtype = t.parts[c.part].info.torch_dtype
+        if t.quantize:
+            job.temps[c.part][c.lo : c.hi].copy_(host, non_blocking=True)
+        elif src_dtype == t.dtype:
+            start = c.elem_off * t.dtype.itemsize + c.lo
+            job.dst[start : start + host.numel()].copy_(host, non_blocking=True)
+        else:
+            tmp = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            tmp.copy_(host, non_blocking=True)
+            e0 = c.elem_off + c.lo // src_dtype.itemsize
+            n = host.numel() // src_dtype.itemsize
+            job.dst.view(t.dtype)[e0 : e0 + n].copy_(tmp.view(src_dtype))
+
+    def _finish(self, job: _Job) -> None:
+        """After all of the job's copies (same stream): quantize, then checksum the stored bytes."""
+        t = job.tensor
+        if t.quantize:
+            staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
+            maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
+            amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
+            scale = quant.fp8_scale_tensor(amax)
+            out = job.dst.view(quant.FP8_DTYPE)
+            start = 0
+            for s in staged:
+                quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
+                start += s.numel()
+            job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
+            self.sums[job.index + 1].copy_(checksum.wsum32_parts(job.scale_dst))
+            job.temps = []
+        self.sums[job.index].copy_(checksum.wsum32_parts(job.dst))

@@ -1,0 +1,200 @@
+"""The fast loader: the staged GPU pipeline (run on CPU here: same chunking, casts, fp8 and
+checksum code, streams as no-ops), chunked parallel host reads, and the checksums —
+CRC-32 combined from chunks, wsum32 identical on CPU and GPU and to its definition."""
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from resident.daemon import checksum, tensor_reader
+from resident.daemon.loader import LoadSpec, load
+from resident.daemon.memory.host_shm import HostShmBackend
+from resident.daemon.safetensors_io import CheckpointError
+from resident.daemon.staging import StagingConfig
+from resident.daemon.tensor_table import crc32_of
+
+# Tiny buffers so every tensor of the test models spans several chunks, fewer buffers than
+# threads so readers wait for buffers, and several "streams".
+SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
+
+
+class RecordingBackend(HostShmBackend):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.slabs = []
+
+    def allocate(self, nbytes, index, device="cpu"):
+        slab = super().allocate(nbytes, index, device)
+        self.slabs.append(slab)
+        return slab
+
+
+@pytest.fixture
+def backend():
+    b = RecordingBackend(max_slab_bytes=1 << 20)
+    yield b
+    for s in b.slabs:
+        s.close()
+
+
+def raw_views(m):
+    v = m.table.views([s.readable() for s in m.slabs])
+    return {k: t.reshape(-1).view(torch.uint8) for k, t in v.items()}
+
+
+CASES = [
+    ("llama", {}, "none", "auto"),
+    ("llama", {}, "none", "bfloat16"),               # f32 -> bf16 cast after the copy
+    ("llama3", {}, "fp8_per_tensor", "bfloat16"),    # tied embeddings, fp8 of fused q/k/v, gate/up
+    ("qwen2", {"max_shard_size": "100KB"}, "none", "auto"),   # sharded, qkv bias
+    ("qwen3", {"dtype": "bfloat16"}, "fp8_per_tensor", "auto"),
+    ("mistral", {"dtype": "float16"}, "none", "float32"),
+]
+
+
+@pytest.mark.parametrize("arch,kw,quantization,dtype", CASES)
+def test_staged_pipeline_is_bit_identical_to_the_host_loader(tiny_model, backend, arch, kw, quantization, dtype):
+    folder = tiny_model(arch, vocab_size=1024, **kw)  # embeddings of 256-512 KB: several chunks each
+    spec = LoadSpec(str(folder), quantization=quantization, dtype=dtype)
+    ref = load(spec, backend)
+    events = []
+    fast = load(spec, backend, events.append, staged=True, staging=SMALL)
+    assert fast.key == ref.key and fast.checksum == "wsum32" and ref.checksum == "crc32"
+    assert [e.name for e in fast.table.entries] == [e.name for e in ref.table.entries]
+    rv, fv = raw_views(ref), raw_views(fast)
+    for e in fast.table.entries:
+        assert torch.equal(fv[e.name], rv[e.name]), e.name
+        assert e.crc32 == checksum.wsum32(fv[e.name]) == checksum.wsum32_reference(rv[e.name].numpy().tobytes()), e.name
+    assert fast.content_checksum != ref.content_checksum  # another algorithm, recorded as such
+    done = [e.bytes_done for e in events if e.phase == "read"]
+    assert done == sorted(done) and done[-1] == fast.bytes_read == ref.bytes_read
+
+
+def test_large_host_tensors_are_read_in_parallel_chunks(tiny_model, backend, monkeypatch):
+    folder = tiny_model("qwen2", vocab_size=1024, max_shard_size="200KB")
+    spec = LoadSpec(str(folder))
+    ref = load(spec, backend)
+    reads = []
+    real = tensor_reader._read_chunk
+
+    def counting(p, fds, dst, lo):
+        reads.append((p.info.name, lo))
+        return real(p, fds, dst, lo)
+
+    monkeypatch.setattr(tensor_reader, "_SPLIT_BYTES", 4096 + 256)  # not a multiple of any tensor size
+    monkeypatch.setattr(tensor_reader, "_read_chunk", counting)
+    m = load(spec, backend, num_threads=4)
+    assert len(reads) > 50 and any(lo > 0 for _, lo in reads)
+    rv, v = raw_views(ref), raw_views(m)
+    for e, r in zip(m.table.entries, ref.table.entries):
+        assert torch.equal(v[e.name], rv[e.name]) and e.crc32 == r.crc32 == zlib.crc32(v[e.name].numpy()), e.name
+    assert m.content_checksum == ref.content_checksum
+
+
+def test_a_failing_read_in_the_staged_pipeline_fails_the_load_and_frees_slabs(tiny_model, backend, monkeypatch):
+    folder = tiny_model("llama", vocab_size=1024)
+    real = tensor_reader._pread
+    calls = []
+
+    def flaky(p, fds, buf, rel):
+        calls.append(p.info.name)
+        if len(calls) == 7:
+            raise CheckpointError("disk went away")
+        return real(p, fds, buf, rel)
+
+    monkeypatch.setattr(tensor_reader, "_pread", flaky)
+    with pytest.raises(CheckpointError, match="disk went away"):
+        load(LoadSpec(str(folder)), backend, staged=True, staging=SMALL)
+    assert backend.slabs and all(s._fd is None for s in backend.slabs)
+
+
+def test_staging_config_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of 64 KiB"):
+        StagingConfig(buffer_bytes=1000)
+    with pytest.raises(ValueError, match="num_streams"):
+        StagingConfig(num_streams=0)
+    c = StagingConfig(num_threads=5)
+    assert c.threads() == 5 and c.buffers() == 13
+
+
+# --- checksums ---------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 4096 * 4 - 1, 4096 * 4, 4096 * 4 * 3 + 5, 200_001])
+def test_wsum32_matches_its_definition(n):
+    data = os.urandom(n)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    assert checksum.wsum32(t) == checksum.wsum32_reference(data)
+
+
+def test_wsum32_extreme_words_and_unaligned_views():
+    for fill in (-1, 2**31 - 1, -(2**31)):
+        t = torch.full((4096 * 70 + 3,), fill, dtype=torch.int32)
+        assert checksum.wsum32(t) == checksum.wsum32_reference(t.numpy().tobytes())
+    base = torch.arange(50_000, dtype=torch.int32).view(torch.uint8)
+    part = base[1:100_001]  # misaligned start
+    assert checksum.wsum32(part) == checksum.wsum32_reference(part.numpy().tobytes())
+
+
+def test_wsum32_detects_flips_swaps_and_zeroing():
+    w = torch.randint(-(2**31), 2**31 - 1, (4096 * 5 + 17,), dtype=torch.int32)
+    base = checksum.wsum32(w)
+    flipped = w.clone()
+    flipped[12345] ^= 1 << 7
+    swapped = w.clone()
+    swapped[[10, 9000]] = w[[9000, 10]]
+    zeroed = w.clone()
+    zeroed[100:600] = 0
+    shorter = w[:-1]
+    assert len({base, checksum.wsum32(flipped), checksum.wsum32(swapped), checksum.wsum32(zeroed),
+                checksum.wsum32(shorter)}) == 5
+
+
+def test_crc32_combine_matches_zlib():
+    a, b = os.urandom(100_003), os.urandom(77_777)
+    assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    pieces = [os.urandom(n) for n in (1, 4096, 0, 65_537, 3)]
+    got = checksum.crc32_of_pieces([(zlib.crc32(p), len(p)) for p in pieces])
+    assert got == zlib.crc32(b"".join(pieces))
+
+
+def test_crc32_of_keeps_crc32_on_the_host():
+    t = torch.randn(1000)
+    assert crc32_of(t) == zlib.crc32(t.numpy().tobytes()) == checksum.checksum_of(t)
+    assert checksum.algorithm_for("cpu") == "crc32" and checksum.algorithm_for("cuda:0") == "wsum32"
+    with pytest.raises(ValueError, match="wsum32"):
+        checksum.crc32(torch.empty(0, device="meta"))
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_wsum32_on_gpu_equals_cpu():
+    for n in (5, 4096 * 4 * 1000 + 13, 64 << 20):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        assert checksum.wsum32(t.cuda()) == checksum.wsum32(t), n
+    w = torch.randn(4096, 1000, dtype=torch.bfloat16)
+    assert crc32_of(w.cuda()) == checksum.wsum32(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization,dtype", [("none", "auto"), ("none", "bfloat16"), ("fp8_per_tensor", "bfloat16")])
+def test_gpu_load_matches_host_load_and_verifies(tiny_model, quantization, dtype):
+    from resident.daemon.memory import get_backend
+
+    folder = tiny_model("qwen2", vocab_size=1024, max_shard_size="100KB")
+    spec = LoadSpec(str(folder), quantization=quantization, dtype=dtype)
+    g = load(spec, get_backend("cuda_vmm", max_slab_bytes=2 << 20), staging=SMALL)
+    h = load(spec, HostShmBackend())
+    try:
+        assert g.key == h.key and g.checksum == "wsum32"
+        gv = g.table.views([s.readable() for s in g.slabs])
+        hv = h.table.views([s.readable() for s in h.slabs])
+        for e in g.table.entries:
+            assert gv[e.name].is_cuda
+            assert torch.equal(gv[e.name].cpu().reshape(-1).view(torch.uint8),
+                               hv[e.name].reshape(-1).view(torch.uint8)), e.name
+            assert e.crc32 == crc32_of(gv[e.name]) == checksum.wsum32(hv[e.name]), e.name
+    finally:
+        for s in g.slabs + h.slabs:
+            s.close()
