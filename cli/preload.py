@@ -63,17 +63,20 @@ def preload() -> None:
               help="Daemon log (detached default: <socket>.log; in the foreground, in addition to stderr).")
 @click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
               help="Seconds to wait for the detached daemon to become ready.")
+@click.option("--takeover", is_flag=True,
+              help="Take the models, sockets and leases over from the daemon running on --socket, without "
+                   "re-reading weights (an upgrade or restart of the daemon); the old one then exits.")
 def start(socket: str | None, fd_socket: str | None, http: str | None, backend: str | None,
           max_bytes: int, allow_uids: tuple[int, ...], allow_gids: tuple[int, ...],
           admin_uids: tuple[int, ...], socket_group: str | None, tcp: str | None, foreground: bool,
-          log_file: str | None, timeout_s: float) -> None:
+          log_file: str | None, timeout_s: float, takeover: bool) -> None:
     """Start the preload daemon (detached unless --foreground); returns once it is ready."""
     from resident.cli.daemon_process import DaemonStartError, start_detached
     from resident.daemon.config import DaemonConfig
 
     kwargs = dict(socket=resolve_socket(socket), fd_socket=fd_socket or "", socket_group=socket_group,
                   tcp=tcp or "", backend=backend or "", max_bytes=max_bytes, allow_uids=allow_uids,
-                  allow_gids=allow_gids, admin_uids=admin_uids)
+                  allow_gids=allow_gids, admin_uids=admin_uids, takeover=takeover)
     if http is not None:
         kwargs["http"] = http
     try:
@@ -88,12 +91,43 @@ def start(socket: str | None, fd_socket: str | None, http: str | None, backend: 
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger().addHandler(handler)
         sys.exit(run_daemon(config))
+    if takeover:
+        _takeover_detached(config, log_file, timeout_s)
+        return
     try:
         started = start_detached(config, log_file, timeout_s)
     except DaemonStartError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"resident daemon started: pid {started.pid}, socket {config.socket}")
     click.echo(f"  fd socket {config.fd_socket}; http {started.http or 'off'}; log {started.log_file}")
+
+
+def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
+    """Spawn `start --foreground --takeover` detached; done once it holds the lock and serves."""
+    import subprocess
+
+    from resident.cli.daemon_process import foreground_argv, health_serving, log_tail
+    from resident.daemon.server import running_daemon_pid
+
+    old_pid = running_daemon_pid(config)
+    log_path = log_file or config.socket + ".log"
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
+    with open(log_path, "ab") as log_out:
+        proc = subprocess.Popen(foreground_argv(config) + ["--takeover"], stdin=subprocess.DEVNULL, stdout=log_out,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise click.ClickException(f"the new daemon exited with code {code} before taking over; last lines of "
+                                       f"{log_path}:\n{log_tail(log_path)}")
+        if running_daemon_pid(config) == proc.pid and health_serving(config.socket):
+            click.echo(f"resident daemon pid {proc.pid} took over {config.socket}"
+                       + (f" from pid {old_pid}" if old_pid else "") + f"; log {log_path}")
+            return
+        time.sleep(0.05)
+    raise click.ClickException(f"the new daemon (pid {proc.pid}) did not take over within {timeout_s:.0f} s; "
+                               f"it keeps trying; see {log_path}:\n{log_tail(log_path)}")
 
 
 def _model_arg(model: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from resident.daemon.config import DaemonConfig
 from resident.daemon.errors import (
     DaemonError,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ProtocolMismatch,
@@ -87,6 +88,66 @@ class WeightCache:
         self.bytes_read_total = 0
         self.last_load_bytes_per_s = 0.0
         self.num_attaches = 0
+        #: Called (no arguments) after models or leases changed: the fd store re-publishes.
+        self.on_change: Callable[[], None] | None = None
+        self._handing_over = threading.Event()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # noqa: BLE001 - publishing must never fail the call that changed state
+                log.exception("publishing the daemon state failed")
+
+    # --- hand-over ------------------------------------------------------------------
+    @property
+    def handing_over(self) -> bool:
+        return self._handing_over.is_set()
+
+    def begin_handover(self, wait_s: float) -> None:
+        """Stop taking loads and unloads (a successor is taking the models over). Waits up to
+        `wait_s` for a load in progress to finish; raises FailedPrecondition if it does not."""
+        if self._handing_over.is_set():
+            raise FailedPrecondition("a hand-over to another daemon is already in progress")
+        if not self._load_lock.acquire(timeout=wait_s):
+            raise FailedPrecondition(
+                f"a model load is still in progress after {wait_s:.0f} s; retry the takeover when it "
+                "finishes (`resident preload status` shows the models)")
+        self._handing_over.set()
+
+    def end_handover(self) -> None:
+        """The hand-over was abandoned: take loads again."""
+        if self._handing_over.is_set():
+            self._handing_over.clear()
+            self._load_lock.release()
+
+    def _refuse_during_handover(self, what: str) -> None:
+        if self._handing_over.is_set():
+            raise FailedPrecondition(f"this daemon is handing its models over to a new daemon; retry the "
+                                     f"{what} in a moment (it will reach the new daemon)")
+
+    def restore(self, models: list[ResidentModel], next_version: dict[str, int], leases: list[Lease],
+                grace_s: float, counters: dict[str, float] | None = None) -> None:
+        """Take over models adopted from a previous daemon and hold its leases for re-attach."""
+        with self._state_lock:
+            self.registry.restore(models, next_version)
+            known = {m.key for m in models}
+            self.sessions.carry_over([lease for lease in leases if lease.key in known], grace_s)
+        counters = counters or {}
+        self.bytes_loaded_total = int(counters.get("bytes_loaded_total", 0))
+        self.bytes_read_total = int(counters.get("bytes_read_total", 0))
+        self.num_attaches = int(counters.get("num_attaches", 0))
+
+    def housekeeping(self) -> None:
+        """Periodic: drop carried-over leases past their grace period (and what they kept)."""
+        if not self.sessions.num_awaiting:
+            return
+        with self._state_lock:
+            if not self.sessions.expire_awaiting():
+                return
+            for m in self.registry.drop_stale():
+                self.observer.on_evict(m)
+        self._changed()
 
     # --- fd socket hooks ------------------------------------------------------------
     def hello(self, peer: PeerCreds, client_name: str) -> Session:
@@ -96,7 +157,10 @@ class WeightCache:
         with self._state_lock:
             ended = self.sessions.close_session(token)
             if ended:
-                self.registry.drop_stale()
+                for m in self.registry.drop_stale():
+                    self.observer.on_evict(m)
+        if ended:
+            self._changed()
 
     def fetch_fds(self, token: str, lease_id: str) -> list[tuple[int, int]]:
         lease = self.sessions.lease_of(token, lease_id)
@@ -121,13 +185,16 @@ class WeightCache:
         except Exception as e:  # noqa: BLE001 - mapped to a DaemonError naming the problem
             raise _as_daemon_error(e, spec.model) from None
         key = plan.key
+        self._refuse_during_handover("load")
         with self._load_lock:
+            self._refuse_during_handover("load")
             with self._state_lock:
                 existing = self.registry.get_key(key)
                 if existing is not None:
                     self.registry.touch(existing)
                     if not existing.latest:
                         self.registry.promote(existing)
+                        self._changed()
                     return LoadResult(existing, True, time.monotonic() - start)
             self._make_room(estimate_nbytes(plan, self.backend))
             try:
@@ -151,16 +218,21 @@ class WeightCache:
             self.observer.on_load(model, loaded.bytes_read, load_s)
         log.info("loaded %s v%d (key %s): %d bytes in %.2f s", model.name, model.version, model.key,
                  model.nbytes, load_s)
+        self._changed()
         return LoadResult(model, False, time.monotonic() - start)
 
     def _make_room(self, nbytes: int) -> None:
         with self._state_lock:
-            for m in self.registry.make_room(nbytes):
+            evicted = self.registry.make_room(nbytes)
+            for m in evicted:
                 self.observer.on_evict(m)
+        if evicted:
+            self._changed()
 
     # --- leases ---------------------------------------------------------------------
     def attach(self, token: str, model: str, expected_key: str = "",
-               protocol_major: int = 0) -> tuple[Lease, ResidentModel]:
+               protocol_major: int = 0, lease_id: str = "") -> tuple[Lease, ResidentModel]:
+        """Lease `model`. `lease_id` re-opens a lease carried over from the previous daemon."""
         if protocol_major and protocol_major != PROTOCOL_MAJOR:
             raise ProtocolMismatch(
                 f"protocol mismatch: this daemon speaks resident protocol {PROTOCOL_MAJOR}, the client "
@@ -171,10 +243,11 @@ class WeightCache:
         self.sessions.get(token)
         with self._state_lock:
             found = self.registry.resolve(model, expected_key)
-            lease = self.sessions.add_lease(token, found.key)
+            lease = self.sessions.add_lease(token, found.key, lease_id)
             self.registry.touch(found, attach=True)
         self.num_attaches += 1
         self.observer.on_attach(found)
+        self._changed()
         return lease, found
 
     def release(self, token: str, lease_id: str) -> None:
@@ -182,17 +255,21 @@ class WeightCache:
             self.sessions.release(token, lease_id)
             for m in self.registry.drop_stale():
                 self.observer.on_evict(m)
+        self._changed()
 
     def unload(self, name_or_key: str, force: bool = False) -> list[ResidentModel]:
+        self._refuse_during_handover("unload")
         with self._state_lock:
             removed = self.registry.remove(name_or_key, force)
             for m in removed:
+                self.sessions.forget_awaiting(m.key)
                 for lease in self.sessions.leases_for(m.key):
                     # Forced: the clients keep their mappings; the daemon forgets the leases.
                     try:
                         self.sessions.release(lease.token, lease.lease_id)
                     except DaemonError:
                         pass
+        self._changed()
         return removed
 
     def close(self) -> None:

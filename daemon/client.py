@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ from resident.daemon.errors import (
     DaemonUnavailable,
     ProtocolMismatch,
     StaleModel,
+    Unauthenticated,
     error_from,
 )
 from resident.daemon.fdsock import (
@@ -99,6 +101,7 @@ class Client:
             raise
         self._metadata = ((SESSION_METADATA, self.hello.session_token),)
         self._closed = False
+        self._leases: set[str] = set()
 
     # --- session --------------------------------------------------------------------
     def _connect_fd_socket(self) -> socket.socket:
@@ -146,7 +149,58 @@ class Client:
         try:
             return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
         except grpc.RpcError as e:
-            raise _map_rpc_error(e, self.socket_path) from None
+            error = _map_rpc_error(e, self.socket_path)
+        if isinstance(error, Unauthenticated) and not self._leases:
+            # The daemon was replaced between our hello and this call (a hand-over renames the
+            # sockets): a session without leases is safe to open again.
+            self._renew_session()
+            try:
+                return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
+            except grpc.RpcError as e:
+                raise _map_rpc_error(e, self.socket_path) from None
+        raise error
+
+    def _renew_session(self) -> None:
+        log.info("session token refused by the daemon at %s; saying hello again", self.socket_path)
+        with self._fd_lock:
+            old, self._sock = self._sock, self._connect_fd_socket()
+        old.close()
+        self.hello = self._say_hello()
+        self._metadata = ((SESSION_METADATA, self.hello.session_token),)
+        self._channel.close()
+        self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+        self._stub = pb_grpc.WeightCacheStub(self._channel)
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until the daemon ends this session — its end of the fd socket closes because
+        it exited, crashed or handed over — or until `timeout`; True when it did (or when
+        this client was closed). Reads nothing, so it may run beside other calls."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._closed:
+            fileno = self._sock.fileno()
+            if fileno < 0:
+                return True
+            poller = select.poll()
+            poller.register(fileno, select.POLLRDHUP)  # not POLLIN: replies to our calls do not wake us
+            slice_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            if poller.poll(int(slice_s * 1000)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
+
+    def reattach(self, model_key: str, lease_id: str = "") -> pb.AttachResponse:
+        """Re-open a lease on a model this process still maps, after the daemon was replaced
+        (hand-over, crash and restart): the daemon registers the lease (under `lease_id`, the
+        one held before, when it carried it over) and sends no fds. Raises NotFound when the
+        new daemon does not hold `model_key`."""
+        reply = self._call("Attach", pb.AttachRequest(model=model_key, expected_key=model_key,
+                                                      protocol_major=PROTOCOL_MAJOR, reattach=True,
+                                                      lease_id=lease_id))
+        if reply.model.key != model_key:
+            raise StaleModel(f"re-attach: the daemon returned key {reply.model.key}, expected {model_key}")
+        self._leases.add(reply.lease_id)
+        return reply
 
     # --- calls ----------------------------------------------------------------------
     def load(self, model: str, name: str = "", dtype: str = "auto", quantization: str = "none",
@@ -167,6 +221,7 @@ class Client:
         start = time.perf_counter()
         reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
                                                       protocol_major=PROTOCOL_MAJOR))
+        self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
                 raise StaleModel(f"stale model key: daemon returned {reply.model.key}, expected {expected_key}")
@@ -218,6 +273,7 @@ class Client:
 
     def release(self, lease_id: str) -> None:
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
+        self._leases.discard(lease_id)
 
     def list(self) -> list[pb.ModelInfo]:
         return list(self._call("List", pb.ListRequest()).models)

@@ -81,6 +81,10 @@ class DaemonConfig:
     admin_uids: tuple[int, ...] = ()
     hub_cache: str | None = None
     stop_grace_s: float = 5.0
+    #: Take the models, sockets and lock over from the daemon running on `socket` (hand-over).
+    takeover: bool = False
+    #: How long leases carried over from a previous daemon wait for their holders to re-attach.
+    reattach_grace_s: float = 60.0
     daemon_uid: int = field(default_factory=os.geteuid)
 
     def __post_init__(self) -> None:
@@ -104,6 +108,12 @@ class DaemonConfig:
             raise ValueError(f"max_bytes must be >= 0 (0 = unlimited), got {self.max_bytes}")
         if self.stop_grace_s < 0:
             raise ValueError("stop_grace_s must be >= 0")
+        if self.reattach_grace_s < 0:
+            raise ValueError("reattach_grace_s must be >= 0")
+        if self.takeover and self.backend == "cuda_ipc":
+            raise ValueError("--takeover cannot carry cuda_ipc weights: legacy CUDA IPC memory dies with the "
+                             "daemon that allocated it; stop the old daemon and load the models again, or use "
+                             "--backend cuda_vmm, whose weights survive a hand-over")
         if self.http:
             parse_host_port(self.http, "--http address")
         if self.tcp:

@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from google.protobuf.message import DecodeError, Message
@@ -112,6 +112,15 @@ class FdHandler(Protocol):
     def close_session(self, token: str) -> None: ...
 
 
+class TakeoverHandler(Protocol):
+    """The old daemon's side of a hand-over (handover.HandoverSource)."""
+
+    def takeover(self, token: str, req: fpb.Takeover) -> tuple[list[tuple[fpb.FdReply, list[int]]],
+                                                               Callable[[], None]]: ...
+    def commit(self, token: str, req: fpb.TakeoverCommit) -> tuple[fpb.FdReply, Callable[[], None]]: ...
+    def abandon(self, token: str, reason: str) -> None: ...
+
+
 def error_reply(code: str, message: str) -> fpb.FdReply:
     return fpb.FdReply(error=fpb.Error(code=code, message=message))
 
@@ -131,15 +140,20 @@ class FdSocketServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
+        #: Serves Takeover requests (set by the daemon; None: hand-over is refused).
+        self.takeover: TakeoverHandler | None = None
 
-    def start(self) -> None:
-        if os.path.exists(self.path) or os.path.islink(self.path):
-            os.unlink(self.path)  # stale: the caller holds the lock file
+    def start(self, bind_path: str | None = None) -> None:
+        """Listen on `bind_path` (the caller then renames it onto `path`, atomically), or on
+        `path` itself, replacing a stale socket file (the caller holds the lock file)."""
+        path = bind_path or self.path
+        if os.path.exists(path) or os.path.islink(path):
+            os.unlink(path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        os.chmod(self.path, self.mode)
+        listener.bind(path)
+        os.chmod(path, self.mode)
         if self.gid is not None:
-            os.chown(self.path, -1, self.gid)
+            os.chown(path, -1, self.gid)
         listener.listen(128)
         listener.settimeout(0.25)  # so stop() is noticed without tricks on the accept call
         self._listener = listener
@@ -147,7 +161,9 @@ class FdSocketServer:
         self._accept_thread.start()
         log.info("fd socket listening on %s", self.path)
 
-    def stop(self) -> None:
+    def stop(self, unlink: bool = True) -> None:
+        """Stop accepting and end every session; `unlink=False` leaves the path (a successor
+        daemon's socket now lives there)."""
         self._stopping.set()
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=2)
@@ -161,10 +177,11 @@ class FdSocketServer:
                 conn.shutdown(socket.SHUT_RDWR)  # wakes the connection's thread, which cleans up
             except OSError:
                 pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -183,6 +200,7 @@ class FdSocketServer:
 
     def _serve(self, conn: socket.socket) -> None:
         token: str | None = None
+        in_takeover = False
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             peer = peer_creds(conn)
@@ -196,6 +214,12 @@ class FdSocketServer:
                 except (FrameError, DecodeError) as e:
                     send_frame(conn, error_reply("INVALID_ARGUMENT", f"malformed fd-socket message: {e}"))
                     break
+                kind = req.WhichOneof("kind")
+                if token is not None and kind in ("takeover", "takeover_commit", "takeover_abort"):
+                    in_takeover, keep = self._serve_takeover(conn, req, token, in_takeover)
+                    if not keep:
+                        break
+                    continue
                 reply, fds, keep = self._dispatch(req, peer, token)
                 if reply.WhichOneof("kind") == "hello":
                     token = reply.hello.session_token
@@ -210,6 +234,8 @@ class FdSocketServer:
         except Exception:  # noqa: BLE001 - one bad connection must never take the daemon down
             log.exception("fd socket connection failed")
         finally:
+            if in_takeover and self.takeover is not None:
+                self.takeover.abandon(token or "", "the new daemon's connection closed before it committed")
             if token is not None:
                 try:
                     self.handler.close_session(token)
@@ -218,6 +244,45 @@ class FdSocketServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _serve_takeover(self, conn: socket.socket, req: fpb.FdRequest, token: str,
+                        in_takeover: bool) -> tuple[bool, bool]:
+        """One hand-over step; returns (a hand-over is in progress, keep the connection)."""
+        kind = req.WhichOneof("kind")
+        if self.takeover is None:
+            send_frame(conn, error_reply("FAILED_PRECONDITION", "this daemon does not hand over (it is stopping)"))
+            return False, False
+        if kind == "takeover":
+            if in_takeover:
+                send_frame(conn, error_reply("FAILED_PRECONDITION", "Takeover was already sent on this connection"))
+                return True, True
+            try:
+                frames, after = self.takeover.takeover(token, req.takeover)
+            except DaemonError as e:
+                send_frame(conn, error_reply(e.code, e.message))
+                return False, False
+            try:
+                for reply, fds in frames:
+                    send_frame(conn, reply, fds)
+            except BaseException:
+                self.takeover.abandon(token, "sending the state to the new daemon failed")
+                raise
+            finally:
+                after()
+            return True, True
+        if kind == "takeover_abort":
+            if in_takeover:
+                self.takeover.abandon(token, req.takeover_abort.reason or "aborted by the new daemon")
+            return False, False
+        if not in_takeover:
+            send_frame(conn, error_reply("FAILED_PRECONDITION", "TakeoverCommit without a Takeover"))
+            return False, False
+        reply, after = self.takeover.commit(token, req.takeover_commit)
+        try:
+            send_frame(conn, reply)
+        finally:
+            after()
+        return False, False
 
     def _dispatch(self, req: fpb.FdRequest, peer: PeerCreds,
                   token: str | None) -> tuple[fpb.FdReply, list[int], bool]:

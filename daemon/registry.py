@@ -178,6 +178,25 @@ class Registry:
             self._by_name.setdefault(model.name, []).append(model)
             return model, self.drop_stale()
 
+    def restore(self, models: list[ResidentModel], next_version: dict[str, int]) -> None:
+        """Take over models adopted from a previous daemon (versions, recency and the per-name
+        version counters as they were). Into an empty registry only."""
+        with self._lock:
+            if self._by_key:
+                raise ValueError("restore() needs an empty registry")
+            for model in sorted(models, key=lambda m: (m.name, m.version)):
+                self._by_key[model.key] = model
+                self._by_name.setdefault(model.name, []).append(model)
+            for name, versions in self._by_name.items():
+                floor = max(m.version for m in versions) + 1
+                self._next_version[name] = max(next_version.get(name, floor), floor)
+                if not any(m.latest for m in versions):
+                    log.info("no resident version of %s is its newest; attach by key only", name)
+
+    def next_versions(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._next_version)
+
     def promote(self, model: ResidentModel) -> list[ResidentModel]:
         """Make a resident older version its name's newest again (a checkpoint changed back);
         returns the versions this leaves stale and unleased, now dropped."""

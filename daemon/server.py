@@ -1,21 +1,28 @@
-"""The daemon process: lock file, sockets (gRPC, fd, HTTP), start and graceful stop.
+"""The daemon process: lock file, sockets (gRPC, fd, HTTP), start, hand-over and graceful stop.
 
 The lock file (`<socket>.lock`, flock'ed, holding the pid) is taken before any socket path is
 touched: gRPC unlinks an existing Unix-socket path when it binds (grpc/grpc#17122), so
-without it a second daemon would silently steal the first one's socket.
+without it a second daemon would silently steal the first one's socket. Sockets are bound on
+temporary paths and renamed onto the real ones (atomic), which is also how a successor takes
+them over (`--takeover`, handover.py) without the paths ever disappearing.
+
+Start-up order: lock; models (restored from systemd's fd store when it passed them back,
+fdstore.py, or handed over by the previous daemon); sockets; READY=1; then the fd store
+is kept in sync with every change.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import signal
-import socket as socketlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from resident.daemon.config import DaemonConfig
+from resident.daemon import sd_notify
+from resident.daemon.config import MAX_UNIX_PATH, DaemonConfig
 from resident.daemon.errors import AlreadyRunning
 
 log = logging.getLogger(__name__)
@@ -23,6 +30,8 @@ log = logging.getLogger(__name__)
 GRPC_WORKERS = 32
 #: A short-lived probe (running_daemon_pid) may hold the lock for microseconds; retry this long.
 LOCK_RETRY_S = 0.5
+#: After a hand-over, how long to retry binding the HTTP port the old daemon is releasing.
+HTTP_BIND_RETRY_S = 5.0
 
 
 def daemon_version() -> str:
@@ -49,6 +58,10 @@ class LockFile:
         self.socket = socket
         self._fd: int | None = None
 
+    @property
+    def fd(self) -> int | None:
+        return self._fd
+
     def acquire(self) -> None:
         os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -65,19 +78,49 @@ class LockFile:
                 pid = _read_pid(self.path)
                 raise AlreadyRunning(
                     f"another resident daemon (pid {pid if pid is not None else 'unknown'}) is serving "
-                    f"{self.socket}; stop it with `resident preload stop` or choose another --socket"
+                    f"{self.socket}; stop it with `resident preload stop`, take it over with "
+                    "`resident preload start --takeover`, or choose another --socket"
                 ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        self._write_pid()
 
-    def release(self) -> None:
+    def check_inherited(self, fd: int) -> None:
+        """Check that `fd` (passed by the daemon we take over) is this lock file, locked."""
+        st = os.fstat(fd)
+        try:
+            cur = os.stat(self.path)
+        except FileNotFoundError:
+            cur = None
+        if cur is None or (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino):
+            raise RuntimeError(f"the lock fd the old daemon sent is not {self.path}; is it serving another socket?")
+        try:
+            # Our open file description already holds the lock: this succeeds at once.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"the lock fd the old daemon sent does not hold the lock on {self.path}") from None
+
+    def adopt(self, fd: int) -> None:
+        """Hold the lock a previous daemon held, through its fd (the same open file
+        description, so the lock never was free); records our pid."""
+        self.check_inherited(fd)
+        os.set_inheritable(fd, False)
+        self._fd = fd
+        self._write_pid()
+
+    def _write_pid(self) -> None:
+        assert self._fd is not None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self, unlink: bool = True) -> None:
+        """Drop the lock; `unlink=False` after a hand-over (the successor holds it now)."""
         if self._fd is None:
             return
-        try:
-            os.unlink(self.path)  # while still locked, so no one else is holding this inode's lock
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                os.unlink(self.path)  # while still locked, so no one else is holding this inode's lock
+            except FileNotFoundError:
+                pass
         os.close(self._fd)
         self._fd = None
 
@@ -114,119 +157,310 @@ class Daemon:
         self._stop_requested = threading.Event()
         self._ready = False
         self._grpc = None
+        self._grpc_tcp = None
         self._fdsock = None
         self._http = None
         self._health = None
+        self._metrics = None
         self.cache = None
+        self.publisher = None
+        self._grpc_tmp: str | None = None   # temporary bind paths, renamed onto the real ones
+        self._fd_tmp: str | None = None
+        self._owns_paths = False            # the socket paths are ours to delete at stop
+        self._grpc_ino: int | None = None   # inode of the gRPC socket we renamed into place
+        self.handed_over = False
+        self.successor_pid = 0
 
+    # --- start ----------------------------------------------------------------------
     def start(self) -> None:
-        self._lock.acquire()
         try:
-            self._start_locked()
+            if self.config.takeover and running_daemon_pid(self.config) is not None:
+                self._start_takeover()
+            else:
+                if self.config.takeover:
+                    log.warning("--takeover: no daemon holds %s; starting afresh", self.config.lock_file)
+                self._start_fresh()
         except BaseException:
             self.stop()
             raise
 
-    def _start_locked(self) -> None:
+    def _start_fresh(self) -> None:
+        from resident.daemon.fdstore import FdStorePublisher, restore_from_listen_fds
+        from resident.daemon.memory import default_backend_name, get_backend
+        from resident.daemon.sessions import Lease
+
+        self._lock.acquire()
+        self._owns_paths = True
+        backend = get_backend(self.config.backend or default_backend_name())
+        self._build(backend)
+        restored = restore_from_listen_fds(backend)
+        if restored is None:
+            self.publisher = FdStorePublisher(self.cache, self.version)
+        else:
+            doc = restored.doc
+            self.cache.restore(restored.models, doc.next_version,
+                               [Lease(c.lease_id, c.key, "", c.pid, c.uid, c.client_name, c.since)
+                                for c in doc.leases], self.config.reattach_grace_s, doc.counters)
+            self.publisher = FdStorePublisher(self.cache, self.version, generation=doc.generation,
+                                              stored=restored.stored_slabs, state_names=restored.stored_states)
+        self._serve()
+        self._publish_paths()
+        self._start_network()
+
+    def _start_takeover(self) -> None:
+        from resident.daemon.fdstore import FdStorePublisher
+        from resident.daemon.handover import take_over
+        from resident.daemon.memory import get_backend
+        from resident.daemon.sessions import Lease
+        from resident.daemon.state import adopt_models
+
+        cfg = self.config
+        inherited = take_over(cfg.fd_socket, self.version)
+        doc = inherited.doc
+        committed = False
+        try:
+            if cfg.backend and cfg.backend != doc.backend:
+                raise RuntimeError(f"the running daemon holds {doc.backend} slabs; take it over with --backend "
+                                   f"{doc.backend} (or without --backend)")
+            self._lock.check_inherited(inherited.lock_fd)
+            backend = get_backend(doc.backend)
+            self._build(backend)
+            models, _ = adopt_models(doc, inherited.fds, backend)
+            inherited.close_fds()
+            self.cache.restore(models, doc.next_version,
+                               [Lease(c.lease_id, c.key, "", c.pid, c.uid, c.client_name, c.since)
+                                for c in doc.leases], cfg.reattach_grace_s, doc.counters)
+            store = doc.fdstore
+            same_store = bool(store.get("notify_socket")) and store.get("notify_socket") == os.environ.get(
+                "NOTIFY_SOCKET")
+            self.publisher = FdStorePublisher(
+                self.cache, self.version, generation=max(doc.generation, int(store.get("generation", 0))),
+                stored=set(store.get("slabs", ())) if same_store else None,
+                state_names=set(store.get("states", ())) if same_store else None)
+            self._serve()
+            sd_notify.notify(f"MAINPID={os.getpid()}", f"STATUS=taking over from pid {inherited.old_pid}")
+            self._publish_paths()  # the point of no return: new connections reach us from here on
+            committed = True
+        except BaseException as e:
+            if not committed:
+                inherited.abort(str(e) or type(e).__name__)
+                inherited.close_fds()
+                os.close(inherited.lock_fd)
+            raise
+        try:
+            inherited.commit()
+        except (RuntimeError, OSError) as e:
+            log.warning("the old daemon (pid %d) did not confirm the hand-over (%s); serving anyway",
+                        inherited.old_pid, e)
+        self._lock.adopt(inherited.lock_fd)
+        log.info("took over %d model(s) and %d lease(s) from pid %d (resident %s); nothing read from disk",
+                 len(self.cache.registry.models()), len(doc.leases), inherited.old_pid, inherited.old_version)
+        self._start_network()
+
+    def _build(self, backend) -> None:
+        from resident.daemon.cache import WeightCache
+        from resident.daemon.metrics import DaemonMetrics
+
+        self._metrics = DaemonMetrics()
+        self.cache = WeightCache(self.config, backend, self._metrics)
+        self._metrics.watch(self.cache)
+
+    def _serve(self) -> None:
+        """Serve gRPC and the fd socket on temporary paths beside the real ones."""
         import grpc
 
-        from resident.daemon.cache import WeightCache
         from resident.daemon.fdsock import FdSocketServer
-        from resident.daemon.http import HttpEndpoint
-        from resident.daemon.memory import default_backend_name, get_backend
-        from resident.daemon.metrics import DaemonMetrics
+        from resident.daemon.handover import HandoverSource, temp_socket_path
         from resident.daemon.service import HealthService, WeightCacheService, add_services
 
         cfg = self.config
-        backend = get_backend(cfg.backend or default_backend_name())
-        metrics = DaemonMetrics()
-        self.cache = WeightCache(cfg, backend, metrics)
-        metrics.watch(self.cache)
         self._health = HealthService()
-        if cfg.http:
-            self._http = HttpEndpoint(cfg.http, ready=lambda: self._ready, metrics=metrics.render)
-            self.http_address = self._http.address
-        service = WeightCacheService(self.cache, metrics, version=self.version, started_at=self.started_at,
-                                     http_address=lambda: self.http_address, request_stop=self.request_stop)
+        self._service = WeightCacheService(self.cache, self._metrics, version=self.version,
+                                           started_at=self.started_at, http_address=lambda: self.http_address,
+                                           request_stop=self.request_stop)
         self._grpc = grpc.server(ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"))
-        add_services(self._grpc, service, self._health)
+        add_services(self._grpc, self._service, self._health)
         self._fdsock = FdSocketServer(cfg.fd_socket, self.cache, daemon_version=self.version,
                                       mode=cfg.socket_mode, gid=cfg.socket_gid)
+        self._fdsock.takeover = HandoverSource(self)
+        self._grpc_tmp, self._fd_tmp = temp_socket_path(cfg.socket), temp_socket_path(cfg.fd_socket)
+        if self._grpc_tmp is None or self._fd_tmp is None:
+            if cfg.takeover:
+                raise RuntimeError(f"no temporary socket path beside {cfg.socket} fits the {MAX_UNIX_PATH}-byte "
+                                   "limit, so the socket cannot be taken over atomically; use a shorter --socket")
+            log.warning("the socket path %s is too long for an atomic bind-and-rename; a later --takeover "
+                        "will not work", cfg.socket)
+        grpc_path = self._grpc_tmp or cfg.socket
         old_umask = os.umask(0o177)  # no window in which the sockets are wider open than socket_mode
         try:
-            self._grpc.add_insecure_port(f"unix:{cfg.socket}")
-            self._fdsock.start()
+            self._grpc.add_insecure_port(f"unix:{grpc_path}")
+            self._fdsock.start(bind_path=self._fd_tmp)
         finally:
             os.umask(old_umask)
-        os.chmod(cfg.socket, cfg.socket_mode)
+        os.chmod(grpc_path, cfg.socket_mode)
         if cfg.socket_gid is not None:
-            os.chown(cfg.socket, -1, cfg.socket_gid)
+            os.chown(grpc_path, -1, cfg.socket_gid)
+        self._grpc.start()
+
+    def _publish_paths(self) -> None:
+        """rename(2) the sockets onto their paths: gRPC first, so a client that said hello to
+        this daemon also reaches it over gRPC. The paths never disappear."""
+        cfg = self.config
+        if self._grpc_tmp is not None:
+            os.rename(self._grpc_tmp, cfg.socket)
+            self._grpc_tmp = None
+        if self._fd_tmp is not None:
+            os.rename(self._fd_tmp, cfg.fd_socket)
+            self._fd_tmp = None
+        self._grpc_ino = os.stat(cfg.socket).st_ino
+        self._owns_paths = True
+
+    def _start_network(self) -> None:
+        """gRPC over TCP and HTTP (after a hand-over, once the old daemon let go of them)."""
+        import grpc
+
+        from resident.daemon.http import HttpEndpoint
+        from resident.daemon.service import add_services
+
+        cfg = self.config
         if cfg.tcp:
-            self._grpc.add_insecure_port(cfg.tcp)
+            self._grpc_tcp = grpc.server(ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc-tcp"))
+            add_services(self._grpc_tcp, self._service, self._health)
+            self._grpc_tcp.add_insecure_port(cfg.tcp)
+            self._grpc_tcp.start()
             log.warning("gRPC also listens on TCP %s: calls there carry session tokens issued on the "
                         "local fd socket only, and weights are only handed out over that local socket; "
                         "do not expose this port beyond hosts you trust", cfg.tcp)
-        self._grpc.start()
-        if self._http is not None:
+        if cfg.http:
+            deadline = time.monotonic() + HTTP_BIND_RETRY_S
+            while True:
+                try:
+                    self._http = HttpEndpoint(cfg.http, ready=lambda: self._ready, metrics=self._metrics.render)
+                    break
+                except OSError as e:
+                    if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            self.http_address = self._http.address
             self._http.start()
             with open(cfg.http_file, "w") as f:
                 f.write(self.http_address + "\n")
         self._ready = True
         self._health.set_serving(True)
+        backend = self.cache.backend
         log.info("resident daemon %s (pid %d) serving on %s (fd socket %s, backend %s, http %s, max_bytes %s)",
                  self.version, os.getpid(), cfg.socket, cfg.fd_socket, backend.name, self.http_address or "off",
                  cfg.max_bytes or "unlimited")
+        if not backend.survives_daemon:
+            log.warning("backend %s: the weights die with this daemon (a crash, restart or hand-over loses them "
+                        "and its workers' mappings); use cuda_vmm for weights that survive the daemon", backend.name)
 
+    def after_ready(self) -> None:
+        """Once READY=1 is out: park the slabs and the state in systemd's fd store."""
+        self.cache.on_change = self.publisher.sync
+        self.publisher.sync()
+
+    # --- hand-over hooks (handover.HandoverSource) ------------------------------------
+    @property
+    def lock_fd(self) -> int:
+        assert self._lock.fd is not None
+        return self._lock.fd
+
+    def next_generation(self) -> int:
+        return self.publisher.next_generation()
+
+    def fdstore_description(self) -> dict:
+        return self.publisher.describe()
+
+    def status_line(self) -> str:
+        from resident.daemon.fdstore import status_line
+
+        return status_line(self.cache)
+
+    def paths_taken(self) -> bool:
+        """Whether another daemon's socket now lives at our gRPC path."""
+        try:
+            return os.stat(self.config.socket).st_ino != self._grpc_ino
+        except FileNotFoundError:
+            return False
+
+    def handed_over_to(self, pid: int) -> None:
+        """A successor serves on our paths: stop publishing, free the HTTP and TCP ports now."""
+        self.handed_over = True
+        self.successor_pid = pid
+        self._ready = False
+        self.publisher.close()
+        self.cache.on_change = None
+        if self._health is not None:
+            self._health.set_serving(False)
+        if self._grpc_tcp is not None:
+            self._grpc_tcp.stop(self.config.stop_grace_s)
+            self._grpc_tcp = None
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
+
+    # --- run and stop -----------------------------------------------------------------
     def request_stop(self) -> None:
         self._stop_requested.set()
 
     def wait(self) -> None:
-        # Short waits so the main thread keeps running Python signal handlers.
+        """Until a stop is requested; runs housekeeping and systemd watchdog keep-alives.
+        Short waits so the main thread keeps running Python signal handlers."""
+        interval = sd_notify.watchdog_interval_s()
+        next_ping = time.monotonic()
         while not self._stop_requested.wait(0.2):
-            pass
+            try:
+                if self.cache is not None:
+                    self.cache.housekeeping()
+            except Exception:  # noqa: BLE001
+                log.exception("housekeeping failed")
+            if interval and time.monotonic() >= next_ping:
+                sd_notify.watchdog()
+                next_ping = time.monotonic() + interval / 2
 
     def stop(self) -> None:
         """Graceful stop: NOT_SERVING, drain gRPC, close the fd socket (ending sessions),
-        free the weights, remove the socket files and the lock."""
+        free the weights, remove the socket files and the lock — except after a hand-over,
+        when the paths and the lock belong to the successor."""
         self._ready = False
+        unlink = self._owns_paths and not self.handed_over
+        if self.publisher is not None:
+            self.publisher.close()
         if self._health is not None:
             self._health.set_serving(False, closed=True)
         if self._grpc is not None:
+            # gRPC unlinks the path it bound (the temporary one, renamed away by now).
             self._grpc.stop(self.config.stop_grace_s).wait()
             self._grpc = None
-            _unlink(self.config.socket)
+            if unlink:
+                _unlink(self.config.socket)
+        if self._grpc_tcp is not None:
+            self._grpc_tcp.stop(self.config.stop_grace_s).wait()
+            self._grpc_tcp = None
         if self._fdsock is not None:
-            self._fdsock.stop()
+            self._fdsock.stop(unlink=unlink)
             self._fdsock = None
+        for tmp in (self._grpc_tmp, self._fd_tmp):
+            if tmp is not None:
+                _unlink(tmp)
         if self._http is not None:
             self._http.stop()
             self._http = None
-            _unlink(self.config.http_file)
+            if unlink:
+                _unlink(self.config.http_file)
         if self.cache is not None:
             self.cache.close()
             self.cache = None
-        self._lock.release()
-        log.info("resident daemon stopped")
-
-
-def _sd_notify(message: str, notify_socket: str | None) -> None:
-    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
-    if not notify_socket:
-        return
-    addr = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
-    try:
-        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM) as s:
-            s.sendto(message.encode(), addr)
-    except OSError as e:
-        log.warning("sd_notify to %s failed: %s", notify_socket, e)
+        self._lock.release(unlink=not self.handed_over)
+        log.info("resident daemon stopped" + (f" (handed over to pid {self.successor_pid})" if self.handed_over else ""))
 
 
 def run_daemon(config: DaemonConfig) -> int:
-    """Run a daemon in the foreground until SIGTERM/SIGINT or a Shutdown call; returns the
-    exit code (0 after a graceful stop, 1 when it could not start)."""
+    """Run a daemon in the foreground until SIGTERM/SIGINT, a Shutdown call or a hand-over;
+    returns the exit code (0 after a graceful stop or hand-over, 1 when it could not start)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    notify_socket = os.environ.get("NOTIFY_SOCKET")
     daemon = Daemon(config)
     try:
         daemon.start()
@@ -234,18 +468,23 @@ def run_daemon(config: DaemonConfig) -> int:
         log.error("%s", e)
         return 1
     except (ValueError, OSError, RuntimeError) as e:
-        log.error("cannot start the resident daemon on %s: %s", config.socket, e)
+        what = "take over" if config.takeover else "start"
+        log.error("cannot %s the resident daemon on %s: %s", what, config.socket, e)
         return 1
     in_main = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda signum, frame: daemon.request_stop())
-    _sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving on {config.socket}", notify_socket)
+    sd_notify.ready(f"serving on {config.socket}: {daemon.status_line()}")
     try:
+        daemon.after_ready()
         daemon.wait()
-        log.info("stopping")
-        _sd_notify("STOPPING=1", notify_socket)
+        if daemon.handed_over:
+            log.info("handed over to pid %d; exiting", daemon.successor_pid)
+        else:
+            log.info("stopping")
+            sd_notify.stopping()
     finally:
         daemon.stop()
         for sig, handler in previous.items():

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from resident.daemon.cache import PROTOCOL_MAJOR, WeightCache
-from resident.daemon.errors import ERROR_KIND_METADATA, DaemonError, InvalidArgument
+from resident.daemon.errors import ERROR_KIND_METADATA, DaemonError, InvalidArgument, NotFound
 from resident.daemon.metrics import DaemonMetrics
 from resident.daemon.registry import ResidentModel
 from resident.protos.grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,7 +63,8 @@ def _rpc(method: Callable) -> Callable:
 def model_info(m: ResidentModel, cache: WeightCache) -> pb.ModelInfo:
     loaded = m.loaded
     leases = [pb.LeaseInfo(lease_id=lease.lease_id, pid=lease.pid, uid=lease.uid,
-                           client_name=lease.client_name, since=lease.since)
+                           client_name=lease.client_name, since=lease.since,
+                           awaiting_reattach=lease.awaiting_reattach)
               for lease in cache.sessions.leases_for(m.key)]
     return pb.ModelInfo(
         name=m.name, key=m.key, source=str(loaded.source), dtype=loaded.dtype,
@@ -146,8 +147,12 @@ class WeightCacheService(pb_grpc.WeightCacheServicer):
     @_rpc
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:  # noqa: N802
         start = time.perf_counter()
+        if request.reattach and self.cache.registry.get_key(request.model) is None:
+            raise NotFound(f"cannot re-attach: this daemon does not hold model key {request.model[:16]} (it "
+                           "started without the previous daemon's state); load the model again and restart the "
+                           "worker, or keep serving from the mapped weights")
         lease, m = self.cache.attach(self._token(context), request.model, request.expected_key,
-                                     request.protocol_major)
+                                     request.protocol_major, request.lease_id if request.reattach else "")
         slabs = [pb.SlabInfo(index=s.desc.index, nbytes=s.desc.nbytes, backend=s.desc.backend,
                              device=s.desc.device, device_uuid=s.desc.device_uuid, ipc_handle=s.desc.ipc_handle)
                  for s in m.loaded.slabs]
@@ -178,6 +183,7 @@ class WeightCacheService(pb_grpc.WeightCacheServicer):
             models=[model_info(m, self.cache) for m in self.cache.registry.models()],
             num_sessions=self.cache.sessions.num_sessions, http=self.http_address(),
             weights_survive_daemon=bool(self.cache.backend.survives_daemon),
+            num_awaiting_reattach=self.cache.sessions.num_awaiting,
         )
 
     @_rpc

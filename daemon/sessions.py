@@ -2,6 +2,11 @@
 leases they hold. A lease lives exactly as long as its session: when the connection closes,
 however the client died, `close_session` ends all its leases at once.
 
+Leases carried over from a previous daemon (a hand-over, or a restart from systemd's fd
+store) wait for their holders to re-open them (`add_lease(..., lease_id=...)`, a re-attach):
+until then they count as leases (the model is not evictable) and are listed with
+`awaiting_reattach`; those not re-opened within the grace period are dropped.
+
 Thread-safe; no sockets here, so this is unit-tested directly.
 """
 from __future__ import annotations
@@ -58,6 +63,7 @@ class Lease:
     uid: int
     client_name: str
     since: float
+    awaiting_reattach: bool = False  # carried over from the previous daemon, not re-opened yet
 
 
 @dataclass
@@ -76,6 +82,7 @@ class SessionTable:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, Lease] = {}
+        self._awaiting: dict[str, tuple[Lease, float]] = {}  # lease_id -> (lease, deadline)
 
     # --- sessions -------------------------------------------------------------------
     def open_session(self, peer: PeerCreds, client_name: str = "") -> Session:
@@ -127,16 +134,58 @@ class SessionTable:
             return len(self._sessions)
 
     # --- leases ---------------------------------------------------------------------
-    def add_lease(self, token: str, key: str) -> Lease:
+    def add_lease(self, token: str, key: str, lease_id: str = "") -> Lease:
+        """A new lease of `key` for the session. With `lease_id` (a re-attach), a carried-over
+        lease of the same key and uid awaiting re-attach is re-opened under its id."""
         with self._lock:
             session = self._sessions.get(token)
             if session is None:
                 raise Unauthenticated("the session ended before the lease was granted; reconnect")
-            lease = Lease(lease_id=secrets.token_hex(8), key=key, token=token, pid=session.peer.pid,
-                          uid=session.peer.uid, client_name=session.client_name, since=time.time())
+            since = time.time()
+            carried = self._awaiting.get(lease_id) if lease_id else None
+            if carried is not None and carried[0].key == key and carried[0].uid == session.peer.uid:
+                del self._awaiting[lease_id]
+                since = carried[0].since
+            elif not lease_id or lease_id in self._leases or lease_id in self._awaiting:
+                lease_id = secrets.token_hex(8)
+            lease = Lease(lease_id=lease_id, key=key, token=token, pid=session.peer.pid,
+                          uid=session.peer.uid, client_name=session.client_name, since=since)
             session.leases[lease.lease_id] = lease
             self._leases[lease.lease_id] = lease
         return lease
+
+    def carry_over(self, leases: Iterable[Lease], grace_s: float) -> None:
+        """Hold the previous daemon's leases for `grace_s` seconds, awaiting re-attach."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            for lease in leases:
+                if lease.lease_id not in self._leases:
+                    self._awaiting[lease.lease_id] = (
+                        Lease(lease_id=lease.lease_id, key=lease.key, token="", pid=lease.pid, uid=lease.uid,
+                              client_name=lease.client_name, since=lease.since, awaiting_reattach=True),
+                        deadline)
+
+    def expire_awaiting(self, now: float | None = None) -> list[Lease]:
+        """Drop carried-over leases whose grace period ended; returns them."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            gone = [lid for lid, (_, deadline) in self._awaiting.items() if deadline <= now]
+            expired = [self._awaiting.pop(lid)[0] for lid in gone]
+        for lease in expired:
+            log.info("lease %s (pid %d, %r) of the previous daemon was not re-opened in time; dropped",
+                     lease.lease_id, lease.pid, lease.client_name)
+        return expired
+
+    def forget_awaiting(self, key: str) -> None:
+        """Drop carried-over leases of `key` (it was unloaded with --force)."""
+        with self._lock:
+            for lid in [lid for lid, (lease, _) in self._awaiting.items() if lease.key == key]:
+                del self._awaiting[lid]
+
+    def all_leases(self) -> list[Lease]:
+        """Live leases and carried-over ones still awaiting re-attach."""
+        with self._lock:
+            return list(self._leases.values()) + [lease for lease, _ in self._awaiting.values()]
 
     def release(self, token: str, lease_id: str) -> Lease:
         with self._lock:
@@ -155,16 +204,18 @@ class SessionTable:
         return lease
 
     def leases_for(self, key: str) -> list[Lease]:
-        with self._lock:
-            return [lease for lease in self._leases.values() if lease.key == key]
+        return [lease for lease in self.all_leases() if lease.key == key]
 
     def lease_count(self, key: str) -> int:
-        with self._lock:
-            return sum(1 for lease in self._leases.values() if lease.key == key)
+        return len(self.leases_for(key))
 
     def leased_keys(self) -> set[str]:
+        return {lease.key for lease in self.all_leases()}
+
+    @property
+    def num_awaiting(self) -> int:
         with self._lock:
-            return {lease.key for lease in self._leases.values()}
+            return len(self._awaiting)
 
     @property
     def num_leases(self) -> int:

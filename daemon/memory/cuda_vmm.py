@@ -32,6 +32,7 @@ from resident.daemon.memory.cuda_util import (
     GiB,
     CudaError,
     DeviceBuffer,
+    DeviceMismatch,
     DeviceSlab,
     best_effort,
     check,
@@ -40,6 +41,7 @@ from resident.daemon.memory.cuda_util import (
     driver,
     ensure_context,
     importing_device,
+    index_of_uuid,
     require_cuda,
     round_up,
 )
@@ -195,6 +197,43 @@ class CudaVmmBackend(MemoryBackend):
         buffer = DeviceBuffer(ptr, size, dev, lambda: _unmap_range(ptr, size, [handle]), f"{NAME} slab {index}")
         log.debug("allocated %s slab %d: %d bytes on cuda:%d", NAME, index, size, dev)
         return VmmSlab(desc, handle, buffer)
+
+    def adopt_slab(self, desc: SlabDesc, fd: int) -> VmmSlab:
+        """Daemon side: take over a slab another daemon allocated, from its exported POSIX fd
+        (a hand-over, or systemd's fd store). Imports it, maps it (read-only where the driver
+        allows) and keeps `fd` as the slab's export fd (takes ownership of it)."""
+        try:
+            _validate([desc], [fd])
+            drv = driver()
+            dev = index_of_uuid(desc.device_uuid)
+            if dev is None:
+                raise DeviceMismatch(f"{NAME}: slab {desc.index} lives on GPU {desc.device_uuid}, which this "
+                                     "daemon does not see; run it with the same CUDA_VISIBLE_DEVICES as before")
+            ensure_context(dev)
+            if desc.nbytes % granularity(dev):
+                raise ValueError(f"{NAME}: slab {desc.index} of {desc.nbytes} bytes is not a multiple of "
+                                 f"cuda:{dev}'s allocation granularity; it is not a {NAME} slab")
+            kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            handle = check(f"cuMemImportFromShareableHandle(slab {desc.index})",
+                           drv.cuMemImportFromShareableHandle(int(fd), kind))
+            try:
+                ptr, protected = _map_range([handle], [desc.nbytes], dev, read_only=True)
+            except BaseException:
+                best_effort("cuMemRelease", drv.cuMemRelease(handle))
+                raise
+        except BaseException:
+            os.close(fd)
+            raise
+        size = desc.nbytes
+        buffer = DeviceBuffer(ptr, size, dev, lambda: _unmap_range(ptr, size, [handle]),
+                              f"{NAME} adopted slab {desc.index}")
+        slab = VmmSlab(SlabDesc(index=desc.index, nbytes=size, backend=NAME, device=f"cuda:{dev}",
+                                device_uuid=desc.device_uuid), handle, buffer)
+        os.set_inheritable(fd, False)
+        slab._fd = fd
+        slab._sealed = True
+        slab.read_only = protected
+        return slab
 
     @classmethod
     def import_slab(cls, desc: SlabDesc, fd: int | None) -> torch.Tensor:

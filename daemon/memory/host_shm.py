@@ -49,6 +49,21 @@ def _uint8_over(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
+def _check_sealed(desc: SlabDesc, fd: int, required: int) -> None:
+    size = os.fstat(fd).st_size
+    if size < desc.nbytes:
+        raise ValueError(f"slab {desc.index}: fd holds {size} bytes, the table says {desc.nbytes}")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & required != required:
+        raise PermissionError(
+            f"slab {desc.index}: received fd is not a memfd sealed against writes and resizing "
+            f"(seals {seals:#x}); refusing to map memory that its sender could still change"
+        )
+
+
 class HostShmSlab(Slab):
     def __init__(self, desc: SlabDesc, fd: int) -> None:
         self.desc = desc
@@ -57,6 +72,23 @@ class HostShmSlab(Slab):
                                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._tensor: torch.Tensor | None = _uint8_over(self._mm)
         self._sealed = False
+
+    @classmethod
+    def adopted(cls, desc: SlabDesc, fd: int) -> HostShmSlab:
+        """A slab over an already filled and sealed memfd (from a previous daemon or systemd's
+        fd store): mapped read-only, never written. Takes ownership of `fd`."""
+        try:
+            _check_sealed(desc, fd, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            slab = cls.__new__(cls)
+            slab.desc = desc
+            slab._fd = fd
+            slab._mm = mmap.mmap(fd, desc.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            slab._tensor = _uint8_over(slab._mm)
+            slab._sealed = True
+        except BaseException:
+            os.close(fd)
+            raise
+        return slab
 
     @property
     def sealed(self) -> bool:
@@ -144,22 +176,18 @@ class HostShmBackend(MemoryBackend):
             os.close(fd)
             raise
 
+    def adopt_slab(self, desc: SlabDesc, fd: int) -> HostShmSlab:
+        """Daemon side: take over a sealed slab memfd another daemon filled (takes ownership of `fd`)."""
+        if desc.backend != self.name or desc.device != "cpu":
+            os.close(fd)
+            raise ValueError(f"slab {desc.index} is a {desc.backend} slab on {desc.device}, not a host_shm slab")
+        return HostShmSlab.adopted(desc, fd)
+
     @classmethod
     def import_slab(cls, desc: SlabDesc, fd: int | None) -> torch.Tensor:
         """Map a received sealed memfd copy-on-write; refuse anything not sealed against writes."""
         if fd is None:
             raise ValueError(f"slab {desc.index}: host_shm slabs arrive as file descriptors, none was received")
-        size = os.fstat(fd).st_size
-        if size < desc.nbytes:
-            raise ValueError(f"slab {desc.index}: fd holds {size} bytes, the table says {desc.nbytes}")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-            raise PermissionError(
-                f"slab {desc.index}: received fd is not a memfd sealed against writes and shrinking "
-                f"(seals {seals:#x}); refusing to map memory that its sender could still change"
-            )
+        _check_sealed(desc, fd, REQUIRED_SEALS)
         mm = mmap.mmap(fd, desc.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         return _uint8_over(mm)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(resident/protos/resident/v1/fdsock.proto\x12\x0bresident.v1\"d\n\x05Hello\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x04 \x01(\t\"\xb5\x01\n\nHelloReply\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x15\n\rsession_token\x18\x03 \x01(\t\x12\x12\n\ndaemon_pid\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x05 \x01(\t\x12\x0b\n\x03uid\x18\x06 \x01(\r\x12\x0b\n\x03gid\x18\x07 \x01(\r\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\"\x1c\n\x08\x46\x65tchFds\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"d\n\tFdRequest\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.resident.v1.HelloH\x00\x12*\n\tfetch_fds\x18\x02 \x01(\x0b\x32\x15.resident.v1.FetchFdsH\x00\x42\x06\n\x04kind\"\x87\x01\n\x07\x46\x64Reply\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.resident.v1.HelloReplyH\x00\x12%\n\x03\x66\x64s\x18\x02 \x01(\x0b\x32\x16.resident.v1.FdsFollowH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.resident.v1.ErrorH\x00\x42\x06\n\x04kind\"/\n\tFdsFollow\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x64_slabs\x18\x02 \x03(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(resident/protos/resident/v1/fdsock.proto\x12\x0bresident.v1\"d\n\x05Hello\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x04 \x01(\t\"\xb5\x01\n\nHelloReply\x12\x16\n\x0eprotocol_major\x18\x01 \x01(\r\x12\x16\n\x0eprotocol_minor\x18\x02 \x01(\r\x12\x15\n\rsession_token\x18\x03 \x01(\t\x12\x12\n\ndaemon_pid\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x05 \x01(\t\x12\x0b\n\x03uid\x18\x06 \x01(\r\x12\x0b\n\x03gid\x18\x07 \x01(\r\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\"\x1c\n\x08\x46\x65tchFds\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"K\n\x08Takeover\x12\x1a\n\x12state_format_major\x18\x01 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\"\x1d\n\x0eTakeoverCommit\x12\x0b\n\x03pid\x18\x01 \x01(\r\"\x1f\n\rTakeoverAbort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xfd\x01\n\tFdRequest\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.resident.v1.HelloH\x00\x12*\n\tfetch_fds\x18\x02 \x01(\x0b\x32\x15.resident.v1.FetchFdsH\x00\x12)\n\x08takeover\x18\x03 \x01(\x0b\x32\x15.resident.v1.TakeoverH\x00\x12\x36\n\x0ftakeover_commit\x18\x04 \x01(\x0b\x32\x1b.resident.v1.TakeoverCommitH\x00\x12\x34\n\x0etakeover_abort\x18\x05 \x01(\x0b\x32\x1a.resident.v1.TakeoverAbortH\x00\x42\x06\n\x04kind\"o\n\x0bTakeoverFds\x12\r\n\x05names\x18\x01 \x03(\t\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x1a\n\x12state_format_major\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"\x1b\n\x0cTakeoverDone\x12\x0b\n\x03pid\x18\x01 \x01(\r\"\xed\x01\n\x07\x46\x64Reply\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.resident.v1.HelloReplyH\x00\x12%\n\x03\x66\x64s\x18\x02 \x01(\x0b\x32\x16.resident.v1.FdsFollowH\x00\x12#\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x12.resident.v1.ErrorH\x00\x12\x30\n\x0ctakeover_fds\x18\x04 \x01(\x0b\x32\x18.resident.v1.TakeoverFdsH\x00\x12\x32\n\rtakeover_done\x18\x05 \x01(\x0b\x32\x19.resident.v1.TakeoverDoneH\x00\x42\x06\n\x04kind\"/\n\tFdsFollow\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x10\n\x08\x66\x64_slabs\x18\x02 \x03(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLOREPLY']._serialized_end=341
   _globals['_FETCHFDS']._serialized_start=343
   _globals['_FETCHFDS']._serialized_end=371
-  _globals['_FDREQUEST']._serialized_start=373
-  _globals['_FDREQUEST']._serialized_end=473
-  _globals['_FDREPLY']._serialized_start=476
-  _globals['_FDREPLY']._serialized_end=611
-  _globals['_FDSFOLLOW']._serialized_start=613
-  _globals['_FDSFOLLOW']._serialized_end=660
-  _globals['_ERROR']._serialized_start=662
-  _globals['_ERROR']._serialized_end=700
+  _globals['_TAKEOVER']._serialized_start=373
+  _globals['_TAKEOVER']._serialized_end=448
+  _globals['_TAKEOVERCOMMIT']._serialized_start=450
+  _globals['_TAKEOVERCOMMIT']._serialized_end=479
+  _globals['_TAKEOVERABORT']._serialized_start=481
+  _globals['_TAKEOVERABORT']._serialized_end=512
+  _globals['_FDREQUEST']._serialized_start=515
+  _globals['_FDREQUEST']._serialized_end=768
+  _globals['_TAKEOVERFDS']._serialized_start=770
+  _globals['_TAKEOVERFDS']._serialized_end=881
+  _globals['_TAKEOVERDONE']._serialized_start=883
+  _globals['_TAKEOVERDONE']._serialized_end=910
+  _globals['_FDREPLY']._serialized_start=913
+  _globals['_FDREPLY']._serialized_end=1150
+  _globals['_FDSFOLLOW']._serialized_start=1152
+  _globals['_FDSFOLLOW']._serialized_end=1199
+  _globals['_ERROR']._serialized_start=1201
+  _globals['_ERROR']._serialized_end=1239
 # @@protoc_insertion_point(module_scope)

@@ -46,23 +46,75 @@ class FetchFds(_message.Message):
     lease_id: str
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
+class Takeover(_message.Message):
+    __slots__ = ("state_format_major", "daemon_version", "pid")
+    STATE_FORMAT_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    state_format_major: int
+    daemon_version: str
+    pid: int
+    def __init__(self, state_format_major: _Optional[int] = ..., daemon_version: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class TakeoverCommit(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
+
+class TakeoverAbort(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class FdRequest(_message.Message):
-    __slots__ = ("hello", "fetch_fds")
+    __slots__ = ("hello", "fetch_fds", "takeover", "takeover_commit", "takeover_abort")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     FETCH_FDS_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_ABORT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     fetch_fds: FetchFds
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., fetch_fds: _Optional[_Union[FetchFds, _Mapping]] = ...) -> None: ...
+    takeover: Takeover
+    takeover_commit: TakeoverCommit
+    takeover_abort: TakeoverAbort
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., fetch_fds: _Optional[_Union[FetchFds, _Mapping]] = ..., takeover: _Optional[_Union[Takeover, _Mapping]] = ..., takeover_commit: _Optional[_Union[TakeoverCommit, _Mapping]] = ..., takeover_abort: _Optional[_Union[TakeoverAbort, _Mapping]] = ...) -> None: ...
+
+class TakeoverFds(_message.Message):
+    __slots__ = ("names", "last", "state_format_major", "daemon_version", "backend")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    last: bool
+    state_format_major: int
+    daemon_version: str
+    backend: str
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., last: _Optional[bool] = ..., state_format_major: _Optional[int] = ..., daemon_version: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class TakeoverDone(_message.Message):
+    __slots__ = ("pid",)
+    PID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    def __init__(self, pid: _Optional[int] = ...) -> None: ...
 
 class FdReply(_message.Message):
-    __slots__ = ("hello", "fds", "error")
+    __slots__ = ("hello", "fds", "error", "takeover_fds", "takeover_done")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     FDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FDS_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_DONE_FIELD_NUMBER: _ClassVar[int]
     hello: HelloReply
     fds: FdsFollow
     error: Error
-    def __init__(self, hello: _Optional[_Union[HelloReply, _Mapping]] = ..., fds: _Optional[_Union[FdsFollow, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    takeover_fds: TakeoverFds
+    takeover_done: TakeoverDone
+    def __init__(self, hello: _Optional[_Union[HelloReply, _Mapping]] = ..., fds: _Optional[_Union[FdsFollow, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., takeover_fds: _Optional[_Union[TakeoverFds, _Mapping]] = ..., takeover_done: _Optional[_Union[TakeoverDone, _Mapping]] = ...) -> None: ...
 
 class FdsFollow(_message.Message):
     __slots__ = ("lease_id", "fd_slabs")

@@ -123,28 +123,34 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., source: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., layout: _Optional[str] = ..., content_checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., num_attaches: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "uid", "client_name", "since")
+    __slots__ = ("lease_id", "pid", "uid", "client_name", "since", "awaiting_reattach")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_REATTACH_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     uid: int
     client_name: str
     since: float
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., since: _Optional[float] = ...) -> None: ...
+    awaiting_reattach: bool
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., since: _Optional[float] = ..., awaiting_reattach: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model", "expected_key", "protocol_major")
+    __slots__ = ("model", "expected_key", "protocol_major", "reattach", "lease_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_KEY_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     expected_key: str
     protocol_major: int
-    def __init__(self, model: _Optional[str] = ..., expected_key: _Optional[str] = ..., protocol_major: _Optional[int] = ...) -> None: ...
+    reattach: bool
+    lease_id: str
+    def __init__(self, model: _Optional[str] = ..., expected_key: _Optional[str] = ..., protocol_major: _Optional[int] = ..., reattach: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("lease_id", "model", "slabs", "tensors", "protocol_major")
@@ -185,7 +191,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("pid", "version", "protocol_major", "socket", "fd_socket", "backend", "resident_bytes", "max_bytes", "started_at", "models", "num_sessions", "http", "weights_survive_daemon")
+    __slots__ = ("pid", "version", "protocol_major", "socket", "fd_socket", "backend", "resident_bytes", "max_bytes", "started_at", "models", "num_sessions", "http", "weights_survive_daemon", "num_awaiting_reattach")
     PID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +205,7 @@ class StatusResponse(_message.Message):
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HTTP_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SURVIVE_DAEMON_FIELD_NUMBER: _ClassVar[int]
+    NUM_AWAITING_REATTACH_FIELD_NUMBER: _ClassVar[int]
     pid: int
     version: str
     protocol_major: int
@@ -212,7 +219,8 @@ class StatusResponse(_message.Message):
     num_sessions: int
     http: str
     weights_survive_daemon: bool
-    def __init__(self, pid: _Optional[int] = ..., version: _Optional[str] = ..., protocol_major: _Optional[int] = ..., socket: _Optional[str] = ..., fd_socket: _Optional[str] = ..., backend: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., http: _Optional[str] = ..., weights_survive_daemon: _Optional[bool] = ...) -> None: ...
+    num_awaiting_reattach: int
+    def __init__(self, pid: _Optional[int] = ..., version: _Optional[str] = ..., protocol_major: _Optional[int] = ..., socket: _Optional[str] = ..., fd_socket: _Optional[str] = ..., backend: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., started_at: _Optional[float] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., http: _Optional[str] = ..., weights_survive_daemon: _Optional[bool] = ..., num_awaiting_reattach: _Optional[int] = ...) -> None: ...
 
 class UnloadRequest(_message.Message):
     __slots__ = ("name", "force")
