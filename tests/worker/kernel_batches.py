@@ -43,13 +43,13 @@ def make_paged_batch(q_lens: list[int], ctx_lens: list[int], *, num_kv_heads: in
             positions.append(p)
         qsl.append(qsl[-1] + q)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    cache = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if nan_unused:
-        keep = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-        keep[torch.tensor(used, dtype=torch.int64)] = True
-        flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        flat[:, ~keep] = float("nan")
     dev = torch.device(device)
+    # Drawn on the device (GiB-sized caches at realistic shapes), reproducibly per seed.
+    cache = torch.randn(shape, generator=torch.Generator(device=dev).manual_seed(seed), device=dev).to(dtype)
+    if nan_unused:
+        keep = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=dev)
+        keep[torch.tensor(used, dtype=torch.int64, device=dev)] = True
+        cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)[:, ~keep] = float("nan")
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
         query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
@@ -58,4 +58,4 @@ def make_paged_batch(q_lens: list[int], ctx_lens: list[int], *, num_kv_heads: in
         query_start_loc_host=tuple(qsl),
         seq_lens_host=tuple(seq_lens),
     )
-    return PagedBatch(meta, torch.tensor(positions, dtype=torch.int64, device=dev), cache.to(dev, dtype))
+    return PagedBatch(meta, torch.tensor(positions, dtype=torch.int64, device=dev), cache)

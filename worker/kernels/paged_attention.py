@@ -67,10 +67,12 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window,
+                   sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
                    REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                    USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    # num_splits is a runtime value (one compiled kernel for every split count); SPLIT says
+    # whether it is > 1, i.e. whether to write partial results for the merge kernel.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -78,7 +80,7 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     start = 0
     if USE_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -99,27 +101,27 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off,
                                      j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW,
                                      PREC)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        # part_* are [B, Hq, NUM_SPLITS(, BLOCK_D)] contiguous.
-        idx = (b * (tl.num_programs(1) * REP) + head) * NUM_SPLITS + split
+        # part_* are [B, Hq, num_splits(, BLOCK_D)] contiguous.
+        idx = (b * (tl.num_programs(1) * REP) + head) * num_splits + split
         tl.store(part_m_ptr + idx, m_i, mask=hmask)
         tl.store(part_l_ptr + idx, l_i, mask=hmask)
         tl.store(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], acc, mask=hmask[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, so_b, so_h,
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, so_b, so_h, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr):
+                         SPLITS_P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
-    smask = s < NUM_SPLITS
-    base = (b * NUM_HEADS + h) * NUM_SPLITS
+    smask = s < num_splits
+    base = (b * NUM_HEADS + h) * num_splits
     m = tl.load(part_m_ptr + base + s, mask=smask, other=NEG_BIG)
     l_s = tl.load(part_l_ptr + base + s, mask=smask, other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))
@@ -245,15 +247,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     _decode_kernel[(batch, n_kh, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0,
+        kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
-        BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=num_splits, USE_WINDOW=sliding_window is not None,
+        BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
         PREC=_precision(q.dtype), num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
-            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            SPLITS_P2=next_pow2(num_splits), num_warps=4)
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, num_warps=4)
     return out
 
 
