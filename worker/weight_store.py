@@ -18,6 +18,7 @@ import abc
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -110,14 +111,27 @@ class LocalStore(WeightStore):
         self.tensors = {}
 
 
+#: Back-off between attempts to re-open the lease with a new daemon.
+REATTACH_BACKOFF_S = (0.05, 2.0)
+
+
 class RemoteStore(WeightStore):
-    """Weights leased from the preload daemon; the lease ends with `close()` (or the process)."""
+    """Weights leased from the preload daemon; the lease ends with `close()` (or the process).
+
+    The mapped weights do not depend on the daemon: when it exits, crashes or hands over
+    (its end of our session closes), a background thread keeps the tensors as they are and
+    re-opens the lease with the daemon that serves the socket next, by the same model key
+    (a re-attach: no fds, no remapping), retrying with back-off until it succeeds or the
+    store is closed."""
 
     source = "daemon"
 
     def __init__(self, client: Any, model_key: str, model_dir: str) -> None:
         attached = client.attach(model_key, expected_key=model_key)
         self._client = client
+        self._closing = threading.Event()
+        self._swap = threading.Lock()
+        self.num_reattaches = 0
         self.lease_id = attached.lease_id
         self.table = attached.table
         self.tensors = attached.tensors
@@ -127,17 +141,74 @@ class RemoteStore(WeightStore):
         self.bytes_read_from_disk = 0
         self.attach_s = attached.attach_s
         self.num_tensors = len(attached.tensors)
+        self.backend = getattr(attached.info, "backend", "")
         logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
                     attached.attach_s, attached.lease_id)
+        if hasattr(client, "wait_closed"):  # a resident.daemon.client.Client (not a scripted stand-in)
+            threading.Thread(target=self._watch, name="daemon-lease-watch", daemon=True).start()
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    def _watch(self) -> None:
+        while not self._closing.is_set():
+            client = self._client
+            client.wait_closed()
+            if self._closing.is_set():
+                return
+            if self.backend == "cuda_ipc":
+                logger.error("the preload daemon went away: cuda_ipc weights die with it, so this worker's "
+                             "weights are gone; restart the worker (use cuda_vmm for weights that survive)")
+            else:
+                logger.warning("the preload daemon ended our session (lease %s): the weights stay mapped; "
+                               "re-opening the lease with the next daemon", self.lease_id)
+            self._reattach(client)
+
+    def _reattach(self, old: Any) -> None:
+        from resident.daemon.client import Client
+
+        delay, attempts = REATTACH_BACKOFF_S[0], 0
+        while not self._closing.wait(delay if attempts else 0):
+            attempts += 1
+            try:
+                client = Client(old.socket_path, old.fd_socket_path, client_name=old.client_name)
+            except DaemonError as e:
+                if attempts % 20 == 1:
+                    logger.info("no daemon to re-attach to yet (%s); retrying", e)
+                delay = min(delay * 2, REATTACH_BACKOFF_S[1])
+                continue
+            try:
+                reply = client.reattach(self.model_key, self.lease_id)
+            except DaemonError as e:
+                client.close()
+                if attempts % 20 == 1:
+                    logger.warning("the daemon at %s cannot re-open the lease on %s: %s; retrying",
+                                   old.socket_path, self.model_key[:16], e)
+                delay = min(delay * 2, REATTACH_BACKOFF_S[1])
+                continue
+            with self._swap:
+                if self._closing.is_set():
+                    client.close()
+                    return
+                self._client, self.lease_id = client, reply.lease_id
+                self.num_reattaches += 1
+            old.close()
+            logger.info("re-opened lease %s on %s with the daemon (pid %d) after %d attempt(s)", reply.lease_id,
+                        self.model_key[:16], client.hello.daemon_pid, attempts)
+            return
 
     def close(self) -> None:
         self.tensors = {}
+        with self._swap:
+            self._closing.set()
+            client = self._client
         try:
-            self._client.release(self.lease_id)
+            client.release(self.lease_id)
         except DaemonError as e:  # the lease ends with the connection anyway
             logger.info("release of lease %s: %s", self.lease_id, e)
         finally:
-            self._client.close()
+            client.close()
 
 
 def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
