@@ -14,6 +14,7 @@ _COMMANDS = {
     "bench": "resident.cli.bench:bench",
     "prepare-model": "resident.cli.prepare:prepare_model",
     "demo": "resident.cli.demo:demo",
+    "rollout": "resident.cli.rollout:rollout",
 }
 _HELP = {
     "preload": "Run and manage the preload daemon that keeps weights resident.",
@@ -21,6 +22,7 @@ _HELP = {
     "bench": "Benchmarks (attach latency, load throughput, restart time).",
     "prepare-model": "Prepare the default model (SmolLM2-135M-Instruct) as an HF folder.",
     "demo": "Daemon + engine + a real request + a worker restart, on the default model.",
+    "rollout": "Rolling restart of the replicas serving a port, without failing requests.",
 }
 
 

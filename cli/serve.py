@@ -60,12 +60,33 @@ logger = logging.getLogger(__name__)
                    "models on a busy machine.")
 @click.option("--verify-sample", type=int, default=16, show_default=True,
               help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
+@click.option("--data-parallel-size", "data_parallel_size", type=click.IntRange(min=1), default=None,
+              help="Run a supervisor over N replicas sharing one listening socket and one resident copy of "
+                   "the weights (rolling restarts: `resident rollout --port PORT`, SIGHUP). Also with N=1 "
+                   "under systemd. [default: a single worker process]")
+@click.option("--standby-replicas", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Warm standby replicas (attached, warmed up, not accepting): a crash or a rollout "
+                   "promotes one in milliseconds. Implies the supervisor.")
+@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds a new replica may take to become ready (supervisor).")
+@click.option("--drain-grace", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Seconds a leaving replica keeps answering on its open keep-alive connections "
+                   "(with 'Connection: close') before it closes the idle ones (supervisor).")
+@click.option("--rollout-kv-headroom", type=click.FloatRange(0.05, 1.0), default=1.0, show_default=True,
+              help="KV budget, in units of one replica's --kv-cache-memory, left free for the extra replica "
+                   "of a rollout; below 1 the incoming replica starts with that share (one GPU).")
+@click.option("--launcher/--no-launcher", default=False, show_default=True,
+              help="Fork replicas from a pre-imported launcher process (skips the imports on restarts).")
+@click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
+              help="The supervisor's control socket [default: $RESIDENT_RUNTIME_DIR or /run/resident or "
+                   "$XDG_RUNTIME_DIR/resident, then engine-PORT.ctl].")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
-          verify_sample: int) -> None:
+          verify_sample: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
+          drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
 
@@ -86,4 +107,17 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time())
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    sys.exit(run_server(config))
+    if data_parallel_size is None and not standby_replicas and not launcher:
+        sys.exit(run_server(config))
+
+    from resident.worker.supervisor import SupervisorConfig, run_supervisor
+
+    try:
+        sup = SupervisorConfig(
+            serve=config, num_replicas=data_parallel_size or 1, num_standby=standby_replicas,
+            ready_timeout_s=ready_timeout, drain_grace_s=drain_grace, kv_headroom=rollout_kv_headroom,
+            use_launcher=launcher, control_socket=os.path.abspath(control_socket) if control_socket else None,
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    sys.exit(run_supervisor(sup))

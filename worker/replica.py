@@ -1,0 +1,282 @@
+"""One replica of a supervised `resident serve`: the normal worker, serving on a listening
+socket it inherited from its supervisor, with a private admin socket (admin.py).
+
+Start-up is the worker's own (entrypoint._build: attach the daemon's resident weights or
+load them, verify, tokenizer, KV cache, warm-up). Then a replica either accepts on the
+shared socket at once, or — started as a standby — waits warm without accepting until its
+supervisor promotes it. Leaving (POST /drain on the admin socket, or SIGTERM) hands the
+connections back to the sibling replicas without failing a request (graceful.py), finishes
+in-flight work, releases the weights lease and exits 0.
+
+A replica is started as `python -m resident.worker.replica` (or forked by the launcher)
+with its configuration as JSON in $RESIDENT_REPLICA; it never talks to systemd (the
+supervisor removes $NOTIFY_SOCKET from its environment).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from resident.worker.admin import AdminServer, ReplicaState
+from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.entrypoint import ServeConfig, _build, _in_thread, _Startup, _Worker, process_start_time
+from resident.worker.graceful import ConnectionCloser
+from resident.worker.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+#: The environment variable carrying a replica's configuration (JSON; not argv, which any
+#: user can read in /proc — the config may hold the API key).
+ENV_PAYLOAD = "RESIDENT_REPLICA"
+#: Seconds a draining replica waits for handlers to write their last bytes after the engine drained.
+_HANDLER_FLUSH_S = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    replica_id: int
+    listen_fd: int                 # the supervisor's listening socket, inherited
+    admin_socket: str              # this replica's private admin Unix socket
+    standby: bool = False          # warm up, then wait for /promote before accepting
+    drain_grace_s: float = 2.0     # see graceful.py
+    lifeline_fd: int | None = None # read end of a pipe only the supervisor writes: EOF = it died
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.replica_id < 0:
+            raise ValueError(f"replica_id must be >= 0, got {self.replica_id}")
+        if self.listen_fd < 0:
+            raise ValueError(f"listen_fd must be an open fd, got {self.listen_fd}")
+        if not os.path.isabs(self.admin_socket):
+            raise ValueError(f"admin_socket must be an absolute path, got {self.admin_socket!r}")
+        if len(self.admin_socket.encode()) > 107:
+            raise ValueError(f"admin socket path {self.admin_socket!r} is longer than a Unix socket allows "
+                             "(107 bytes); set a shorter $RESIDENT_RUNTIME_DIR")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+
+
+def encode_payload(config: ServeConfig, options: ReplicaOptions) -> str:
+    return json.dumps({"serve": dataclasses.asdict(config), "replica": dataclasses.asdict(options)})
+
+
+def decode_payload(text: str) -> tuple[ServeConfig, ReplicaOptions]:
+    try:
+        data = json.loads(text)
+        return ServeConfig(**data["serve"]), ReplicaOptions(**data["replica"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"${ENV_PAYLOAD} is not a replica configuration written by the supervisor: {e}") from None
+
+
+class Replica:
+    """The replica's life: start-up, serving or standby, drain. Implements admin.ReplicaControl."""
+
+    def __init__(self, config: ServeConfig, options: ReplicaOptions, startup: _Startup) -> None:
+        self.config = config
+        self.options = options
+        self.startup = startup
+        self.state = ReplicaState.STARTING
+        self.metrics = ServerMetrics(config.model_name)
+        self.server_state = ServerState(served_model_names=(config.model_name,), metrics=self.metrics,
+                                        api_key=config.api_key, model_root=config.model)
+        self.closer = ConnectionCloser(options.drain_grace_s)
+        self.worker: _Worker | None = None
+        self.sock = socket.socket(fileno=options.listen_fd)
+        self.sock.setblocking(False)
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._drain = asyncio.Event()
+        self._drain_reason = ""
+        self.ready_s: float | None = None
+        self.promote_s: float | None = None
+
+    # --- admin.ReplicaControl ------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.server_state.alive
+
+    async def promote(self) -> float:
+        t = time.monotonic()
+        await self._accept()
+        self.promote_s = time.monotonic() - t
+        logger.info("promoted: accepting on the shared socket (%.1f ms)", self.promote_s * 1e3)
+        return self.promote_s
+
+    def request_drain(self, reason: str) -> None:
+        if not self._drain.is_set():
+            logger.info("drain requested (%s)", reason)
+            self._drain_reason = reason
+            self._drain.set()
+
+    def status(self) -> dict[str, Any]:
+        w = self.worker
+        server = self._runner.server if self._runner is not None else None
+        return {
+            "replica_id": self.options.replica_id, "pid": os.getpid(), "state": self.state.value,
+            "accepting": self._site is not None, "standby": self.options.standby,
+            "num_in_flight": w.engine.num_in_flight if w is not None else 0,
+            "num_connections": len(server.connections) if server is not None else 0,
+            "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
+            "num_kv_blocks": self.config.num_kv_blocks,
+            "ready_s": self.ready_s, "promote_s": self.promote_s,
+            "startup_phases": dict(self.startup.phases),
+        }
+
+    # --- life ----------------------------------------------------------------------------
+    def _watch_lifeline(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        """Drain when the supervisor dies (even by SIGKILL): a replica must not keep serving
+        a socket nobody supervises. Works for forked (launcher) children too, whose parent
+        is not the supervisor."""
+        def on_readable() -> None:
+            try:
+                data = os.read(fd, 64)
+            except BlockingIOError:
+                return
+            if not data:
+                loop.remove_reader(fd)
+                self.request_drain("the supervisor is gone")
+
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, on_readable)
+
+    async def _accept(self) -> None:
+        assert self._runner is not None
+        self._site = web.SockSite(self._runner, self.sock)
+        await self._site.start()
+        self.state = ReplicaState.SERVING
+
+    async def run(self) -> int:
+        app = ApiServer(self.server_state).app()
+        app.on_response_prepare.append(self.closer.on_response_prepare)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        admin = AdminServer(self, self.options.admin_socket)
+        await admin.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain, signal.Signals(sig).name)
+        if self.options.lifeline_fd is not None:
+            self._watch_lifeline(loop, self.options.lifeline_fd)
+        try:
+            return await self._run(admin)
+        finally:
+            await admin.stop()
+
+    async def _run(self, admin: AdminServer) -> int:
+        build = _in_thread(_build, self.config, self.startup, self.metrics)
+        drain = asyncio.ensure_future(self._drain.wait())
+        await asyncio.wait([build, drain], return_when=asyncio.FIRST_COMPLETED)
+        if not build.done():
+            logger.info("stopped during start-up")
+            self.sock.close()
+            await self._runner.cleanup()
+            return 0
+        try:
+            self.worker = build.result()
+        except Exception as e:  # noqa: BLE001 - one clear line; the supervisor sees exit code 1
+            self.state = ReplicaState.FAILED
+            self.server_state.failed = str(e)
+            drain.cancel()
+            expected = isinstance(e, (ValueError, RuntimeError, OSError))
+            logger.error("replica %d could not start: %s", self.options.replica_id, e, exc_info=not expected)
+            self.sock.close()
+            await self._runner.cleanup()
+            return 1
+        self.worker.engine.start()
+        self.server_state.serving = self.worker.serving
+        self.startup.phases["total"] = time.time() - self.startup.t0
+        self.ready_s = self.startup.phases["total"]
+        self.metrics.set_startup_phases(self.startup.phases)
+        self.server_state.ready = True
+        if self.options.standby:
+            self.state = ReplicaState.STANDBY
+        else:
+            await self._accept()
+        logger.info("replica %d %s; %s; weights from %s", self.options.replica_id, self.state.value,
+                    self.startup.summary(), self.worker.store.source)
+        await drain
+        return await self._leave()
+
+    async def _leave(self) -> int:
+        assert self.worker is not None and self._runner is not None
+        self.state = ReplicaState.DRAINING
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        if self._site is not None:
+            await self._site.stop()  # closes only this process's copy of the listening fd
+        else:
+            self.sock.close()
+        report = await self.closer.close_connections(self._runner.server, self.config.drain_timeout_s)
+        logger.info("connections handed back in %.2f s (%d seen, %d closed idle, %d cut at the deadline)",
+                    report.seconds, report.num_connections, report.num_closed_idle, report.num_left_at_deadline)
+        self.server_state.draining = True
+        await self.worker.engine.drain(max(0.0, deadline - time.monotonic()))
+        flush_until = time.monotonic() + _HANDLER_FLUSH_S
+        while self.server_state.num_http_in_flight and time.monotonic() < flush_until:
+            await asyncio.sleep(0.02)
+        await self._runner.cleanup()
+        self.worker.engine.shutdown()
+        self.worker.store.close()
+        logger.info("replica %d stopped (%s)", self.options.replica_id, self._drain_reason)
+        return 0
+
+
+def run_replica(config: ServeConfig, options: ReplicaOptions, t0: float | None = None) -> int:
+    """Run one replica until drained; returns the exit code."""
+    t0 = t0 or config.process_start_time or time.time()
+    import torch
+
+    import resident.worker.engine  # noqa: F401 - counted in the import phase
+    import resident.worker.model_runner  # noqa: F401
+    import resident.worker.tokenizer  # noqa: F401
+    import resident.worker.weight_store  # noqa: F401
+
+    from resident.worker.device import resolve_device
+
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
+    startup = _Startup(t0)
+    startup.phases["import"] = time.time() - t0
+    try:
+        device = resolve_device(config.device)
+    except ValueError as e:
+        logger.error("replica %d could not start: %s", options.replica_id, e)
+        return 1
+    config = dataclasses.replace(config, device=str(device))
+    if device.type == "cuda":
+        startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
+    return asyncio.run(Replica(config, options, startup).run())
+
+
+def configure_logging(options: ReplicaOptions) -> None:
+    logging.basicConfig(level=options.log_level.upper(), force=True,
+                        format=f"%(asctime)s %(levelname)s replica-{options.replica_id} %(name)s: %(message)s")
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    t0 = process_start_time()
+    payload = env.get(ENV_PAYLOAD)
+    if not payload:
+        raise SystemExit(f"${ENV_PAYLOAD} is not set: replicas are started by `resident serve "
+                         "--data-parallel-size N`, not by hand")
+    config, options = decode_payload(payload)
+    configure_logging(options)
+    return run_replica(config, options, t0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["ENV_PAYLOAD", "Replica", "ReplicaOptions", "decode_payload", "encode_payload", "main", "run_replica"]

@@ -1,0 +1,358 @@
+"""`resident serve --data-parallel-size N`: a supervisor over N replicas sharing one socket.
+
+The supervisor owns the listening TCP socket — it binds it, or takes it from systemd socket
+activation (LISTEN_FDS; the fd named "http", else the first) — and starts N replicas that
+inherit that one socket and all accept on it (not SO_REUSEPORT: closing one of several
+SO_REUSEPORT listeners resets the connections queued on it; one shared socket has a single
+queue that outlives any replica). It never accepts itself; its copy keeps the socket open
+while replicas come and go.
+
+- READY=1 to systemd once all serving replicas are ready; STATUS= with the replica states;
+  WATCHDOG=1 at half of WatchdogSec while its event loop runs; RELOADING=1 during a rollout
+  then READY=1; STOPPING=1 on SIGTERM, when it drains every replica and exits 0.
+- A replica that dies unexpectedly is replaced (a warm standby is promoted first when there
+  is one); repeated crashes back off exponentially. A replica that cannot start before the
+  service was ever ready fails the supervisor (exit 1): that is a configuration error.
+- Rolling restart (SIGHUP, `systemctl reload`, `resident rollout --port PORT`): see rollout.py.
+- KV headroom for the extra replica of a rollout or a standby: see kv_budget.py.
+- Sockets: the control socket and the replicas' admin sockets, named after the port (control.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from resident.daemon import sd_notify
+from resident.worker.entrypoint import ServeConfig
+from resident.worker.kv_budget import KvBudget, scaled_kv
+from resident.worker.replica import ENV_PAYLOAD, ReplicaOptions, encode_payload
+from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
+
+logger = logging.getLogger(__name__)
+
+#: Environment a replica must not inherit: systemd's notify socket (only the supervisor
+#: speaks for the service), its socket-activation fds and its watchdog.
+_SUPERVISOR_ONLY_ENV = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
+                        "WATCHDOG_PID")
+_CRASH_WINDOW_S = 60.0
+_LISTEN_BACKLOG = 1024
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    serve: ServeConfig
+    num_replicas: int = 1
+    num_standby: int = 0
+    ready_timeout_s: float = 300.0
+    drain_grace_s: float = 2.0
+    kv_headroom: float = 1.0
+    use_launcher: bool = False
+    control_socket: str | None = None      # default: control.control_socket_path(port)
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {self.num_replicas}")
+        if self.num_standby < 0:
+            raise ValueError(f"--standby-replicas must be >= 0, got {self.num_standby}")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"--ready-timeout must be positive, got {self.ready_timeout_s}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace must be >= 0, got {self.drain_grace_s}")
+        if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
+            raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
+        KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
+
+    @property
+    def replica_drain_timeout_s(self) -> float:
+        """How long a draining replica may take before it is killed."""
+        return self.serve.drain_timeout_s + self.drain_grace_s + 10.0
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.env = dict(os.environ if env is None else env)
+        self.sock: socket.socket | None = None
+        self.port = 0
+        self.replicas: dict[int, ReplicaHandle] = {}
+        self.budget = KvBudget(config.num_replicas, config.num_standby, config.kv_headroom)
+        self.launcher = None  # resident.worker.launcher.LauncherClient when config.use_launcher
+        self.rollout_lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._stop = asyncio.Event()
+        self.stopping = False
+        self._crashes: collections.deque[float] = collections.deque()
+        self._tasks: set[asyncio.Task] = set()
+        self.started = False                   # every initial replica became ready once
+        # Replicas hold the read end; only this process holds the write end (not inherited).
+        self._lifeline_r, self._lifeline_w = os.pipe()
+
+    # --- sockets -------------------------------------------------------------------------
+    def _listen_socket(self) -> socket.socket:
+        fds = sd_notify.listen_fds(self.env)
+        if fds:
+            fd = (fds.get("http") or next(iter(fds.values())))[0]
+            sock = socket.socket(fileno=fd)
+            if sock.type != socket.SOCK_STREAM:
+                raise ValueError(f"the socket systemd passed (fd {fd}) is not a stream socket; use ListenStream=")
+            logger.info("using the listening socket from systemd (fd %d, %s)", fd, sock.getsockname())
+            return sock
+        host = self.config.serve.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, self.config.serve.port), family=family, backlog=_LISTEN_BACKLOG)
+
+    # --- replicas ------------------------------------------------------------------------
+    def _replica_env(self, payload: str) -> dict[str, str]:
+        env = {k: v for k, v in self.env.items() if k not in _SUPERVISOR_ONLY_ENV}
+        env[ENV_PAYLOAD] = payload
+        return env
+
+    async def spawn(self, role: Role) -> ReplicaHandle:
+        from resident.worker.control import admin_socket_path
+
+        assert self.sock is not None
+        replica_id = next(self._ids)
+        share = self.budget.reserve(replica_id)
+        try:
+            serve = self.config.serve
+            kv_bytes, kv_blocks = scaled_kv(serve.kv_cache_memory_bytes, serve.num_kv_blocks, share)
+            config = dataclasses.replace(serve, port=self.port, port_file=None, notify_socket=None,
+                                         kv_cache_memory_bytes=kv_bytes, num_kv_blocks=kv_blocks,
+                                         process_start_time=None)
+            options = ReplicaOptions(replica_id=replica_id, listen_fd=self.sock.fileno(),
+                                     admin_socket=admin_socket_path(self.port, replica_id, self.env),
+                                     standby=role is Role.STANDBY, drain_grace_s=self.config.drain_grace_s,
+                                     lifeline_fd=self._lifeline_r, log_level=self.config.log_level)
+            env = self._replica_env(encode_payload(config, options))
+            fds = (self.sock.fileno(), self._lifeline_r)
+            if self.launcher is not None:
+                process = await self.launcher.spawn(env, fds)
+            else:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "resident.worker.replica", env=env, pass_fds=fds,
+                    stdin=asyncio.subprocess.DEVNULL)
+        except BaseException:
+            self.budget.release(replica_id)
+            raise
+        handle = ReplicaHandle(replica_id, role, options.admin_socket, share, process)
+        handle.exit_task = asyncio.ensure_future(process.wait())
+        self.replicas[replica_id] = handle
+        self.background(self._watch(handle))
+        logger.info("started %s replica %d (pid %d, KV %.0f%% of --kv-cache-memory)", role.value, replica_id,
+                    handle.pid, share * 100)
+        self.report_status()
+        return handle
+
+    def ready_standby(self) -> ReplicaHandle | None:
+        return next((h for h in self.replicas.values()
+                     if h.role is Role.STANDBY and h.phase is Phase.READY and not h.leaving), None)
+
+    def serving(self) -> list[ReplicaHandle]:
+        return [h for h in self.replicas.values() if h.role is Role.SERVING and not h.leaving]
+
+    async def _watch(self, handle: ReplicaHandle) -> None:
+        assert handle.exit_task is not None
+        code = await handle.exit_task
+        was_ready = handle.phase is Phase.READY
+        handle.exit_code, handle.phase = code, Phase.EXITED
+        self.replicas.pop(handle.replica_id, None)
+        self.budget.release(handle.replica_id)
+        if code == 0 and not handle.leaving and not self.stopping:
+            # A clean exit nobody here asked for: a signal to the whole process group (Ctrl-C,
+            # KillMode=control-group) reaches the supervisor a moment later. Give it that moment.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+        if handle.leaving or self.stopping or not was_ready:
+            # Expected, or a start-up failure that whoever waits for its /ready reports.
+            logger.info("replica %d (pid %d) exited with code %s", handle.replica_id, handle.pid, code)
+            self.report_status()
+            return
+        logger.warning("replica %d (pid %d, %s) exited unexpectedly with code %s; replacing it",
+                       handle.replica_id, handle.pid, handle.role.value, code)
+        self._crashes.append(time.monotonic())
+        role = handle.role
+        if role is Role.SERVING and (standby := self.ready_standby()) is not None:
+            seconds = await standby.promote()
+            logger.info("promoted standby replica %d in %.1f ms", standby.replica_id, seconds * 1e3)
+            role = Role.STANDBY
+        self.report_status()
+        await self._replace(role)
+
+    def _restart_delay(self) -> float:
+        now = time.monotonic()
+        while self._crashes and now - self._crashes[0] > _CRASH_WINDOW_S:
+            self._crashes.popleft()
+        recent = len(self._crashes)
+        if recent <= 1:
+            return 0.0
+        return min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (recent - 2))
+
+    async def _replace(self, role: Role) -> None:
+        while not self.stopping:
+            delay = self._restart_delay()
+            if delay:
+                logger.warning("%d crashes in the last %.0f s: waiting %.1f s before the next start",
+                               len(self._crashes), _CRASH_WINDOW_S, delay)
+                await asyncio.sleep(delay)
+            if self.stopping:
+                return
+            handle = await self.spawn(role)
+            try:
+                await handle.wait_ready(self.config.ready_timeout_s)
+                logger.info("replacement replica %d ready in %.2f s", handle.replica_id, handle.ready_s)
+                self.report_status()
+                return
+            except ReplicaFailed as e:
+                logger.error("%s", e)
+                await handle.stop()
+                self._crashes.append(time.monotonic())
+
+    # --- status and systemd --------------------------------------------------------------
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), "port": self.port, "num_replicas": self.config.num_replicas,
+                "num_standby": self.config.num_standby, "rolling_out": self.rollout_lock.locked(),
+                "replicas": [h.describe() for h in sorted(self.replicas.values(), key=lambda h: h.replica_id)]}
+
+    def status_line(self) -> str:
+        serving = [h for h in self.serving() if h.phase is Phase.READY]
+        standby = [h for h in self.replicas.values() if h.role is Role.STANDBY and h.phase is Phase.READY]
+        starting = [h for h in self.replicas.values() if h.phase is Phase.STARTING]
+        draining = [h for h in self.replicas.values() if h.phase is Phase.DRAINING]
+        text = f"{len(serving)}/{self.config.num_replicas} replicas serving on port {self.port}"
+        for n, what in ((len(standby), "standby"), (len(starting), "starting"), (len(draining), "draining")):
+            if n:
+                text += f", {n} {what}"
+        return text + (" (rolling out)" if self.rollout_lock.locked() else "")
+
+    def report_status(self) -> None:
+        sd_notify.status(self.status_line(), env=self.env)
+
+    async def _watchdog(self, interval_s: float) -> None:
+        while True:
+            sd_notify.watchdog(env=self.env)
+            await asyncio.sleep(interval_s / 2)
+
+    def background(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
+        return task
+
+    # --- life ----------------------------------------------------------------------------
+    async def _start_all(self) -> bool:
+        handles = [await self.spawn(Role.SERVING) for _ in range(self.config.num_replicas)]
+        handles += [await self.spawn(Role.STANDBY) for _ in range(self.config.num_standby)]
+        waits = [asyncio.ensure_future(h.wait_ready(self.config.ready_timeout_s)) for h in handles]
+        stop = asyncio.ensure_future(self._stop.wait())
+        pending = set(waits)
+        while pending:
+            done, pending = await asyncio.wait(pending | {stop}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(stop)
+            if stop in done:
+                break
+            for fut in done:
+                if fut.exception() is not None:
+                    logger.error("resident serve could not start: %s", fut.exception())
+                    for w in waits:
+                        w.cancel()
+                    for h in handles:
+                        await h.stop()
+                    return False
+        stop.cancel()
+        return True
+
+    async def run(self) -> int:
+        from resident.worker.rollout import ControlServer
+
+        self.sock = self._listen_socket()
+        self.port = self.sock.getsockname()[1]
+        host = self.config.serve.host
+        shown = host if ":" not in host else f"[{host}]"
+        sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")
+        sys.stdout.flush()
+        if self.config.serve.port_file:
+            Path(self.config.serve.port_file).write_text(f"{self.port}\n")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        control = ControlServer(self)
+        await control.start()
+        try:
+            if self.config.use_launcher:
+                await self.start_launcher()
+            if not await self._start_all():
+                return 1
+            self.started = True
+            if not self._stop.is_set():
+                logger.info("supervisor ready: %s", self.status_line())
+                sd_notify.ready(self.status_line(), env=self.env)
+                interval = sd_notify.watchdog_interval_s(self.env)
+                if interval:
+                    self.background(self._watchdog(interval))
+                await self._stop.wait()
+            await self._shutdown()
+            return 0
+        finally:
+            await control.stop()
+            for task in list(self._tasks):
+                task.cancel()
+            if self.launcher is not None:
+                await self.launcher.stop()
+            self.sock.close()
+            os.close(self._lifeline_w)
+            os.close(self._lifeline_r)
+
+    def _on_sighup(self) -> None:
+        from resident.worker.rollout import rollout
+
+        logger.info("SIGHUP: rolling restart")
+        self.background(rollout(self, lambda event: None))
+
+    async def start_launcher(self) -> None:
+        from resident.worker.launcher import LauncherClient
+
+        old, self.launcher = self.launcher, None
+        launcher = LauncherClient(self.port, self.env)
+        await launcher.start(self.config.ready_timeout_s)
+        self.launcher = launcher
+        if old is not None:
+            await old.stop()
+
+    async def _shutdown(self) -> None:
+        self.stopping = True
+        self._stop.set()
+        logger.info("stopping: draining %d replica(s)", len(self.replicas))
+        sd_notify.stopping(self.status_line(), env=self.env)
+        handles = list(self.replicas.values())
+        codes = await asyncio.gather(*(h.drain(self.config.replica_drain_timeout_s) for h in handles))
+        logger.info("stopped (replica exit codes: %s)", ", ".join(map(str, codes)) or "none")
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("supervisor task failed: %r", task.exception(), exc_info=task.exception())
+
+
+def run_supervisor(config: SupervisorConfig, env: Mapping[str, str] | None = None) -> int:
+    return asyncio.run(Supervisor(config, env).run())
+
+
+__all__ = ["Supervisor", "SupervisorConfig", "run_supervisor"]
+
