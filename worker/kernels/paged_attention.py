@@ -30,8 +30,9 @@ from resident.worker.kernels.rotary import check_kv_cache
 from resident.worker.layers.attention import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-#: Finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN.
-NEG_BIG = -1.0e30
+#: Finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN. (A global
+#: read inside a Triton kernel must be a tl.constexpr.)
+NEG_BIG = tl.constexpr(-1.0e30)
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
