@@ -10,7 +10,11 @@ _BENCHES = {
     "attach": ("resident.cli.bench_attach:bench_attach",
                "Attach latency vs model size (host_shm) and load throughput in GB/s."),
     "restart": ("resident.cli.bench_restart:bench_restart",
-                "Worker exec -> /ready and -> first token, cold vs attached to a daemon."),
+                "Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon."),
+    "checkpoint": ("resident.cli.bench_checkpoint:bench_checkpoint",
+                   "Write a random-weight Llama checkpoint (Llama-3-8B shape, or tiny)."),
+    "throughput": ("resident.cli.bench_throughput:bench_throughput",
+                   "Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."),
 }
 
 

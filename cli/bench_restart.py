@@ -1,11 +1,25 @@
-"""`resident bench restart`: how long a worker takes from exec to /ready and to its first
-token — cold (`--preload off`: the worker reads and converts the checkpoint itself) versus
-warm (a daemon holds the weights; the worker attaches) — with the in-process phase
-breakdown, and the floor: a bare `python -c "import torch"`."""
+"""`resident bench restart`: how long an engine takes from exec to ready and to its first
+token, side by side on one checkpoint:
+
+- `hf`: HF transformers `from_pretrained(..., device_map=DEVICE)` + generate one token (a
+  small script in a subprocess, timing import, CUDA init, load, first token);
+- `cold`: `resident serve --preload off` (the worker reads and converts the checkpoint
+  itself; the page cache is warmed first);
+- `warm`: `resident serve` attaching to a daemon that holds the model;
+
+with the workers' start-up phases from /metrics, the floor (`python -c "import torch"`,
+and with `torch.cuda.init()` on cuda), the daemon's preload throughput (GB/s) and the
+warm workers' attach time. Prints a table, writes JSON (`--json`) and a stacked-bar
+picture of the phases (`--plot`: PNG with matplotlib, or SVG without any dependency).
+A variant that fails is recorded with its error; the others still run.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -16,84 +30,254 @@ from pathlib import Path
 
 import click
 
+log = logging.getLogger(__name__)
 
-def _import_floor_s(runs: int) -> float:
+VARIANTS = ("hf", "cold", "warm")
+LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon"}
+_ATTACH = re.compile(r"attached \S+ from the preload daemon in ([0-9.]+) s")
+_STAGED = re.compile(r"staged load: .*")
+_HF_RESULT = "RESIDENT_HF_RESULT "
+_HF_SCRIPT = r'''
+import json, sys, time
+path, device, dtype, t_exec = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+import torch
+import transformers
+t_import = time.time()
+if device == "cuda":
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+t_ctx = time.time()
+kw = {"dtype": "auto" if dtype == "auto" else getattr(torch, dtype)}
+note = ""
+try:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map=device, **kw)
+except (ImportError, ValueError) as e:  # device_map may need accelerate
+    note = f"device_map={device} failed ({e}); loaded, then moved with .to()"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
+if device == "cuda":
+    torch.cuda.synchronize()
+t_loaded = time.time()
+ids = torch.tensor([[1, 42, 71, 78, 78, 81]], device=device)
+with torch.inference_mode():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
+                         do_sample=False, pad_token_id=0)
+if device == "cuda":
+    torch.cuda.synchronize()
+t_tok = time.time()
+print("RESIDENT_HF_RESULT " + json.dumps({
+    "ready_s": t_loaded - t_exec, "first_token_s": t_tok - t_exec, "new_tokens": int(out.shape[1] - ids.shape[1]),
+    "phases": {"import": t_import - t_exec, "cuda_init": t_ctx - t_import, "weights": t_loaded - t_ctx,
+               "first_token": t_tok - t_loaded}, "transformers": transformers.__version__, "note": note}),
+    flush=True)
+'''
+
+
+def _median_s(argv: list[str], runs: int, env: dict[str, str]) -> float:
     times = []
     for _ in range(runs):
         t = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
         times.append(time.monotonic() - t)
     return statistics.median(times)
 
 
-def _measure(model: str, args: list[str], work: Path, env: dict[str, str], label: str, run: int) -> dict:
+def _hf_run(model: str, device: str, dtype: str, work: Path, env: dict[str, str], run: int) -> dict:
+    script = work / "hf_first_token.py"
+    script.write_text(_HF_SCRIPT)
+    log_path = work / f"hf-{run}.log"
+    t_exec = time.time()
+    with open(log_path, "wb") as out:
+        proc = subprocess.run([sys.executable, str(script), model, device, dtype, repr(t_exec)], env=env,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    text = log_path.read_text(errors="replace")
+    line = next((ln for ln in text.splitlines() if ln.startswith(_HF_RESULT)), None)
+    if proc.returncode != 0 or line is None:
+        tail = "\n".join(text.splitlines()[-15:])
+        raise RuntimeError(f"the HF transformers script exited with code {proc.returncode}:\n{tail}")
+    return json.loads(line[len(_HF_RESULT):])
+
+
+def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], label: str, run: int) -> dict:
     from resident.cli.serve_process import ServeProcess
 
     w = ServeProcess.start(model, args, work / f"{label}-{run}.log", env)
     try:
-        ready = w.wait_ready()
+        ready = w.wait_ready(timeout_s=600)
         first = w.first_token_s()
         phases = w.phases()
     finally:
         w.kill()
-    return {"ready_s": ready, "first_token_s": first, "phases": phases}
+    row = {"ready_s": ready, "first_token_s": first, "phases": phases}
+    m = _ATTACH.search(w.log_path.read_text(errors="replace"))
+    if m:
+        row["attach_s"] = float(m.group(1))
+    return row
 
 
 def _summary(rows: list[dict]) -> dict:
-    out = {k: statistics.median(r[k] for r in rows) for k in ("ready_s", "first_token_s")}
-    keys = sorted({k for r in rows for k in r["phases"]})
+    out: dict = {"runs": rows}
+    for k in ("ready_s", "first_token_s", "attach_s"):
+        vals = [r[k] for r in rows if k in r]
+        if vals:
+            out[k] = statistics.median(vals)
+    keys = list(dict.fromkeys(k for r in rows for k in r["phases"]))
     out["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in rows) for k in keys}
     return out
 
 
+def _variant(name: str, runs: int, once) -> dict:
+    rows = []
+    for i in range(runs):
+        try:
+            rows.append(once(i))
+        except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+            log.error("variant %s, run %d failed: %s", name, i, e)
+            return {"error": f"{type(e).__name__}: {e}", **(_summary(rows) if rows else {})}
+    return _summary(rows)
+
+
+def _warm_page_cache(folder: Path) -> float:
+    """Read the checkpoint's files once, so cold starts measure page-cache reads."""
+    t = time.monotonic()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+    return time.monotonic() - t
+
+
+def _preload(model: str, sock: str, dtype: str, quantization: str) -> dict:
+    from resident.daemon.client import Client
+
+    t = time.monotonic()
+    final = None
+    read = 0
+    with Client(sock, client_name="resident-bench") as client:
+        for event in client.load(model, dtype=dtype, quantization=quantization):
+            if event.done:
+                final = event
+            else:
+                read = event.bytes_total
+    wall = time.monotonic() - t
+    if final is None:
+        raise RuntimeError("the daemon ended the load without a result")
+    out = {"load_s": final.elapsed_s, "wall_s": wall, "resident_bytes": final.model.nbytes,
+           "bytes_read": read if not final.already_resident else 0, "already_resident": final.already_resident}
+    out["gb_s"] = out["bytes_read"] / 1e9 / final.elapsed_s if final.elapsed_s > 0 else 0.0
+    return out
+
+
+def _gpu_name() -> str:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 @click.command("restart")
 @click.argument("model", required=False)
-@click.option("--runs", default=3, show_default=True, help="Starts per variant (median reported).")
+@click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="Starts per variant (median).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--quantization", default="none", show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True, help="Which of hf,cold,warm to run.")
+@click.option("--serve-args", default=None,
+              help="Extra `resident serve` arguments for cold and warm [default on cuda: --max-model-len 4096].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
-def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str,
-                  json_path: Path | None) -> None:
-    """Worker exec -> /ready and -> first token, cold vs attached to a daemon."""
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the start-up phases as stacked bars (.png needs matplotlib; .svg needs nothing).")
+def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str, variants: str,
+                  serve_args: str | None, json_path: Path | None, plot_path: Path | None) -> None:
+    """Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon."""
+    chosen = [v.strip() for v in variants.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in VARIANTS]
+    if bad or not chosen:
+        raise click.UsageError(f"--variants: unknown {bad or chosen}; valid: {', '.join(VARIANTS)}")
     if model is None:
         from resident.cli.prepare import default_cache_dir, prepare_default_model
 
         model = str(prepare_default_model(default_cache_dir(dict(os.environ))))
+    model = os.path.abspath(model) if os.path.isdir(model) else model
     work = Path(tempfile.mkdtemp(prefix="resident-bench-", dir="/tmp"))
     sock = str(work / "preload.sock")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    base = ["--dtype", dtype, "--quantization", quantization]
+    extra = shlex.split(serve_args) if serve_args is not None else (["--max-model-len", "4096"] if device == "cuda" else [])
+    base = ["--dtype", dtype, "--quantization", quantization, *(["--device", "cuda"] if device == "cuda" else []), *extra]
     cli = [sys.executable, "-m", "resident.cli.main"]
+    results: dict = {"benchmark": "restart", "model": model, "device": device, "dtype": dtype,
+                     "quantization": quantization, "runs": runs, "gpu": _gpu_name() if device == "cuda" else ""}
     try:
-        backend = "host_shm" if device == "cpu" else "cuda_vmm"
-        subprocess.run([*cli, "preload", "start", "--socket", sock, "--http", "127.0.0.1:0",
-                        "--backend", backend], env=env, check=True)
-        t = time.monotonic()
-        subprocess.run([*cli, "preload", "load", model, "--dtype", dtype, "--quantization", quantization,
-                        "--socket", sock], env=env, check=True, stdout=subprocess.DEVNULL)
-        preload_s = time.monotonic() - t
-        floor = _import_floor_s(runs)
-        results = {"model": model, "device": device, "runs": runs, "import_torch_floor_s": floor,
-                   "preload_load_s": preload_s}
-        for label, extra in (("cold", ["--preload", "off"]),
-                             ("warm", ["--preload", "require", "--socket", sock])):
-            rows = [_measure(model, [*base, *extra], work, env, label, i) for i in range(runs)]
-            results[label] = {"runs": rows, **_summary(rows)}
+        if os.path.isdir(model):
+            results["page_cache_warm_read_s"] = _warm_page_cache(Path(model))
+        floor = {"import_torch_s": _median_s([sys.executable, "-c", "import torch"], runs, env)}
+        if device == "cuda":
+            floor["import_torch_cuda_init_s"] = _median_s(
+                [sys.executable, "-c", "import torch; torch.cuda.init(); torch.zeros(1, device='cuda')"], runs, env)
+        results["floor"] = floor
+        if "warm" in chosen:
+            backend = "host_shm" if device == "cpu" else "cuda_vmm"
+            subprocess.run([*cli, "preload", "start", "--socket", sock, "--http", "127.0.0.1:0",
+                            "--backend", backend], env=env, check=True, stdout=subprocess.DEVNULL)
+            try:
+                results["preload"] = _preload(model, sock, dtype, quantization)
+            except Exception as e:  # noqa: BLE001 - recorded
+                results["preload"] = {"error": f"{type(e).__name__}: {e}"}
+            daemon_log = Path(sock + ".log")
+            staged = _STAGED.search(daemon_log.read_text(errors="replace")) if daemon_log.exists() else None
+            if staged:
+                results["preload"]["daemon_log"] = staged.group(0)
+            results["warm"] = _variant("warm", runs, lambda i: _serve_run(
+                model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i))
+        if "cold" in chosen:
+            results["cold"] = _variant("cold", runs, lambda i: _serve_run(
+                model, [*base, "--preload", "off"], work, env, "cold", i))
+        if "hf" in chosen:
+            results["hf"] = _variant("hf", runs, lambda i: _hf_run(model, device, dtype, work, env, i))
     finally:
-        subprocess.run([*cli, "preload", "stop", "--socket", sock], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shutil.rmtree(work, ignore_errors=True)
-
-    phase_keys = sorted(set(results["cold"]["phases"]) | set(results["warm"]["phases"]))
-    click.echo(f"model {model} on {device}; median of {runs}; `python -c 'import torch'` floor {floor:.2f} s")
-    click.echo(f"{'variant':<8}{'exec->ready':>13}{'exec->1st tok':>15}  " + "".join(f"{k:>10}" for k in phase_keys))
-    for label in ("cold", "warm"):
-        r = results[label]
-        click.echo(f"{label:<8}{r['ready_s']:>12.2f}s{r['first_token_s']:>14.2f}s  "
-                   + "".join(f"{r['phases'].get(k, 0.0):>9.2f}s" for k in phase_keys))
+        if "warm" in chosen:
+            subprocess.run([*cli, "preload", "stop", "--socket", sock], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _report(results, [v for v in VARIANTS if v in chosen])
     if json_path:
         json_path.write_text(json.dumps(results, indent=2))
         click.echo(f"wrote {json_path}")
+    if plot_path:
+        from resident.cli.bench_plot import plot_phases
+
+        written = plot_phases(results, [v for v in VARIANTS if v in results], plot_path)
+        click.echo(f"wrote {written}")
+    if any("error" in results.get(v, {}) for v in chosen):
+        click.echo(f"some variants failed; their logs are in {work}", err=True)
+        sys.exit(1)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(results: dict, variants: list[str]) -> None:
+    floor = results.get("floor", {})
+    click.echo(f"model {results['model']} on {results['device']} {results.get('gpu', '')}; median of "
+               f"{results['runs']}; floor: import torch {floor.get('import_torch_s', 0):.2f} s"
+               + (f", + CUDA init {floor['import_torch_cuda_init_s']:.2f} s" if "import_torch_cuda_init_s" in floor
+                  else ""))
+    pre = results.get("preload")
+    if pre and "error" not in pre:
+        click.echo(f"preload: {pre['bytes_read'] / 1e9:.2f} GB read in {pre['load_s']:.2f} s "
+                   f"({pre['gb_s']:.2f} GB/s); {pre['resident_bytes'] / 1e9:.2f} GB resident")
+    elif pre:
+        click.echo(f"preload failed: {pre['error']}")
+    keys = list(dict.fromkeys(k for v in variants for k in results.get(v, {}).get("phases", {}) if k != "total"))
+    click.echo(f"{'variant':<28}{'exec->ready':>12}{'exec->1st tok':>15}{'attach':>9}  "
+               + "".join(f"{k:>12}" for k in keys))
+    for v in variants:
+        r = results.get(v, {})
+        if "ready_s" not in r:
+            click.echo(f"{LABELS[v]:<28}  failed: {r.get('error', 'not run')}")
+            continue
+        attach = f"{r['attach_s'] * 1e3:.1f}ms" if "attach_s" in r else "-"
+        click.echo(f"{LABELS[v]:<28}{r['ready_s']:>11.2f}s{r['first_token_s']:>14.2f}s{attach:>9}  "
+                   + "".join(f"{r['phases'][k]:>11.2f}s" if k in r["phases"] else f"{'-':>12}" for k in keys))
+        if "error" in r:
+            click.echo(f"{'':<28}  (later runs failed: {r['error']})")

@@ -1,0 +1,235 @@
+"""`resident bench throughput MODEL`: steady-state decode tokens/s per batch size, as a
+fraction of the memory-bandwidth roofline.
+
+The engine runs in this process, built as `resident serve` builds it (the loader into
+slabs — cuda_vmm on a GPU, host_shm on CPU — then ModelConfig, EngineConfig, ModelRunner
+with its warm-up, LLMEngine). For each batch size B: B requests of `--context` random
+prompt tokens (ignore_eos, greedy, no prefix caching) are prefilled, `--warmup-steps`
+decode steps run untimed (lazy graph capture, allocator warm-up), then `--steps` decode
+steps are timed. Only steps in which every request decodes one token count.
+
+Roofline: a decode step must read every weight once (the embedding table only for the B
+looked-up rows, unless tied as the LM head) plus the KV cache of every sequence so far;
+that many bytes divided by the measured copy bandwidth of the device (a large
+device-to-device copy: bytes read + bytes written per second) is the step's lower bound.
+The reported fraction is that bound over the measured step time.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import click
+
+from resident.cli.common import format_table
+
+log = logging.getLogger(__name__)
+
+EMBED = "model.embed_tokens.weight"
+
+
+def copy_bandwidth(device, nbytes: int, repeats: int) -> float:
+    """Bytes per second moved by dst.copy_(src) (read + write), best of a few timed loops."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = 0.0
+    for _ in range(3):
+        dst.copy_(src)
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        _sync(device)
+        best = max(best, 2 * nbytes * repeats / (time.perf_counter() - t))
+    return best
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes_per_step(tensors: dict, batch: int) -> int:
+    """Bytes of weights a decode step of `batch` tokens reads."""
+    total = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if name == EMBED and "lm_head.weight" in tensors:
+            n = batch * t.shape[-1] * t.element_size()  # only the looked-up rows
+        total += n
+    return total
+
+
+def kv_bytes_per_token(model_config, dtype) -> int:
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+
+
+def _load(model: str, dtype: str, quantization: str, device: str):
+    from resident.daemon.loader import LoadSpec, load
+    from resident.daemon.memory import get_backend
+
+    backend = get_backend("cuda_vmm" if device == "cuda" else "host_shm")
+    loaded = load(LoadSpec(model, dtype=dtype, quantization=quantization), backend)
+    tensors = loaded.table.views([s.readable() for s in loaded.slabs])
+    return loaded, tensors
+
+
+def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: int, device) -> dict:
+    from resident.worker.sampling_params import SamplingParams
+
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True, temperature=0.0)
+    ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
+    generated = dict.fromkeys(ids, 0)
+
+    def step() -> int:
+        outs = engine.step()
+        for o in outs:
+            generated[o.request_id] += len(o.new_token_ids)
+        return sum(len(o.new_token_ids) for o in outs)
+
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while min(generated.values()) < 1:
+        step()
+        prefill_steps += 1
+    prefill_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    preempted = engine.stats().num_preemptions
+    _sync(device)
+    t = time.perf_counter()
+    decoded = [step() for _ in range(steps)]
+    _sync(device)
+    elapsed = time.perf_counter() - t
+    clean = all(n == batch for n in decoded) and engine.stats().num_preemptions == preempted
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"batch": batch, "prefill_steps": prefill_steps, "prefill_s": prefill_s, "steps": steps,
+            "step_s": elapsed / steps, "tokens_per_s": sum(decoded) / elapsed, "all_decode_steps": clean,
+            "mean_seq_len": context + 1 + warmup + (steps - 1) / 2}
+
+
+def run_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int], context: int,
+                   warmup: int, steps: int, bandwidth: float, block_size: int = 16) -> dict:
+    """One weight variant: load, build the engine, measure every batch size."""
+    import torch
+
+    from resident.worker.config import ModelConfig
+    from resident.worker.engine import LLMEngine
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.model_runner import ModelRunner
+
+    loaded, tensors = _load(model, dtype, quantization, device)
+    try:
+        model_config = ModelConfig.from_hf(loaded.config)
+        max_model_len = context + warmup + steps + 2 * block_size
+        per_seq = -(-max_model_len // block_size)
+        engine_config = EngineConfig(
+            block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=8192 if device == "cuda" else 2048, max_model_len=max_model_len,
+            enable_prefix_caching=False)
+        runner = ModelRunner(model_config, engine_config, tensors, device=device)
+        runner.warmup()
+        engine = LLMEngine(engine_config, runner)
+        kv_dtype = tensors[EMBED].dtype
+        rows = []
+        for b in batch_sizes:
+            r = _measure(engine, b, context, warmup, steps, model_config.vocab_size, device)
+            w = weight_bytes_per_step(tensors, b)
+            kv = int(b * r["mean_seq_len"] * kv_bytes_per_token(model_config, kv_dtype))
+            r.update(weight_bytes=w, kv_bytes=kv, bytes_per_step=w + kv, roofline_step_s=(w + kv) / bandwidth)
+            r["roofline_fraction"] = r["roofline_step_s"] / r["step_s"]
+            rows.append(r)
+            log.info("%s batch %d: %.1f tokens/s, %.2f ms/step, %.0f%% of the roofline", quantization, b,
+                     r["tokens_per_s"], r["step_s"] * 1e3, 100 * r["roofline_fraction"])
+        return {"quantization": quantization, "dtype": loaded.dtype, "load_s": loaded.load_s,
+                "load_gb_s": loaded.bytes_read / 1e9 / max(loaded.load_s, 1e-9), "resident_bytes": loaded.nbytes,
+                "results": rows}
+    finally:
+        engine = runner = None  # noqa: F841 - drop every view before the slabs go
+        tensors.clear()
+        gc.collect()
+        for s in loaded.slabs:
+            s.close()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _csv_ints(value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise click.BadParameter(f"expected positive integers, got {value!r}")
+    return out
+
+
+@click.command("throughput")
+@click.argument("model")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--batch-sizes", default="1,64", show_default=True, help="Comma-separated decode batch sizes.")
+@click.option("--context", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens per request.")
+@click.option("--quantization", default="none", show_default=True,
+              help="none, fp8_per_tensor, or both comma-separated (loaded one after the other).")
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1), help="Timed decode steps.")
+@click.option("--warmup-steps", default=8, show_default=True, type=click.IntRange(min=0))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+def bench_throughput(model: str, device: str, batch_sizes: str, context: int, quantization: str, dtype: str,
+                     steps: int, warmup_steps: int, json_path: Path | None) -> None:
+    """Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."""
+    from resident.daemon.quant import check_dtype, check_quantization
+
+    sizes = _csv_ints(batch_sizes)
+    quants = [q.strip() for q in quantization.split(",") if q.strip()]
+    try:
+        for q in quants:
+            check_quantization(q)
+        check_dtype(dtype)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA GPU is usable here")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    bw = copy_bandwidth(dev, (2 << 30) if device == "cuda" else (64 << 20), 10 if device == "cuda" else 3)
+    doc = {"benchmark": "throughput", "model": model, "device": device,
+           "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "", "context": context,
+           "copy_bandwidth_bytes_per_s": bw, "variants": []}
+    for q in quants:
+        doc["variants"].append(run_throughput(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
+    click.echo(f"{model} on {doc['gpu'] or device}; copy bandwidth {bw / 1e9:.0f} GB/s; context {context}; "
+               f"{steps} timed decode steps after {warmup_steps}")
+    rows = []
+    for v in doc["variants"]:
+        for r in v["results"]:
+            rows.append([v["quantization"], v["dtype"], r["batch"], f"{r['tokens_per_s']:.1f}",
+                         f"{r['step_s'] * 1e3:.2f}", f"{r['bytes_per_step'] / 1e9:.2f}",
+                         f"{r['roofline_step_s'] * 1e3:.2f}", f"{100 * r['roofline_fraction']:.0f}%",
+                         "" if r["all_decode_steps"] else "mixed steps"])
+    click.echo(format_table(["QUANT", "DTYPE", "BATCH", "TOK/S", "STEP MS", "GB/STEP", "ROOFLINE MS",
+                             "OF ROOFLINE", "NOTE"], rows))
+    for v in doc["variants"]:
+        click.echo(f"{v['quantization']}: loaded in {v['load_s']:.2f} s ({v['load_gb_s']:.2f} GB/s)")
+    if json_path:
+        json_path.write_text(json.dumps(doc, indent=2))
+        click.echo(f"wrote {json_path}")
