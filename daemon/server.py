@@ -484,6 +484,7 @@ def run_daemon(config: DaemonConfig) -> int:
             log.info("handed over to pid %d; exiting", daemon.successor_pid)
         else:
             log.info("stopping")
+            daemon.publisher.close()   # waits for a sync in progress: STOPPING=1 is the last word
             sd_notify.stopping()
     finally:
         daemon.stop()

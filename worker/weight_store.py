@@ -112,7 +112,7 @@ class LocalStore(WeightStore):
 
 
 #: Back-off between attempts to re-open the lease with a new daemon.
-REATTACH_BACKOFF_S = (0.05, 2.0)
+REATTACH_BACKOFF_S = (0.05, 1.0)
 
 
 class RemoteStore(WeightStore):

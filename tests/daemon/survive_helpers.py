@@ -124,11 +124,11 @@ def start_cli_daemon(directory: Path, *args: str, name: str = "d.sock", env: dic
 
 
 _EXEC_WITH_FDS = r"""
-import os, sys
+import fcntl, os, sys
 fds = [int(x) for x in sys.argv[1].split(",")] if sys.argv[1] else []
 names = sys.argv[2]
 # Move the fds out of the way, then onto 3, 4, ... (as systemd passes them at exec).
-high = [os.dup(fd) for fd in fds]
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]
 for fd in fds:
     os.close(fd)
 for i, fd in enumerate(high):
