@@ -39,7 +39,16 @@ logger = logging.getLogger(__name__)
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None,
               help="Context length [default: the model's, at most 4096 on CPU].")
 @click.option("--kv-cache-memory", type=SIZE, default="512MiB", show_default=True,
-              help="Memory for the KV cache (e.g. 512MiB, 2GiB).")
+              help="Memory for the KV cache on CPU (e.g. 512MiB, 2GiB); on a GPU see --gpu-memory-utilization.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto | cpu | cuda | cuda:N; auto is the first GPU torch sees, else the CPU.")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.9,
+              show_default=True,
+              help="Share of the whole GPU's memory this worker may bring it to, counting the daemon's weights "
+                   "and other processes; the KV cache gets what is left after activations and CUDA graphs.")
+@click.option("--cuda-graphs", type=click.Choice(["eager", "lazy", "off"]), default="lazy", show_default=True,
+              help="Decode CUDA graphs: eager captures every batch size at start; lazy the sizes 1-8 at start "
+                   "and larger ones on first use; off runs decode steps eagerly.")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks (overrides --kv-cache-memory).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -85,7 +94,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           max_model_len: int | None, kv_cache_memory: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
-          verify_sample: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
+          verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
+          data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
@@ -103,7 +113,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
-            cpu_threads=cpu_threads,
+            cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
+            cuda_graphs=cuda_graphs,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time())
     except ValueError as e:
         raise click.UsageError(str(e)) from None

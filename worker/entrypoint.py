@@ -4,8 +4,11 @@ Order: bind the HTTP socket first (so /health answers and /ready says 503 while 
 print `resident serve listening on http://HOST:PORT`, then — in a thread, while the event
 loop keeps answering probes — obtain the weights (attach or local load), verify sampled
 checksums, load the tokenizer, build the model and allocate the KV cache, run a warm-up
-forward pass; then /ready turns 200, systemd hears READY=1, and one log line gives the
-phases: "ready in X s (import a, weights b, verify c, tokenizer t, kv alloc d, warmup e)".
+forward pass, capture CUDA graphs (on a GPU); then /ready turns 200, systemd hears READY=1,
+and one log line gives the phases: "ready in X s (import a, cuda context g, weights b,
+verify c, tokenizer t, kv alloc d, warmup e, graphs f)". On a GPU the KV cache gets what
+--gpu-memory-utilization leaves after everything already on the GPU and the measured
+activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`).
 Phases are measured from the process's start (its kernel start time), so `import` includes
 the interpreter's own start-up.
 
@@ -55,7 +58,9 @@ class ServeConfig:
     hub_cache: str | None = None
     preload: str = "auto"
     socket: str | None = None                 # the daemon's socket; required unless preload == "off"
-    device: str = "cpu"
+    device: str = "auto"                      # auto | cpu | cuda | cuda:N
+    gpu_memory_utilization: float = 0.9       # share of the whole GPU this worker may fill (GPU)
+    cuda_graphs: str = "lazy"                 # eager | lazy | off (GPU)
     cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
     max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
@@ -91,6 +96,13 @@ class ServeConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
+        from resident.worker.cuda_graphs import check_mode
+        from resident.worker.device import check_device_name
+
+        check_device_name(self.device)
+        check_mode(self.cuda_graphs)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
 
@@ -185,7 +197,9 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     from resident.worker.async_engine import AsyncEngine
     from resident.worker.config import ModelConfig
     from resident.worker.engine import LLMEngine
+    from resident.worker.device import resolve_device, weights_on
     from resident.worker.engine_config import EngineConfig
+    from resident.worker.gpu_memory import plan_gpu_kv_cache
     from resident.worker.model_runner import ModelRunner
     from resident.worker.openai_serving import OpenAIServing
     from resident.worker.protocol import ServingOptions
@@ -193,6 +207,8 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     from resident.worker.weight_store import open_store
 
     startup.begin()
+    # This thread's current device too: the daemon client maps weights onto it.
+    device = resolve_device(config.device)
     spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
                     quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache)
     store = open_store(spec, config.preload, config.socket)
@@ -207,21 +223,35 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         startup.end("tokenizer")
 
         model_config = ModelConfig.from_hf(store.config)
+        weights = weights_on(store.tensors, device)
         max_model_len = config.max_model_len or min(
-            model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if config.device == "cpu" else 1 << 30)
+            model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if device.type == "cpu" else 1 << 30)
         if max_model_len > model_config.max_position_embeddings:
             logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
                            max_model_len, model_config.max_position_embeddings)
         dtype = store.tensors["model.embed_tokens.weight"].dtype
+        max_kv_blocks = None
+        if device.type == "cuda":
+            plan = plan_gpu_kv_cache(
+                model_config, weights, device, block_size=config.block_size, max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                utilization=config.gpu_memory_utilization, cuda_graphs=config.cuda_graphs,
+                num_kv_blocks=config.num_kv_blocks)
+            num_kv_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
+        else:
+            num_kv_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
         engine_config = EngineConfig(
-            block_size=config.block_size, num_kv_blocks=_kv_blocks(config, model_config, dtype, max_model_len),
+            block_size=config.block_size, num_kv_blocks=num_kv_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching)
-        runner = ModelRunner(model_config, engine_config, store.tensors, device=config.device)
+        runner = ModelRunner(model_config, engine_config, weights, device=str(device),
+                             cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
         engine = LLMEngine(engine_config, runner, tokenizer)
         startup.end("kv_alloc")
         runner.warmup()
         startup.end("warmup")
+        runner.capture_graphs()
+        startup.end("graphs")
     except BaseException:
         store.close()
         raise
@@ -332,10 +362,22 @@ def run_server(config: ServeConfig) -> int:
     import resident.worker.tokenizer  # noqa: F401
     import resident.worker.weight_store  # noqa: F401
 
+    from dataclasses import replace
+
+    from resident.worker.device import resolve_device
+
     if config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     startup = _Startup(t0)
     startup.phases["import"] = time.time() - t0
+    try:
+        device = resolve_device(config.device)
+    except ValueError as e:
+        logger.error("resident serve could not start: %s", e)
+        return 1
+    config = replace(config, device=str(device))
+    if device.type == "cuda":
+        startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
     return asyncio.run(_serve(config, startup))
 
 

@@ -3,15 +3,26 @@
 Index 0 holds keys, 1 values; token slot s of the cache is block s // block_size, offset
 s % block_size. The block manager decides which blocks a sequence owns; this module only
 sizes and allocates the memory.
+
+On CPU each layer is one zeroed torch tensor. On a GPU the cache lives in its own VMM
+address range (`gpu_memory.VmmRange`): each layer's keys and each layer's values own a
+segment of the reservation with room for `max_num_blocks`, so a layer's tensor is
+`[2, num_blocks, ...]` with the value half one segment after the key half (stride(0) is
+the segment, not num_blocks * block; each half is contiguous). That is what lets the cache
+`grow()` in place and be `unmap()`ped and `remap()`ped at the same addresses (snapshot).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from resident.worker.config import ModelConfig
+
+if TYPE_CHECKING:
+    from resident.worker.gpu_memory import KVLayout, VmmRange
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +40,8 @@ class KVCache:
     tensors: list[torch.Tensor]
     num_blocks: int
     block_size: int
+    memory: VmmRange | None = None      # the GPU address range, when VMM-backed
+    layout: KVLayout | None = None
 
     def __post_init__(self) -> None:
         for t in self.tensors:
@@ -48,9 +61,14 @@ class KVCache:
 
     @classmethod
     def allocate(cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> "KVCache":
+                 device: torch.device | str = "cpu", max_num_blocks: int | None = None) -> "KVCache":
+        """A zeroed cache of `num_blocks`; on a GPU in a VMM range with room for `max_num_blocks`."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        device = torch.device(device)
+        if device.type == "cuda":
+            return cls._allocate_vmm(model_config, num_blocks, block_size, dtype, device,
+                                     max(num_blocks, max_num_blocks or num_blocks))
         shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         total = bytes_per_block(model_config, dtype, block_size) * num_blocks
         try:
@@ -63,3 +81,69 @@ class KVCache:
             ) from e
         logger.info("KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size, total / 2**20, device)
         return cls(tensors, num_blocks, block_size)
+
+    @classmethod
+    def _allocate_vmm(cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device, max_num_blocks: int) -> "KVCache":
+        from resident.worker.gpu_memory import KVLayout, VmmRange, vmm_granularity
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                          head_dim=model_config.head_dim, block_size=block_size,
+                          itemsize=torch.empty((), dtype=dtype).element_size(),
+                          granularity=vmm_granularity(index), max_num_blocks=max_num_blocks)
+        memory = VmmRange(layout.reserve_bytes, index)
+        try:
+            per_segment = layout.mapped_segment_bytes(num_blocks)
+            for s in range(layout.num_segments):
+                memory.map(s * layout.segment_bytes, per_segment)
+        except BaseException:
+            memory.close()
+            raise
+        cache = cls(_segment_views(memory, layout, num_blocks, dtype), num_blocks, block_size, memory, layout)
+        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB mapped in a VMM range of %.1f GiB at 0x%x on %s",
+                    num_blocks, block_size, memory.mapped_bytes / 2**20, memory.reserved_bytes / 2**30,
+                    memory.ptr, device)
+        return cache
+
+    # --- VMM-backed caches only ---------------------------------------------------------------
+    def _vmm(self) -> tuple[VmmRange, KVLayout]:
+        if self.memory is None or self.layout is None:
+            raise RuntimeError("this KV cache is not VMM-backed (CPU caches cannot grow, unmap or remap)")
+        return self.memory, self.layout
+
+    def grow(self, num_blocks: int) -> None:
+        """Hold `num_blocks` blocks (more than now, at most the reservation's); existing blocks stay put."""
+        memory, layout = self._vmm()
+        if num_blocks <= self.num_blocks:
+            raise ValueError(f"grow({num_blocks}): the cache already holds {self.num_blocks} blocks")
+        old, new = layout.mapped_segment_bytes(self.num_blocks), layout.mapped_segment_bytes(num_blocks)
+        if new > old:
+            for s in range(layout.num_segments):
+                memory.map(s * layout.segment_bytes + old, new - old)
+        dtype = self.tensors[0].dtype
+        self.tensors = _segment_views(memory, layout, num_blocks, dtype)
+        self.num_blocks = num_blocks
+        logger.info("KV cache grown to %d blocks (%.1f MiB mapped)", num_blocks, memory.mapped_bytes / 2**20)
+
+    def unmap(self) -> None:
+        """Release the physical memory, keeping the addresses (contents are lost)."""
+        self._vmm()[0].unmap()
+
+    def remap(self) -> None:
+        """Map zeroed memory back at the same addresses; tensors and captured graphs stay valid."""
+        self._vmm()[0].remap(zero=True)
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.tensors = []
+            self.memory.close()
+            self.memory = None
+
+
+def _segment_views(memory: VmmRange, layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    base = memory.base.view(dtype)
+    seg = layout.segment_bytes // layout.itemsize
+    h, d, bs = layout.num_kv_heads, layout.head_dim, layout.block_size
+    return [base.as_strided((2, num_blocks, bs, h, d), (seg, bs * h * d, h * d, d, 1), 2 * layer * seg)
+            for layer in range(layout.num_layers)]

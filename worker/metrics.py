@@ -15,7 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-STARTUP_PHASES = ("import", "weights", "verify", "tokenizer", "kv_alloc", "warmup", "total")
+STARTUP_PHASES = ("import", "cuda_context", "weights", "verify", "tokenizer", "kv_alloc", "warmup", "graphs", "total")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

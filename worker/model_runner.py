@@ -6,20 +6,31 @@ query and context lengths — runs one forward pass, computes logits only for th
 of chunks with `sample=True`, and samples. Per-request state is only the seeded
 generators, dropped when the scheduler reports the request finished.
 
+On a GPU: all of a step's integer inputs go to the device in one pinned-buffer copy
+(`input_batch.HostToDevice`); the KV cache lives in its own VMM address range with one
+extra block, the padding sink of CUDA graphs; decode batches replay captured CUDA graphs
+(`cuda_graphs.DecodeGraphs`) that produce logits, and the sampler runs outside them.
+`profile_peak_bytes` measures the activation, sampler and graph memory a worker needs
+beside its KV cache, for `--gpu-memory-utilization`.
+
 Weights are used as given (zero-copy views of daemon memory): never copied or converted.
 Everything lives on the instance, so runners can be built, torn down and rebuilt in one
 process.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from resident.worker.config import ModelConfig
+from resident.worker.cuda_graphs import DecodeGraphs, check_mode
 from resident.worker.engine_config import EngineConfig
+from resident.worker.input_batch import HostToDevice
 from resident.worker.kv_cache import KVCache, bytes_per_block
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.sampler import Sampler, SamplingRow
@@ -30,16 +41,40 @@ from resident.worker.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+#: Added to the measured headroom: allocations outside torch's allocator (graph
+#: executables, cuBLAS/Triton module loads) and fragmentation.
+PROFILE_MARGIN_BYTES = 256 * 2**20
+
+
 class BatchError(ValueError):
     """A SchedulerOutput the runner cannot execute (a scheduler bug, named precisely)."""
 
 
+@dataclass
+class StepBatch:
+    """One step's device inputs; `graph_size` set when a captured decode graph runs it."""
+
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
+    sample_idx: torch.Tensor
+    graph_size: int | None = None
+    graph_vec: torch.Tensor | None = None      # [4 * graph_size]: ids, positions, slots, seq lens
+    graph_tables: torch.Tensor | None = None   # [graph_size * width]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None) -> None:
+                 weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
+                 *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None) -> None:
+        """`cuda_graphs`: eager | lazy | off (ignored off a GPU). `max_num_kv_blocks`: the GPU
+        KV cache's address reservation (default: num_kv_blocks), so it can grow later."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        check_mode(cuda_graphs)
         if engine_config.max_model_len > model_config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
                            engine_config.max_model_len, model_config.max_position_embeddings)
@@ -58,9 +93,44 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_kv_blocks
         self.max_blocks_per_seq = engine_config.max_num_blocks_per_seq
-        self.kv_cache = KVCache.allocate(model_config, self.num_blocks, self.block_size, self.dtype, self.device)
+        on_gpu = self.device.type == "cuda"
+        # On a GPU one block more than the engine's: the padding sink of decode graphs.
+        self.pad_block = self.num_blocks if on_gpu else None
+        num_alloc = self.num_blocks + (1 if on_gpu else 0)
+        reserve = max(num_alloc, (max_num_kv_blocks or 0) + (1 if on_gpu else 0))
+        self.kv_cache = KVCache.allocate(model_config, num_alloc, self.block_size, self.dtype, self.device,
+                                         max_num_blocks=reserve)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self._h2d = HostToDevice(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if on_gpu and cuda_graphs != "off":
+            self.graphs = DecodeGraphs(self._forward_logits, max_num_seqs=engine_config.max_num_seqs,
+                                       max_blocks_per_seq=self.max_blocks_per_seq,
+                                       pad_slot=self.pad_block * self.block_size, pad_block=self.pad_block,
+                                       device=self.device, mode=cuda_graphs)
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors))
+
+    def capture_graphs(self) -> float:
+        """Capture the decode graphs wanted at start (see --cuda-graphs); returns seconds (0 without graphs)."""
+        if self.graphs is None:
+            return 0.0
+        with torch.inference_mode(), self._device_guard():
+            spent = self.graphs.capture_startup()
+        times = ", ".join(f"{b}: {s * 1e3:.0f} ms" for b, s in sorted(self.graphs.capture_s.items()))
+        logger.info("CUDA graphs (%s): captured %d of %d batch sizes in %.2f s (%s)", self.graphs.mode,
+                    len(self.graphs.capture_s), len(self.graphs.sizes), spent, times)
+        return spent
+
+    def close(self) -> None:
+        """Free the GPU KV cache and graphs now (the runner must not be used afterwards)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self.kv_cache.close()
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int = 16) -> int:
@@ -68,18 +138,33 @@ class ModelRunner:
         return bytes_per_block(model_config, dtype, block_size)
 
     # --- one step ------------------------------------------------------------------------
+    def _device_guard(self) -> contextlib.AbstractContextManager:
+        # The engine steps on its own thread, whose current CUDA device may be another one;
+        # streams, events and graph captures follow the current device.
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with self._device_guard():
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
-        input_ids, positions, meta, sample_idx = self._prepare(out.scheduled)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache.tensors)
+        batch = self._prepare(out.scheduled)
         to_sample = [s for s in out.scheduled if s.sample]
-        if not to_sample:
-            return ModelRunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[sample_idx])
+        if batch.graph_size is not None:
+            logits = self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)
+            if not to_sample:
+                return ModelRunnerOutput(sampled={})
+            logits = logits.index_select(0, batch.sample_idx)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
+            if not to_sample:
+                return ModelRunnerOutput(sampled={})
+            logits = self.model.compute_logits(hidden[batch.sample_idx])
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generator(s))
                 for s in to_sample]
         result = self.sampler(logits, rows)
@@ -96,8 +181,15 @@ class ModelRunner:
         """
         if not out.scheduled:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
-        input_ids, positions, meta, _ = self._prepare(out.scheduled)
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors))
+        with self._device_guard():
+            return self._logits(out)
+
+    def _logits(self, out: SchedulerOutput) -> torch.Tensor:
+        batch = self._prepare(out.scheduled)
+        if batch.graph_size is not None:
+            n = len(out.scheduled)
+            return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].clone()
+        return self._forward_logits(batch.input_ids, batch.positions, batch.meta)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.sampling_params.seed
@@ -110,19 +202,25 @@ class ModelRunner:
             self._generators[s.request_id] = g
         return g
 
-    def _prepare(self, scheduled: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        for s in scheduled:
+            self._check(s)
+        bs = self.block_size
+        width = max(1, max(len(s.block_table) for s in scheduled))
+        size = None
+        if self.graphs is not None and all(len(s.token_ids) == 1 for s in scheduled):
+            size = self.graphs.bucket(len(scheduled))
+        if size is not None:
+            return self._prepare_graph(scheduled, size, width)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         sample_idx: list[int] = []
-        bs = self.block_size
-        width = max(len(s.block_table) for s in scheduled)
-        tables = torch.zeros(len(scheduled), max(1, width), dtype=torch.int64)
+        decode_rows: list[int] = []
+        tables: list[int] = []
         for i, s in enumerate(scheduled):
-            self._check(s)
             n, start = len(s.token_ids), s.start_pos
             end = start + n
             ids.extend(s.token_ids)
@@ -130,23 +228,42 @@ class ModelRunner:
             positions.extend(pos)
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:
+                decode_rows.append(i)
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
             if s.sample:
                 sample_idx.append(qsl[-1] - 1)
-            if table:
-                tables[i, : len(table)] = torch.as_tensor(table, dtype=torch.int64)
-        dev = self.device
+            tables.extend(table)
+            tables.extend([0] * (width - len(table)))
+        decode_tokens = [qsl[i] for i in decode_rows]
+        (ids_d, pos_d, slots_d, qsl_d, lens_d, sample_d, rows_d, tokens_d, tables_d) = self._h2d.send(
+            [ids, positions, slots, qsl, seq_lens, sample_idx, decode_rows, decode_tokens, tables])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc_host=tuple(qsl),
-            seq_lens_host=tuple(seq_lens),
+            slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
+            block_tables=tables_d.view(len(scheduled), width),
+            query_start_loc_host=tuple(qsl), seq_lens_host=tuple(seq_lens),
+            decode_rows=rows_d if decode_rows else None, decode_tokens=tokens_d if decode_rows else None,
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
-                meta, torch.tensor(sample_idx, dtype=torch.int64, device=dev))
+        return StepBatch(ids_d, pos_d, meta, sample_d)
+
+    def _prepare_graph(self, scheduled: list[ScheduledRequest], size: int, width: int) -> StepBatch:
+        """Inputs of a decode batch padded to the graph bucket `size` (see cuda_graphs)."""
+        bs = self.block_size
+        pad = size - len(scheduled)
+        ids = [s.token_ids[0] for s in scheduled] + [0] * pad
+        positions = [s.start_pos for s in scheduled] + [0] * pad
+        slots = [s.block_table[s.start_pos // bs] * bs + s.start_pos % bs for s in scheduled]
+        slots += [self.pad_block * bs] * pad
+        seq_lens = [s.start_pos + 1 for s in scheduled] + [1] * pad
+        tables: list[int] = []
+        for s in scheduled:
+            tables.extend(s.block_table)
+            tables.extend([self.pad_block] * (width - len(s.block_table)))
+        tables.extend([self.pad_block] * (width * pad))
+        sample_idx = [i for i, s in enumerate(scheduled) if s.sample]
+        vec, tables_d, sample_d = self._h2d.send([ids + positions + slots + seq_lens, tables, sample_idx])
+        return StepBatch(None, None, None, sample_d, graph_size=size, graph_vec=vec, graph_tables=tables_d)
 
     def _check(self, s: ScheduledRequest) -> None:
         n, start = len(s.token_ids), s.start_pos
@@ -185,6 +302,7 @@ class ModelRunner:
         greedy = SamplingParams(temperature=0.0, max_tokens=1)
         seeded = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=0, logprobs=1,
                                 repetition_penalty=1.1, max_tokens=1)
+        graphs, self.graphs = self.graphs, None   # eager: graphs are captured in their own phase
         try:
             prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy, prompt, [])
             out = self.execute(SchedulerOutput([prefill], num_tokens))
@@ -192,6 +310,56 @@ class ModelRunner:
             decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, seeded, prompt, [tok])
             self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
         finally:
+            self.graphs = graphs
             self._generators.pop("warmup-1", None)
             self.kv_cache.zero_blocks(blocks)
         logger.info("warm-up forward passes done in %.2f s", time.monotonic() - t0)
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """GPU memory this worker needs beside weights and KV cache, measured (bytes).
+
+        Runs the largest step the engine can schedule — one prefill of max_num_batched_tokens
+        tokens, logits and sampling (top-k/top-p, logprobs) for max_num_seqs rows — and, with
+        CUDA graphs, the decode forward of the largest graph size, whose memory the graphs'
+        own pool keeps. Returns the prefill's peak reserved by torch's allocator plus the
+        decode's peak allocation plus PROFILE_MARGIN_BYTES. Overwrites KV blocks: only for
+        a runner that serves no request (the sizing probe).
+        """
+        if self.device.type != "cuda":
+            raise RuntimeError("profile_peak_bytes measures GPU memory; the runner is on " + str(self.device))
+        dev, ec = self.device, self.engine_config
+        num_tokens = max(1, min(ec.max_num_batched_tokens, ec.max_model_len - 1))
+        num_blocks = -(-(num_tokens + 1) // self.block_size)
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"the profile needs {num_blocks} KV blocks, the runner has {self.num_blocks}")
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_reserved(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
+        req = ScheduledRequest("profile", prompt, 0, list(range(num_blocks)), True,
+                               SamplingParams(temperature=0.0), prompt, [])
+        graphs, self.graphs = self.graphs, None
+        try:
+            batch = self._prepare([req])
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
+            rows = min(ec.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[-rows:])
+            del hidden
+            params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, logprobs=20)
+            self.sampler(logits, [SamplingRow(params, prompt[:8], [1]) for _ in range(rows)])
+            del logits, batch
+            torch.cuda.synchronize(dev)
+            prefill = torch.cuda.max_memory_reserved(dev) - base
+            decode = 0
+            if graphs is not None and graphs.sizes:
+                before = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                graphs.eager_logits(max(graphs.sizes))
+                torch.cuda.synchronize(dev)
+                decode = torch.cuda.max_memory_allocated(dev) - before
+        finally:
+            self.graphs = graphs
+        logger.info("profile: prefill of %d tokens peaks at %.0f MiB, graph decode at %.0f MiB (+%.0f MiB margin)",
+                    num_tokens, prefill / 2**20, decode / 2**20, PROFILE_MARGIN_BYTES / 2**20)
+        return prefill + decode + PROFILE_MARGIN_BYTES

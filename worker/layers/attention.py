@@ -26,6 +26,14 @@ class AttentionMetadata:
     #: host copies for the Python loop of the reference (avoid device syncs per sequence)
     query_start_loc_host: tuple[int, ...] = ()
     seq_lens_host: tuple[int, ...] = ()
+    #: sequences with a single query token (decodes) and their token indices, on the device;
+    #: the runner fills them with its one batched host-to-device copy (else derived per call)
+    decode_rows: torch.Tensor | None = None
+    decode_tokens: torch.Tensor | None = None
+    #: every sequence has exactly one query token and nothing is read from the host: the
+    #: shape of the computation depends only on the tensor shapes (CUDA-graph capture).
+    #: block_tables then spans max_model_len; entries past a sequence's length are masked.
+    static_decode: bool = False
 
     def __post_init__(self) -> None:
         b = self.seq_lens.shape[0]
@@ -34,6 +42,10 @@ class AttentionMetadata:
                 f"attention metadata disagrees on the batch size: seq_lens {b}, query_start_loc "
                 f"{self.query_start_loc.shape[0]} (want {b + 1}), block_tables {self.block_tables.shape[0]}"
             )
+        if self.static_decode:
+            if self.slot_mapping.shape[0] != b:
+                raise ValueError(f"static decode metadata: {self.slot_mapping.shape[0]} slots for {b} sequences")
+            return
         if not self.query_start_loc_host:
             object.__setattr__(self, "query_start_loc_host", tuple(int(x) for x in self.query_start_loc.tolist()))
         if not self.seq_lens_host:
@@ -45,11 +57,11 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+        return self.seq_lens.shape[0] if self.static_decode else len(self.seq_lens_host)
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc_host[-1]
+        return self.slot_mapping.shape[0] if self.static_decode else self.query_start_loc_host[-1]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -91,19 +103,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out.transpose(0, 1).to(q.dtype)
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: list[int],
-                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: list[int] | torch.Tensor, scale: float, sliding_window: int | None = None,
+                     max_len: int | None = None) -> torch.Tensor:
     """Single-token queries of b sequences at once: q [b, Hq, D] -> [b, Hq, D] (float32 math).
 
-    Contexts are gathered padded to the longest; padded and out-of-window keys are masked
-    (their keys and values zeroed too, so stale cache contents never reach the output).
+    `seq_lens` is a list, or a device tensor together with `max_len` (the longest, or any
+    bound of it up to the block tables' span). Contexts are gathered padded to `max_len`;
+    padded and out-of-window keys are masked (their keys and values zeroed too, so stale
+    cache contents never reach the output).
     """
     block_size = kv_cache.shape[2]
-    max_len = max(seq_lens)
+    if isinstance(seq_lens, torch.Tensor):
+        if max_len is None:
+            raise ValueError("decode_attention: pass max_len with device seq_lens")
+        lens = seq_lens
+    else:
+        max_len = max(seq_lens) if max_len is None else max_len
+        lens = torch.tensor(seq_lens, device=q.device)
     tables = block_tables[:, : -(-max_len // block_size)]
     k = kv_cache[0][tables].flatten(1, 2)[:, :max_len].to(torch.float32)   # [b, L, Hkv, D]
     v = kv_cache[1][tables].flatten(1, 2)[:, :max_len].to(torch.float32)
-    lens = torch.tensor(seq_lens, device=q.device)
     k_pos = torch.arange(max_len, device=q.device)
     q_pos = lens - 1
     allowed = k_pos[None, :] <= q_pos[:, None]                               # [b, L]
@@ -130,14 +150,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if q.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} kv heads")
     write_kv(k, v, kv_cache, meta.slot_mapping)
+    if meta.static_decode:
+        span = meta.block_tables.shape[1] * kv_cache.shape[2]
+        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, max_len=span)
     out = torch.empty_like(q)
     qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
     singles = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
     if singles:
-        rows = torch.tensor(singles, device=q.device)
-        tokens = torch.tensor([qsl[i] for i in singles], device=q.device)
-        out[tokens] = decode_attention(q[tokens], kv_cache, meta.block_tables[rows], [lens[i] for i in singles],
-                                       scale, sliding_window)
+        rows, tokens = meta.decode_rows, meta.decode_tokens
+        if rows is None or tokens is None:
+            rows = torch.tensor(singles, device=q.device)
+            tokens = torch.tensor([qsl[i] for i in singles], device=q.device)
+        out[tokens] = decode_attention(q[tokens], kv_cache, meta.block_tables[rows], meta.seq_lens[rows],
+                                       scale, sliding_window, max_len=max(lens[i] for i in singles))
     for i in range(meta.num_seqs):
         start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
         if end - start <= 1:

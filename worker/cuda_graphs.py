@@ -1,0 +1,150 @@
+"""CUDA graphs for decode steps (every scheduled request has exactly one query token).
+
+A decode batch of B requests is padded to the smallest captured batch size >= B (the
+buckets: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs, and max_num_seqs) and
+replays that size's graph. The graph covers the whole forward pass and the logits; the
+sampler runs outside it. Inputs live in static buffers: one int64 [4, max_batch] tensor
+(token ids, positions, cache slots, sequence lengths) and a block table [max_batch,
+max_blocks_per_seq] spanning max_model_len; each step copies the staged inputs into them
+(two device-to-device copies). Padded rows decode token 0 at position 0 into the runner's
+padding block, which no request owns, with a context of one token.
+
+Capture policy (`--cuda-graphs`): `eager` captures every size at start; `lazy` captures the
+small sizes at start (they serve the latency-sensitive low-concurrency case) and each larger
+one on first use; `off` never captures. Graphs share one memory pool, captured largest
+first when captured together. Per-size capture times are kept in `capture_s`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from resident.worker.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+GRAPH_MODES = ("eager", "lazy", "off")
+#: Sizes captured at start in lazy mode.
+EAGER_SIZES = (1, 2, 4, 8)
+#: Buckets step by this above 8.
+BUCKET_STEP = 8
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The captured batch sizes: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs, and max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
+    sizes += list(range(BUCKET_STEP, max_num_seqs + 1, BUCKET_STEP))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
+
+
+def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest size >= num_seqs, or None when the batch is larger than every size."""
+    for s in sizes:
+        if s >= num_seqs:
+            return s
+    return None
+
+
+def check_mode(mode: str) -> str:
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"unknown --cuda-graphs {mode!r}; valid: {', '.join(GRAPH_MODES)}")
+    return mode
+
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class DecodeGraphs:
+    """Captured decode graphs over static input buffers; `run` replays one."""
+
+    def __init__(self, forward_logits: ForwardFn, *, max_num_seqs: int, max_blocks_per_seq: int, pad_slot: int,
+                 pad_block: int, device: torch.device, mode: str = "lazy") -> None:
+        self.mode = check_mode(mode)
+        self.sizes = graph_batch_sizes(max_num_seqs) if mode != "off" else ()
+        self.device = device
+        self._forward = forward_logits
+        n = max(self.sizes, default=1)
+        self.pad_slot, self.pad_block = pad_slot, pad_block
+        # rows: token ids, positions, slots, seq lens; the padding values throughout.
+        self.vec = torch.tensor([[0] * n, [0] * n, [pad_slot] * n, [1] * n], dtype=torch.int64, device=device)
+        self.tables = torch.full((n, max_blocks_per_seq), pad_block, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.capture_s: dict[int, float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sizes)
+
+    def bucket(self, num_seqs: int) -> int | None:
+        return bucket_for(num_seqs, self.sizes)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.vec[2, :size], query_start_loc=self.query_start_loc[: size + 1],
+                                 seq_lens=self.vec[3, :size], block_tables=self.tables[:size], static_decode=True)
+
+    def eager_logits(self, size: int) -> torch.Tensor:
+        """The forward the graph of `size` records, run eagerly (profiling, warm-up)."""
+        return self._forward(self.vec[0, :size], self.vec[1, :size], self.metadata(size))
+
+    def capture_startup(self) -> float:
+        """Capture the sizes this mode wants at start (largest first); returns the seconds spent."""
+        wanted = self.sizes if self.mode == "eager" else tuple(s for s in self.sizes if s in EAGER_SIZES)
+        t0 = time.monotonic()
+        for size in sorted(wanted, reverse=True):
+            self.capture(size)
+        return time.monotonic() - t0
+
+    def capture(self, size: int) -> None:
+        if size in self._graphs:
+            return
+        if size not in self.sizes:
+            raise ValueError(f"batch size {size} is not a graph bucket; buckets: {self.sizes}")
+        t0 = time.monotonic()
+        self._reset_padding(size)
+        # Warm up on a side stream first (lazy initialisation must not happen inside a capture).
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.eager_logits(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.eager_logits(size)
+        if self._pool is None:
+            self._pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        self._graphs[size] = (graph, out)
+        self.capture_s[size] = time.monotonic() - t0
+        logger.info("captured the decode graph for batch size %d in %.3f s", size, self.capture_s[size])
+
+    def _reset_padding(self, size: int) -> None:
+        self.vec[0, :size] = 0
+        self.vec[1, :size] = 0
+        self.vec[2, :size] = self.pad_slot
+        self.vec[3, :size] = 1
+        self.tables[:size] = self.pad_block
+
+    def run(self, size: int, staged: torch.Tensor, staged_tables: torch.Tensor) -> torch.Tensor:
+        """Logits [size, vocab] for a batch staged as `staged` [4 * size] and tables [size * width]."""
+        if size not in self._graphs:
+            logger.info("decode batch size %d seen for the first time: capturing its graph", size)
+            self.capture(size)
+        width = staged_tables.numel() // size
+        self.vec[:, :size].copy_(staged.view(4, size))
+        self.tables[:size, :width].copy_(staged_tables.view(size, width))
+        graph, out = self._graphs[size]
+        graph.replay()
+        return out
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._pool = None
