@@ -35,6 +35,8 @@ ALGORITHMS = (CRC32, WSUM32)
 _MASK = 0xFFFFFFFF
 #: Words per row when wsum32 reduces a tensor as a [rows, _ROW_WORDS] matrix.
 _ROW_WORDS = 4096
+#: Rows reduced at once (64 MiB of words).
+_BLOCK_ROWS = 4096
 _K2 = 0x9E3779B1
 _KN = 0x85EBCA77
 #: Reflected CRC-32 polynomial (zlib's).
@@ -88,15 +90,20 @@ def wsum32_parts(t: torch.Tensor) -> torch.Tensor:
     main_words = rows * _ROW_WORDS
     if rows:
         x = _words(flat[: main_words * 4]).view(rows, _ROW_WORDS)
-        row_sums = x.sum(dim=1, dtype=torch.int64)
-        col_sums = x.sum(dim=0, dtype=torch.int64)
-        s[0] += row_sums.sum()
-        # position i = r*C + c: (i+1)·w = C·r·w + (c+1)·w
-        r = torch.arange(rows, dtype=torch.int64, device=dev)
-        by_row = (((row_sums & _MASK) * r) & _MASK).sum() & _MASK
+        col_sums = torch.zeros(_ROW_WORDS, dtype=torch.int64, device=dev)
+        by_row = torch.zeros((), dtype=torch.int64, device=dev)
+        # Blocks of rows bound the int64 temporaries (the reductions may widen their input).
+        for r0 in range(0, rows, _BLOCK_ROWS):
+            xb = x[r0 : r0 + _BLOCK_ROWS]
+            row_sums = xb.sum(dim=1, dtype=torch.int64)
+            col_sums += xb.sum(dim=0, dtype=torch.int64)
+            s[0] += row_sums.sum()
+            # position i = r*C + c: (i+1)·w = C·r·w + (c+1)·w
+            r = torch.arange(r0, r0 + xb.shape[0], dtype=torch.int64, device=dev)
+            by_row += (((row_sums & _MASK) * r) & _MASK).sum()
         c = torch.arange(1, _ROW_WORDS + 1, dtype=torch.int64, device=dev)
         by_col = (((col_sums & _MASK) * c) & _MASK).sum()
-        s[1] += (by_row * _ROW_WORDS + by_col) & _MASK
+        s[1] += ((by_row & _MASK) * _ROW_WORDS + by_col) & _MASK
     rest = flat[main_words * 4 :]
     if rest.numel():
         padded = torch.zeros((rest.numel() + 3) // 4 * 4, dtype=torch.uint8, device=dev)

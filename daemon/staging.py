@@ -47,7 +47,7 @@ _QUANT_CHUNK_NUMEL = 64 << 20
 class StagingConfig:
     """Sizes of the GPU load pipeline. Pinned host memory = num_buffers x buffer_bytes."""
 
-    buffer_bytes: int = 32 * MiB
+    buffer_bytes: int = 16 * MiB
     num_buffers: int = 0            # 0: reader threads + 8
     num_streams: int = 4
     num_threads: int = 0            # 0: min(16, CPU count)
@@ -111,7 +111,7 @@ class StagingRing:
     def release(self, i: int, stream_index: int) -> None:
         """Return buffer `i` once the work enqueued so far on that stream is done with it."""
         if self.cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a core
             event.record(self.streams[stream_index])
             self._events[i] = event
         self._free.put(i)

@@ -12,6 +12,7 @@ streams, cast/quantize and the wsum32 checksum on the GPU (see that module).
 """
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from resident.daemon.safetensors_io import CheckpointError
 if TYPE_CHECKING:
     from resident.daemon.loader import LoadPlan, StoredTensor, _Part
     from resident.daemon.staging import StagingConfig
+
+log = logging.getLogger(__name__)
 
 #: Bytes per read/cast chunk when a tensor's dtype changes on the way in. Small enough that
 #: the staging buffers stay below glibc's mmap threshold (reused heap memory, not fresh
@@ -62,8 +65,19 @@ def fill_slabs(
 
             config = staging or StagingConfig(num_threads=num_threads)
             fill = StagedFill(plan, places, views, lambda p, buf, rel: _pread(p, fds, buf, rel), config)
-            sums = fill.run(emit, total)
-            del fill
+            try:
+                sums = fill.run(emit, total)
+            except (CheckpointError, OSError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a pipeline bug must not cost the load
+                if not on_gpu:
+                    raise
+                log.error("the staged GPU load failed (%s: %s); loading again tensor by tensor through host "
+                          "memory (slower) — please report this", type(e).__name__, e, exc_info=True)
+                del fill
+                sums = _fill_gpu_plain(plan, places, views, fds, emit, total, num_threads)
+            else:
+                del fill
         else:
             sums = _fill_host(plan, places, views, fds, emit, total, num_threads)
     finally:
@@ -131,6 +145,38 @@ def _fill_host(plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.
         # On failure, queued tensors are dropped and running ones finish before fds close.
         pool.shutdown(wait=True, cancel_futures=True)
     return crcs
+
+
+def _fill_gpu_plain(plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.Tensor],
+                    fds: dict[str, int], emit: Callable[..., None], total: int, num_threads: int) -> list[int]:
+    """GPU slabs without the staging pipeline: each tensor read, cast or quantized in host
+    memory, copied synchronously, and its wsum32 computed on the device."""
+    device = views[0].device
+    sums = [0] * len(plan.tensors)
+
+    def one(i: int) -> int:
+        t = plan.tensors[i]
+        slab, off = places[i]
+        host = torch.empty(t.nbytes, dtype=torch.uint8)
+        scale_host = torch.empty(4, dtype=torch.uint8) if t.quantize else None
+        _, _, nread = _load_tensor(t, host, scale_host, fds)
+        dst = views[slab][off : off + t.nbytes]
+        dst.copy_(host)
+        sums[i] = checksum.wsum32(dst)
+        if scale_host is not None:
+            ss, so = places[i + 1]
+            views[ss][so : so + 4].copy_(scale_host)
+            sums[i + 1] = checksum.wsum32(views[ss][so : so + 4])
+        return nread
+
+    done = 0
+    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="resident-load") as pool:
+        for nread in pool.map(one, [i for i, t in enumerate(plan.tensors) if not t.is_scale]):
+            done += nread
+            emit("read", done, total)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sums
 
 
 def _read_chunk(p: _Part, fds: dict[str, int], dst: torch.Tensor, lo: int) -> tuple[int, int]:

@@ -111,6 +111,29 @@ def test_a_failing_read_in_the_staged_pipeline_fails_the_load_and_frees_slabs(ti
     assert backend.slabs and all(s._fd is None for s in backend.slabs)
 
 
+def test_plain_gpu_fallback_gives_the_same_bytes_and_checksums(tiny_model, backend):
+    """The path a GPU load takes if the staged pipeline breaks (run on host slabs here)."""
+    from resident.daemon import loader
+
+    spec = LoadSpec(str(tiny_model("llama3", vocab_size=1024)), quantization="fp8_per_tensor", dtype="bfloat16")
+    ref = load(spec, backend, staged=True, staging=SMALL)
+    plan = loader.plan_load(spec)
+    places, sizes = loader.pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
+    slabs = [backend.allocate(n, i) for i, n in enumerate(sizes)]
+    views = [s.writable() for s in slabs]
+    fds = {str(h.path): os.open(h.path, os.O_RDONLY) for h in plan.headers}
+    try:
+        sums = tensor_reader._fill_gpu_plain(plan, places, views, fds, lambda *a, **k: None, plan.bytes_to_read, 2)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert sums == [e.crc32 for e in ref.table.entries]
+    rv = raw_views(ref)
+    for e, (slab, off) in zip(ref.table.entries, places):
+        assert torch.equal(views[slab][off : off + e.nbytes], rv[e.name]), e.name
+    del views
+
+
 def test_staging_config_rejects_bad_sizes():
     with pytest.raises(ValueError, match="multiple of 64 KiB"):
         StagingConfig(buffer_bytes=1000)
@@ -122,9 +145,11 @@ def test_staging_config_rejects_bad_sizes():
 
 # --- checksums ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 4096 * 4 - 1, 4096 * 4, 4096 * 4 * 3 + 5, 200_001])
-def test_wsum32_matches_its_definition(n):
+def test_wsum32_matches_its_definition(n, monkeypatch):
     data = os.urandom(n)
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    assert checksum.wsum32(t) == checksum.wsum32_reference(data)
+    monkeypatch.setattr(checksum, "_BLOCK_ROWS", 2)  # rows reduced in several blocks
     assert checksum.wsum32(t) == checksum.wsum32_reference(data)
 
 
