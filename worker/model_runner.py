@@ -31,6 +31,7 @@ from resident.worker.config import ModelConfig
 from resident.worker.cuda_graphs import DecodeGraphs, check_mode
 from resident.worker.engine_config import EngineConfig
 from resident.worker.input_batch import HostToDevice
+from resident.worker.kernels.dispatch import get_kernels
 from resident.worker.kv_cache import KVCache, bytes_per_block
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.sampler import Sampler, SamplingRow
@@ -66,9 +67,11 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
-                 *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None) -> None:
+                 *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None,
+                 kernel_backend: str = "auto") -> None:
         """`cuda_graphs`: eager | lazy | off (ignored off a GPU). `max_num_kv_blocks`: the GPU
-        KV cache's address reservation (default: num_kv_blocks), so it can grow later."""
+        KV cache's address reservation (default: num_kv_blocks), so it can grow later.
+        `kernel_backend`: auto | triton | torch (auto: Triton on a GPU, the reference on CPU)."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = torch.device(device)
@@ -88,7 +91,9 @@ class ModelRunner:
                 f"weights are {embed.dtype} but dtype {dtype} was requested; weights are used as stored "
                 f"(never converted): load the model with dtype={str(dtype).removeprefix('torch.')}"
             )
-        self.model = build_model(model_config, weights)
+        self.kernels = get_kernels(self.device, kernel_backend)
+        self.model = build_model(model_config, weights, kernels=self.kernels,
+                                 max_position=engine_config.max_model_len)
         self.dtype = self.model.dtype
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_kv_blocks

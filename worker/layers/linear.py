@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,8 @@ def fp8_scaled_mm_reference(x_q: torch.Tensor, scale_a: torch.Tensor, w_q: torch
 class LinearMethod:
     name: str = ""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, kernels: Any = None) -> None:
+        self.kernels = kernels
         self.weight = weights[f"{prefix}.weight"]
         self.bias = weights.get(f"{prefix}.bias")
         if self.weight.dim() != 2:
@@ -67,8 +69,8 @@ class LinearMethod:
 class UnquantizedLinear(LinearMethod):
     name = "unquantized"
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
-        super().__init__(weights, prefix)
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, kernels: Any = None) -> None:
+        super().__init__(weights, prefix, kernels)
         if not self.weight.is_floating_point() or self.weight.dtype == FP8_DTYPE:
             raise ValueError(f"{prefix}.weight is {self.weight.dtype} without a {prefix}.weight_scale")
 
@@ -79,8 +81,8 @@ class UnquantizedLinear(LinearMethod):
 class Fp8PerTensorLinear(LinearMethod):
     name = "fp8_per_tensor"
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
-        super().__init__(weights, prefix)
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, kernels: Any = None) -> None:
+        super().__init__(weights, prefix, kernels)
         self.weight_scale = weights[f"{prefix}.weight_scale"]
         if self.weight.dtype != FP8_DTYPE:
             raise ValueError(f"{prefix}.weight is {self.weight.dtype}, fp8_per_tensor expects {FP8_DTYPE}")
@@ -91,6 +93,8 @@ class Fp8PerTensorLinear(LinearMethod):
             )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.fp8_linear(x, self.weight, self.weight_scale.reshape(()), self.bias)
         shape = x.shape
         x_q, scale_a = quantize_fp8_per_tensor_dynamic(x.reshape(-1, shape[-1]))
         out = fp8_scaled_mm_reference(x_q, scale_a, self.weight, self.weight_scale.reshape(()), self.bias, x.dtype)
@@ -114,16 +118,18 @@ def _registry() -> dict[str, _Entry]:
 LINEAR_METHODS = tuple(_registry())
 
 
-def make_linear(weights: Mapping[str, torch.Tensor], prefix: str, method: str | None = None) -> LinearMethod:
-    """The linear layer for `<prefix>.weight` (+ `.bias`, `.weight_scale`)."""
+def make_linear(weights: Mapping[str, torch.Tensor], prefix: str, method: str | None = None,
+                kernels: Any = None) -> LinearMethod:
+    """The linear layer for `<prefix>.weight` (+ `.bias`, `.weight_scale`); with `kernels`
+    (a `worker.kernels.dispatch.Kernels`), fp8 GEMMs run through `kernels.fp8_linear`."""
     if f"{prefix}.weight" not in weights:
         raise KeyError(f"weights lack {prefix}.weight")
     registry = _registry()
     if method is not None:
         if method not in registry:
             raise ValueError(f"unknown linear method {method!r}; valid: {', '.join(registry)}")
-        return registry[method].cls(weights, prefix)
+        return registry[method].cls(weights, prefix, kernels)
     for entry in registry.values():
         if entry.applies(weights, prefix):
-            return entry.cls(weights, prefix)
+            return entry.cls(weights, prefix, kernels)
     raise ValueError(f"no linear method applies to {prefix}; valid: {', '.join(registry)}")

@@ -29,6 +29,7 @@ def get_model_class(architecture: str) -> type:
         ) from None
 
 
-def build_model(model_config, weights: Mapping[str, torch.Tensor]):
-    """The decoder for `model_config.architecture` over `weights` (referenced, not copied)."""
-    return get_model_class(model_config.architecture)(model_config, weights)
+def build_model(model_config, weights: Mapping[str, torch.Tensor], **options):
+    """The decoder for `model_config.architecture` over `weights` (referenced, not copied);
+    `options` (kernels, max_position) go to the decoder."""
+    return get_model_class(model_config.architecture)(model_config, weights, **options)

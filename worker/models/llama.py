@@ -6,6 +6,10 @@ named as in `resident.daemon.layout` (fused `qkv_proj` = [q; k; v] and `gate_up_
 [gate; up] along the output dim), referenced as given — zero-copy views of daemon memory
 are never copied, converted or written. Computation runs in the dtype of the
 non-quantized tensors; fp8 linears quantize their activations on the fly.
+
+Norms, rotary + KV-cache write, SiLU-and-mul, paged attention and the fp8 GEMM run through
+one `Kernels` backend (`worker/kernels`): Triton on a GPU, the PyTorch reference layers on
+CPU (and as the fallback). The rotary cos/sin table covers `max_position` positions.
 """
 from __future__ import annotations
 
@@ -17,11 +21,11 @@ import torch.nn.functional as F
 
 from resident.daemon.layout import layer_prefix
 from resident.worker.config import ModelConfig
-from resident.worker.layers.activation import silu_and_mul
-from resident.worker.layers.attention import AttentionMetadata, paged_attention
+from resident.worker.kernels.dispatch import Kernels, get_kernels
+from resident.worker.kernels.reference import build_cos_sin_cache
+from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.linear import FP8_DTYPE, make_linear
-from resident.worker.layers.norm import RMSNorm
-from resident.worker.layers.rotary import RotaryEmbedding
+from resident.worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
 
@@ -87,66 +91,77 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> t
 
 class LlamaDecoderLayer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], index: int,
-                 rotary: RotaryEmbedding) -> None:
+                 rope_table: torch.Tensor, kernels: Kernels) -> None:
         p = layer_prefix(index)
         a, m = f"{p}.self_attn", f"{p}.mlp"
-        eps = config.rms_norm_eps
+        self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim ** -0.5
         self.sliding_window = config.sliding_windows[index]
-        self.rotary = rotary
-        self.input_layernorm = RMSNorm(weights[f"{p}.input_layernorm.weight"], eps)
-        self.post_attention_layernorm = RMSNorm(weights[f"{p}.post_attention_layernorm.weight"], eps)
-        self.qkv_proj = make_linear(weights, f"{a}.qkv_proj")
-        self.o_proj = make_linear(weights, f"{a}.o_proj")
-        self.q_norm = RMSNorm(weights[f"{a}.q_norm.weight"], eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(weights[f"{a}.k_norm.weight"], eps) if config.qk_norm else None
-        self.gate_up_proj = make_linear(weights, f"{m}.gate_up_proj")
-        self.down_proj = make_linear(weights, f"{m}.down_proj")
+        self.rope_table = rope_table
+        self.kernels = kernels
+        self.input_layernorm = weights[f"{p}.input_layernorm.weight"]
+        self.post_attention_layernorm = weights[f"{p}.post_attention_layernorm.weight"]
+        self.qkv_proj = make_linear(weights, f"{a}.qkv_proj", kernels=kernels)
+        self.o_proj = make_linear(weights, f"{a}.o_proj", kernels=kernels)
+        self.q_norm = weights[f"{a}.q_norm.weight"] if config.qk_norm else None
+        self.k_norm = weights[f"{a}.k_norm.weight"] if config.qk_norm else None
+        self.gate_up_proj = make_linear(weights, f"{m}.gate_up_proj", kernels=kernels)
+        self.down_proj = make_linear(weights, f"{m}.down_proj", kernels=kernels)
 
     def attention(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                   kv_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        kern = self.kernels
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            q, k = kern.rms_norm(q, self.q_norm, self.eps), kern.rms_norm(k, self.k_norm, self.eps)
+        q = kern.rotary_kv_write(positions, q, k, v, self.rope_table, kv_cache, meta.slot_mapping)
+        out = kern.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.q_size))
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kern = self.kernels
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = kern.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
         hidden = self.attention(positions, hidden, meta, kv_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
+        hidden = self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden)))
         return hidden, residual
 
 
 class LlamaForCausalLM:
     """forward(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden [T, H]."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], kernels: Kernels | None = None,
+                 max_position: int | None = None) -> None:
+        """`kernels`: default get_kernels(weights' device); `max_position`: rotary table length
+        (default max_position_embeddings; the runner passes max(that, max_model_len))."""
         self.config = config
         self.dtype = check_weights(config, weights)
         self.device = weights["model.embed_tokens.weight"].device
-        rotary = RotaryEmbedding(config.rope, config.head_dim, self.device)
+        self.kernels = kernels if kernels is not None else get_kernels(self.device)
+        positions = max(max_position or 0, config.max_position_embeddings)
+        self.rope_table = build_cos_sin_cache(compute_inv_freq(config.rope, config.head_dim, self.device),
+                                              positions, self.dtype)
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaDecoderLayer(config, weights, i, rotary) for i in range(config.num_layers)]
-        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels)
+                       for i in range(config.num_layers)]
+        self.norm = weights["model.norm.weight"]
+        self.eps = config.rms_norm_eps
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
         methods = {layer.qkv_proj.name for layer in self.layers}
-        logger.debug("built %s: %d layers, %s, linear %s", config.architecture, config.num_layers,
-                     self.dtype, ",".join(sorted(methods)))
+        logger.debug("built %s: %d layers, %s, linear %s, kernels %s", config.architecture, config.num_layers,
+                     self.dtype, ",".join(sorted(methods)), self.kernels.backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -156,7 +171,7 @@ class LlamaForCausalLM:
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, attn_metadata, kv_cache)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.kernels.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
         return hidden
 
     __call__ = forward
