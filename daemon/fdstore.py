@@ -26,8 +26,16 @@ from typing import Any
 
 from resident.daemon import sd_notify
 from resident.daemon.registry import fmt_bytes
-from resident.daemon.state import StateDoc, StateError, adopt_models, build_state, parse_state, read_sealed, \
-    sealed_memfd, slab_fd_name
+from resident.daemon.state import (
+    StateDoc,
+    StateError,
+    adopt_models,
+    build_state,
+    parse_state,
+    read_sealed,
+    sealed_memfd,
+    slab_fd_name,
+)
 
 log = logging.getLogger(__name__)
 
