@@ -136,6 +136,7 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
     from resident.worker.model_runner import ModelRunner
 
     loaded, tensors = _load(model, dtype, quantization, device)
+    runner = None
     try:
         model_config = ModelConfig.from_hf(loaded.config)
         max_model_len = context + warmup + steps + 2 * block_size
@@ -146,6 +147,9 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
             enable_prefix_caching=False)
         runner = ModelRunner(model_config, engine_config, tensors, device=device)
         runner.warmup()
+        capture = getattr(runner, "capture_graphs", None)  # decode CUDA graphs, as `resident serve` does
+        if capture is not None:
+            capture()
         engine = LLMEngine(engine_config, runner)
         kv_dtype = tensors[EMBED].dtype
         rows = []
@@ -162,6 +166,9 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
                 "load_gb_s": loaded.bytes_read / 1e9 / max(loaded.load_s, 1e-9), "resident_bytes": loaded.nbytes,
                 "results": rows}
     finally:
+        close = getattr(runner, "close", None)  # frees the GPU KV cache and graphs now
+        if close is not None:
+            close()
         engine = runner = None  # noqa: F841 - drop every view before the slabs go
         tensors.clear()
         gc.collect()
