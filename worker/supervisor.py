@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resident.daemon import sd_notify
+from resident.worker.control import admin_socket_path
 from resident.worker.entrypoint import ServeConfig
 from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.replica import ENV_PAYLOAD, ReplicaOptions, encode_payload
@@ -123,8 +124,6 @@ class Supervisor:
         return env
 
     async def spawn(self, role: Role) -> ReplicaHandle:
-        from resident.worker.control import admin_socket_path
-
         assert self.sock is not None
         replica_id = next(self._ids)
         share = self.budget.reserve(replica_id)
@@ -172,6 +171,8 @@ class Supervisor:
         handle.exit_code, handle.phase = code, Phase.EXITED
         self.replicas.pop(handle.replica_id, None)
         self.budget.release(handle.replica_id)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(handle.admin_socket)  # left behind when the replica was killed
         if code == 0 and not handle.leaving and not self.stopping:
             # A clean exit nobody here asked for: a signal to the whole process group (Ctrl-C,
             # KillMode=control-group) reaches the supervisor a moment later. Give it that moment.
@@ -316,6 +317,8 @@ class Supervisor:
             if self.launcher is not None:
                 await self.launcher.stop()
             self.sock.close()
+            with contextlib.suppress(OSError):  # the admin sockets' folder, when nothing is left in it
+                os.rmdir(os.path.dirname(admin_socket_path(self.port, 0, self.env)))
             os.close(self._lifeline_w)
             os.close(self._lifeline_r)
 

@@ -149,15 +149,23 @@ def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rol
         notify.close()
 
 
-def test_warm_standby_takes_over_a_crashed_replica_and_serves_a_rollout(short_tmp, tmp_path):
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+def test_warm_standby_and_launcher_take_over_a_crashed_replica_and_serve_a_rollout(short_tmp, tmp_path):
     model = servable_tiny_model(tmp_path / "llama", "llama")
     env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
     sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--standby-replicas", "1",
-                      *SERVE_ARGS, env=env)
+                      "--launcher", *SERVE_ARGS, env=env)
     try:
         port = int(sup.base_url.rsplit(":", 1)[1])
         ctl = control_socket_path(port, env)
         replicas = _wait_replicas(ctl, _all_ready(2))
+        # Forked by the pre-imported launcher (a child of the supervisor), not exec'd by the supervisor.
+        (launcher,) = {_parent(r["pid"]) for r in replicas}
+        assert launcher != sup.proc.pid and _parent(launcher) == sup.proc.pid
         serving = next(r for r in replicas if r["role"] == "serving")
         standby = next(r for r in replicas if r["role"] == "standby")
         t = time.monotonic()
@@ -171,9 +179,12 @@ def test_warm_standby_takes_over_a_crashed_replica_and_serves_a_rollout(short_tm
 
         out = _rollout(port, env)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert "promoted standby replica" in out.stdout
+        assert "fresh launcher" in out.stdout and "promoted standby replica" in out.stdout
+        print(out.stdout)
         rolled = _wait_replicas(ctl, _all_ready(2))
         assert sorted(r["role"] for r in rolled) == ["serving", "standby"]
+        (fresh,) = {_parent(r["pid"]) for r in rolled}
+        assert fresh != launcher and _parent(fresh) == sup.proc.pid, "the rollout forked from a fresh launcher"
         _complete(sup.base_url)
     finally:
         stop_serve(sup)
