@@ -79,6 +79,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_s: dict[int, float] = {}
+        self.num_replays = 0
 
     @property
     def enabled(self) -> bool:
@@ -133,16 +134,21 @@ class DecodeGraphs:
         self.vec[3, :size] = 1
         self.tables[:size] = self.pad_block
 
-    def run(self, size: int, staged: torch.Tensor, staged_tables: torch.Tensor) -> torch.Tensor:
-        """Logits [size, vocab] for a batch staged as `staged` [4 * size] and tables [size * width]."""
-        if size not in self._graphs:
-            logger.info("decode batch size %d seen for the first time: capturing its graph", size)
-            self.capture(size)
+    def load(self, size: int, staged: torch.Tensor, staged_tables: torch.Tensor) -> None:
+        """Copy a batch staged as `staged` [4 * size] and tables [size * width] into the static buffers."""
         width = staged_tables.numel() // size
         self.vec[:, :size].copy_(staged.view(4, size))
         self.tables[:size, :width].copy_(staged_tables.view(size, width))
+
+    def run(self, size: int, staged: torch.Tensor, staged_tables: torch.Tensor) -> torch.Tensor:
+        """Logits [size, vocab] of the staged batch (captures the size's graph on first use)."""
+        if size not in self._graphs:
+            logger.info("decode batch size %d seen for the first time: capturing its graph", size)
+            self.capture(size)
+        self.load(size, staged, staged_tables)
         graph, out = self._graphs[size]
         graph.replay()
+        self.num_replays += 1
         return out
 
     def close(self) -> None:
