@@ -142,12 +142,12 @@ os.execv(sys.executable, [sys.executable] + sys.argv[3:])
 
 
 def exec_daemon_with_fds(directory: Path, socket_path: str, named_fds: list[tuple[str, int]],
-                         env: dict[str, str]) -> DaemonProc:
+                         env: dict[str, str], *args: str) -> DaemonProc:
     """Start a daemon the way systemd restarts a unit with a populated fd store."""
     log_path = directory / f"restarted.{time.monotonic_ns()}.log"
     fds = [fd for _, fd in named_fds]
     cmd = [sys.executable, "-c", _EXEC_WITH_FDS, ",".join(map(str, fds)), ":".join(n for n, _ in named_fds),
-           *daemon_argv(socket_path)]
+           *daemon_argv(socket_path, *args)]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **env}, pass_fds=fds)

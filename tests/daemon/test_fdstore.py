@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import pytest
+import torch
 from helpers import load, start_daemon
 from survive_helpers import FakeSystemd, Worker, exec_daemon_with_fds, start_cli_daemon
 
@@ -130,6 +132,38 @@ def test_takeover_under_systemd_reloads_keeps_the_store_and_unload_removes(short
             "the successor announced itself as the main pid before the old daemon exited"
         assert sum("WATCHDOG" in m for m in messages) >= 2
         assert [n for n in systemd.stored() if n.startswith("state")], "a state (with no models) stays stored"
+    finally:
+        if new is not None:
+            new.stop()
+        old.stop()
+        systemd.close()
+
+
+@pytest.mark.gpu
+def test_kill_9_then_restart_from_the_fd_store_with_cuda_vmm(short_tmp, tiny_model):
+    model = tiny_model("llama")
+    systemd = FakeSystemd(short_tmp / "notify")
+    old = start_daemon(short_tmp, "--backend", "cuda_vmm", env=systemd.env())
+    new = None
+    try:
+        with old.client("holder") as holder:
+            info = load(holder, model).model
+            held = holder.attach(info.key, verify_checksums=True)
+            reference = {name: t.cpu().clone() for name, t in held.tensors.items()}
+            systemd.wait_for(lambda s: any(n.startswith("slab-") for n in s.stored()))
+            slab_msgs = [m for m in systemd.snapshot() if m.get("FDNAME", "").startswith("slab-")]
+            assert slab_msgs and all(m.get("FDPOLL") == "0" for m in slab_msgs), "GPU fds are not polled"
+            os.rename(model, model.with_name(model.name + ".moved"))
+            old.proc.send_signal(signal.SIGKILL)
+            old.proc.wait()
+            for name, t in reference.items():   # the mapping outlives the daemon
+                assert torch.equal(held.tensors[name].cpu(), t)
+        new = exec_daemon_with_fds(short_tmp, old.socket, systemd.stored_fds(), systemd.env(), "--backend", "cuda_vmm")
+        with new.client("check") as c:
+            fresh = c.attach(info.key, verify_checksums=True)
+            for name, t in reference.items():
+                assert torch.equal(fresh.tensors[name].cpu(), t)
+        assert new.stop() == 0, new.log()
     finally:
         if new is not None:
             new.stop()

@@ -196,3 +196,32 @@ def test_handover_waits_for_a_load_in_progress_then_refuses_loads(tmp_path, tiny
     cache.end_handover()   # abandoned: loads work again
     assert cache.load(LoadSpec(model=str(model))).already_resident
     cache.close()
+
+
+@pytest.mark.gpu
+def test_takeover_of_cuda_vmm_weights_keeps_client_mappings_and_serves_them(short_tmp, tiny_model):
+    model = tiny_model("llama")
+    old = start_cli_daemon(short_tmp, "--backend", "cuda_vmm")
+    new = None
+    try:
+        with old.client("holder") as holder:
+            info = load(holder, model).model
+            held = holder.attach(info.key, verify_checksums=True)
+            reference = {name: t.cpu().clone() for name, t in held.tensors.items()}
+            os.rename(model, model.with_name(model.name + ".moved"))
+            new = start_cli_daemon(short_tmp, "--takeover", "--backend", "cuda_vmm", wait=False)
+            assert old.proc.wait(timeout=120) == 0, old.log()
+            config = DaemonConfig(socket=old.socket, http="")
+            _wait_serving(new, until=lambda: running_daemon_pid(config) == new.pid)
+            with new.client("check") as c:
+                st = c.status()
+                assert st.backend == "cuda_vmm" and st.weights_survive_daemon
+                assert [m.key for m in st.models] == [info.key]
+                fresh = c.attach(info.key, verify_checksums=True)   # imported from the adopted VMM fds
+                for name, t in reference.items():
+                    assert torch.equal(fresh.tensors[name].cpu(), t)
+                    assert torch.equal(held.tensors[name].cpu(), t)   # the old daemon's export still mapped
+    finally:
+        if new is not None:
+            assert new.stop() == 0, new.log()
+        old.stop()
