@@ -14,6 +14,10 @@ when it exits, so every later step again finds one full B free. At most one repl
 with a reduced cache at a time, and a rollout restarts it last, so the next rollout gives
 every replica the full B again.
 
+On a GPU the shares apply to `--num-kv-blocks` (scaled per replica); without it a GPU worker
+sizes its KV cache from `--gpu-memory-utilization` against what the GPU already holds, so
+the supervisor warns that the policy cannot apply.
+
 What this does not do: a running replica does not grow its KV cache in place (the engine
 allocates its cache once at start-up); a reduced replica stays reduced until its next
 restart. The sizes are a budget the supervisor enforces between its own replicas; it does

@@ -281,6 +281,11 @@ class Supervisor:
     async def run(self) -> int:
         from resident.worker.rollout import ControlServer
 
+        serve = self.config.serve
+        if serve.device != "cpu" and serve.num_kv_blocks is None and self.budget.pool > 1:
+            logger.warning("several replicas may share a GPU: pass --num-kv-blocks so the KV headroom policy "
+                           "applies (on a GPU, without it each replica sizes its KV cache from "
+                           "--gpu-memory-utilization against what is already in use, and the first takes the rest)")
         self.sock = self._listen_socket()
         self.port = self.sock.getsockname()[1]
         host = self.config.serve.host

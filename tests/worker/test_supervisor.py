@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from serve_helpers import MODEL_NAME, http, serve_env, servable_tiny_model, start_serve, stop_serve
 
+from resident.cli.serve_process import ServeProcess
 from resident.worker.control import control_socket_path, get_status
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.kv_budget import KvBudget, scaled_kv
@@ -96,13 +97,32 @@ def _rollout(port: int, env: dict, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=180)
 
 
+def _start_like_systemd(model, log_path, listener: socket.socket, env: dict, *args: str) -> ServeProcess:
+    """Exec the supervisor the way systemd socket activation does: the listening socket as
+    fd 3, LISTEN_FDS=1, LISTEN_FDNAMES=http, LISTEN_PID = the exec'd process's own pid."""
+    fd = listener.fileno()
+    assert fd != 3
+    cmd = ["/bin/bash", "-c", f'LISTEN_PID=$$ exec "$@" 3<&{fd} {fd}<&-', "sh", sys.executable, "-m",
+           "resident.cli.main", "serve", str(model), "--served-model-name", MODEL_NAME, *args]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,),
+                            env={**env, "LISTEN_FDS": "1", "LISTEN_FDNAMES": "http"})
+    log.close()
+    sup = ServeProcess(proc=proc, log_path=log_path, t_exec=time.monotonic())
+    sup.wait_ready(120)
+    return sup
+
+
 def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rollout(short_tmp, tmp_path):
     model = servable_tiny_model(tmp_path / "llama", "llama")
     notify = NotifyListener(str(short_tmp / "notify"))
     env = serve_env(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="1000000", RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
-    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "2", *SERVE_ARGS, env=env)
+    listener = socket.create_server(("127.0.0.1", 0))  # systemd's resident-engine.socket
+    port = listener.getsockname()[1]
+    sup = _start_like_systemd(model, tmp_path / "sup.log", listener, env, "--data-parallel-size", "2", *SERVE_ARGS)
     try:
-        port = int(sup.base_url.rsplit(":", 1)[1])
+        assert sup.base_url == f"http://127.0.0.1:{port}", "the supervisor did not serve the socket it was given"
+        assert "using the listening socket from systemd" in sup.log_path.read_text()
         ctl = control_socket_path(port, env)
         notify.wait_for("READY")
         ready = next(m for m in notify.messages if "READY" in m)
@@ -147,6 +167,7 @@ def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rol
     finally:
         stop_serve(sup)
         notify.close()
+        listener.close()
 
 
 def _parent(pid: int) -> int:
