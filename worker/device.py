@@ -10,8 +10,10 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ def check_device_name(name: str) -> str:
 
 def resolve_device(name: str) -> torch.device:
     """The torch device for --device `name`; a GPU becomes this thread's current device."""
+    import torch
+
     check_device_name(name)
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -46,6 +50,8 @@ def resolve_device(name: str) -> torch.device:
 
 def weights_on(tensors: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str, torch.Tensor]:
     """`tensors` when they already live on `device` (zero-copy), else a copy there (logged)."""
+    import torch
+
     first = next(iter(tensors.values()))
     if first.device.type == device.type and (device.type == "cpu" or first.device.index == device.index):
         return tensors

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8_per_tensor")
 PRELOAD_MODES = ("auto", "require", "off")
+CUDA_GRAPH_MODES = ("eager", "lazy", "off")    # = cuda_graphs.GRAPH_MODES (kept torch-free here)
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 #: --max-model-len default on CPU when the model allows more.
 CPU_MAX_MODEL_LEN = 4096
@@ -96,11 +97,11 @@ class ServeConfig:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
-        from resident.worker.cuda_graphs import check_mode
-        from resident.worker.device import check_device_name
+        from resident.worker.device import check_device_name  # no torch: the CLI builds this config
 
         check_device_name(self.device)
-        check_mode(self.cuda_graphs)
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"unknown --cuda-graphs {self.cuda_graphs!r}; valid: {', '.join(CUDA_GRAPH_MODES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:

@@ -7,8 +7,11 @@ reservation and the list of mapped pieces; `remap()` maps fresh memory at exactl
 addresses, so tensors (and CUDA graphs) that point into the range stay valid — what a
 snapshot needs (FACTS.md: the driver checkpoint keeps a reserved-but-unmapped range).
 `grow()` maps more memory after the mapped prefix. The range reaches torch as one uint8
-tensor over the whole reservation (`__cuda_array_interface__`, then `.view(dtype)`);
-touching an unmapped part of it is an illegal address, so callers only view mapped bytes.
+tensor over the whole reservation (`__cuda_array_interface__`, then `.view(dtype)`), made
+once the range's first bytes are mapped (torch asks the driver which device the start
+pointer lives on); touching an unmapped part of it is an illegal address, so callers only
+view mapped bytes. New memory is zeroed with cuMemsetD8 (ordered with torch's default
+stream), never left holding another process's garbage.
 
 `GpuMemoryBudget` is the arithmetic behind `--gpu-memory-utilization` (as vLLM): the whole
 GPU may reach `total * utilization`; what is already used when the worker measures (the
@@ -220,10 +223,18 @@ class VmmRange:
         ptr = int(check("cuMemAddressReserve", drv.cuMemAddressReserve(size, self.granularity, 0, 0)))
         self._state = _RangeState(ptr, size, device)
         self._buffer = DeviceBuffer(ptr, size, device, self._state.free, f"{what} address range")
-        #: uint8 over the whole reservation; only mapped bytes may be touched.
-        self.base = self._buffer.tensor()
+        self._base: torch.Tensor | None = None
         self._mapped = True
         logger.debug("%s: reserved %.1f GiB of addresses at 0x%x on cuda:%d", what, size / GiB, ptr, device)
+
+    @property
+    def base(self) -> torch.Tensor:
+        """uint8 CUDA tensor over the whole reservation (only mapped bytes may be touched)."""
+        if self._base is None:
+            if not any(p.offset == 0 and p.handle is not None for p in self._state.pieces):
+                raise RuntimeError(f"{self.what}: map the start of the range before viewing it as a tensor")
+            self._base = self._buffer.tensor()
+        return self._base
 
     @property
     def ptr(self) -> int:
@@ -262,7 +273,7 @@ class VmmRange:
         self._map_piece(piece)
         self._state.pieces.append(piece)
         if zero:
-            self.base[offset:offset + nbytes].zero_()
+            self._zero(piece)
 
     def grow(self, nbytes: int, zero: bool = True) -> int:
         """Map `nbytes` (rounded up to the granularity) after the highest mapped byte; returns its offset."""
@@ -305,14 +316,17 @@ class VmmRange:
         self._mapped = True
         if zero:
             for p in self._state.pieces:
-                self.base[p.offset:p.offset + p.nbytes].zero_()
+                self._zero(p)
         logger.info("%s: re-mapped %d piece(s) at 0x%x", self.what, len(self._state.pieces), self.ptr)
 
     def close(self) -> None:
         """Unmap, release and free the reservation now (no tensor over it may be used again)."""
-        self.base = None  # type: ignore[assignment]
+        self._base = None
         self._buffer.close()
         self._mapped = False
+
+    def _zero(self, piece: _Piece) -> None:
+        check("cuMemsetD8", driver().cuMemsetD8(self.ptr + piece.offset, 0, piece.nbytes))
 
     def _map_piece(self, piece: _Piece) -> None:
         drv = driver()
