@@ -213,7 +213,8 @@ class ModelRunner:
         bs = self.block_size
         width = max(1, max(len(s.block_table) for s in scheduled))
         size = None
-        if self.graphs is not None and all(len(s.token_ids) == 1 for s in scheduled):
+        if (self.graphs is not None and width <= self.max_blocks_per_seq
+                and all(len(s.token_ids) == 1 for s in scheduled)):
             size = self.graphs.bucket(len(scheduled))
         if size is not None:
             return self._prepare_graph(scheduled, size, width)
