@@ -72,13 +72,14 @@ def test_kill_9_then_restart_from_the_fd_store_without_disk_reads(short_tmp, tin
         assert "restored 1 model(s)" in new.log() and "nothing read from disk" in new.log()
         for w in workers:
             w.assert_alive()
-        # The restarted daemon re-used the stored slabs (not stored twice) and replaced the state.
-        after = systemd.stored()
-        assert sorted(n for n in after if n.startswith("slab-")) == slabs
-        assert sum(n.startswith("state") for n in after) == 1
+        # The restarted daemon re-used the stored slabs (not stored twice) and replaced the state
+        # (the stand-in processes datagrams in its own thread: wait for it to catch up).
+        systemd.wait_for(lambda s: sum(n.startswith("state") for n in s.stored()) == 1
+                         and sorted(n for n in s.stored() if n.startswith("slab-")) == slabs)
         for w in workers:
             w.stop()
         assert new.stop() == 0, new.log()
+        systemd.wait_for(lambda s: "STOPPING" in _kinds(s.snapshot()))
 
         kinds = _kinds(systemd.snapshot())
         assert kinds[0] == f"READY:{old.pid}", kinds
@@ -117,6 +118,7 @@ def test_takeover_under_systemd_reloads_keeps_the_store_and_unload_removes(short
             c.unload(os.path.abspath(model))
         systemd.wait_for(lambda s: not any(n.startswith("slab-") for n in s.stored()))
         assert new.stop() == 0, new.log()
+        systemd.wait_for(lambda s: "STOPPING" in _kinds(s.snapshot()))
 
         messages = systemd.snapshot()
         kinds = _kinds(messages)
