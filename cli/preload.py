@@ -226,8 +226,9 @@ def status(daemon: DaemonAddress, as_json: bool) -> None:
                    f"{m.dtype}/{m.quantization}  {format_bytes(m.nbytes)}  attaches {m.num_attaches}")
         for lease in m.leases:
             who = f" {lease.client_name}" if lease.client_name else ""
+            waiting = "  (awaiting re-attach)" if lease.awaiting_reattach else ""
             click.echo(f"    lease {lease.lease_id}  pid {lease.pid}  uid {lease.uid}{who}  "
-                       f"since {format_age(lease.since)}")
+                       f"since {format_age(lease.since)}{waiting}")
 
 
 @preload.command()

@@ -8,7 +8,7 @@ import sys
 import time
 
 from helpers import health_serving, load, start_daemon
-from survive_helpers import fd_count
+from survive_helpers import FakeSystemd, fd_count
 
 ROUNDS = 20
 
@@ -71,7 +71,8 @@ def _settled(client, daemon_pid: int, want_fds: int, want_bytes: int, timeout_s:
 
 def test_kill_9_of_workers_mid_attach_and_mid_read_leaks_nothing(short_tmp, tiny_model):
     model = tiny_model("llama")
-    daemon = start_daemon(short_tmp)
+    systemd = FakeSystemd(short_tmp / "notify")   # every attach and session end re-publishes the state
+    daemon = start_daemon(short_tmp, env=systemd.env())
     try:
         with daemon.client("observer") as c:
             info = load(c, model).model
@@ -95,5 +96,7 @@ def test_kill_9_of_workers_mid_attach_and_mid_read_leaks_nothing(short_tmp, tiny
             assert c.status().models[0].num_attaches >= 2
             c.release(replacement.lease_id)
         assert "Traceback" not in daemon.log(), daemon.log()
+        systemd.wait_for(lambda s: sorted(n.split("-")[0] for n in s.stored()) == ["slab", "state"])
     finally:
         assert daemon.stop() == 0
+        systemd.close()
