@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+
 from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.entrypoint import ServeConfig
@@ -188,9 +190,14 @@ class Supervisor:
         self._crashes.append(time.monotonic())
         role = handle.role
         if role is Role.SERVING and (standby := self.ready_standby()) is not None:
-            seconds = await standby.promote()
-            logger.info("promoted standby replica %d in %.1f ms", standby.replica_id, seconds * 1e3)
-            role = Role.STANDBY
+            try:
+                seconds = await standby.promote()
+            except (ReplicaFailed, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                logger.error("could not promote standby replica %d (%s); starting a serving replica instead",
+                             standby.replica_id, e)
+            else:
+                logger.info("promoted standby replica %d in %.1f ms", standby.replica_id, seconds * 1e3)
+                role = Role.STANDBY
         self.report_status()
         await self._replace(role)
 
