@@ -1,6 +1,6 @@
 """A pre-imported launcher: a fork server that starts replicas without paying for imports.
 
-`python -m resident.worker.launcher SOCKET` imports Python's heavy modules once — torch,
+`python -m resident.worker.launcher SOCKET LIFELINE_FD` imports Python's heavy modules once — torch,
 the engine, the model runner, the tokenizer, the daemon client, aiohttp — but never touches
 CUDA and starts no thread, so `fork()` is safe. It then listens on the Unix socket SOCKET.
 The supervisor connects once per replica and sends one JSON line (the replica's
@@ -11,7 +11,8 @@ GPU (a CUDA context never crosses a fork), and runs the replica; the launcher an
 
 The launcher is restarted at every rollout (fresh imports = the new code). SIGTERM retires
 it: it stops accepting spawns and exits once its last child has exited, so the replicas it
-forked keep being reaped and reported while they drain.
+forked keep being reaped and reported while they drain. It retires the same way when the
+supervisor dies (EOF on the lifeline pipe, whose write end only the supervisor holds).
 
 The supervisor watches a forked replica through a pidfd (it is not the replica's parent),
 so a replica's exit is noticed even if its launcher was killed; the exit code then comes
@@ -75,8 +76,9 @@ def _child(env: dict[str, str], fds: list[int], server: socket.socket, conn: soc
 
 
 class Launcher:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lifeline_fd: int | None = None) -> None:
         self.path = path
+        self.lifeline_fd = lifeline_fd    # EOF: the supervisor is gone, retire
         self.children: dict[int, socket.socket | None] = {}   # pid -> the connection to report its exit on
         self.retiring = False
         self._selector: selectors.BaseSelector | None = None
@@ -88,6 +90,8 @@ class Launcher:
             self._selector.close()
         for fd in self._wake:
             os.close(fd)
+        if self.lifeline_fd is not None:
+            os.close(self.lifeline_fd)  # the child gets its own copy with the spawn request
         for conn in self.children.values():
             if conn is not None:
                 conn.close()
@@ -109,22 +113,32 @@ class Launcher:
         signal.signal(signal.SIGTERM, lambda *_: None)
         sel.register(server, selectors.EVENT_READ, "accept")
         sel.register(wake_r, selectors.EVENT_READ, "signal")
+        if self.lifeline_fd is not None:
+            sel.register(self.lifeline_fd, selectors.EVENT_READ, "lifeline")
         logger.info("launcher ready on %s", self.path)
         while not (self.retiring and not self.children):
             for key, _ in sel.select():
                 if key.data == "accept" and not self.retiring:
                     conn, _ = server.accept()
                     self._spawn(conn, server)
+                elif key.data == "lifeline" and not os.read(self.lifeline_fd, 64):
+                    sel.unregister(self.lifeline_fd)
+                    self._retire(sel, server, "the supervisor is gone")
                 elif key.data == "signal":
-                    for signum in os.read(wake_r, 64):
-                        if signum == signal.SIGTERM and not self.retiring:
-                            logger.info("launcher retiring: %d replica(s) still running", len(self.children))
-                            self.retiring = True
-                            sel.unregister(server)
-                            server.close()
-                            os.unlink(self.path)
+                    if signal.SIGTERM in os.read(wake_r, 64):
+                        self._retire(sel, server, "SIGTERM")
                     self._reap()
         return 0
+
+    def _retire(self, sel: selectors.BaseSelector, server: socket.socket, reason: str) -> None:
+        """Take no more spawns; exit once the last forked replica has exited (and been reported)."""
+        if self.retiring:
+            return
+        logger.info("launcher retiring (%s): %d replica(s) still running", reason, len(self.children))
+        self.retiring = True
+        sel.unregister(server)
+        server.close()
+        os.unlink(self.path)
 
     def _spawn(self, conn: socket.socket, server: socket.socket) -> None:
         conn.settimeout(10)
@@ -232,9 +246,10 @@ async def _read_line(conn: socket.socket) -> bytes:
 class LauncherClient:
     """Starts a launcher process and asks it for replicas."""
 
-    def __init__(self, port: int, env: Mapping[str, str]) -> None:
+    def __init__(self, port: int, env: Mapping[str, str], lifeline_fd: int) -> None:
         from resident.worker.control import runtime_dir
 
+        self.lifeline_fd = lifeline_fd
         self.env = {k: v for k, v in env.items() if not k.startswith(("NOTIFY_", "LISTEN_", "WATCHDOG_"))}
         base = os.path.join(runtime_dir(env), f"engine-{port}")
         os.makedirs(base, mode=0o700, exist_ok=True)
@@ -245,8 +260,8 @@ class LauncherClient:
     async def start(self, timeout_s: float) -> None:
         t = time.monotonic()
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "resident.worker.launcher", self.path, env=self.env,
-            stdin=asyncio.subprocess.DEVNULL)
+            sys.executable, "-m", "resident.worker.launcher", self.path, str(self.lifeline_fd), env=self.env,
+            pass_fds=(self.lifeline_fd,), stdin=asyncio.subprocess.DEVNULL)
         while time.monotonic() - t < timeout_s:
             if self.process.returncode is not None:
                 raise RuntimeError(f"the launcher exited with code {self.process.returncode} while importing")
@@ -282,13 +297,13 @@ class LauncherClient:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m resident.worker.launcher SOCKET (started by the supervisor)")
+    if len(argv) != 2 or not argv[1].isdigit():
+        raise SystemExit("usage: python -m resident.worker.launcher SOCKET LIFELINE_FD (started by the supervisor)")
     logging.basicConfig(level=os.environ.get("RESIDENT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s launcher %(name)s: %(message)s")
     seconds = preimport()
     logger.info("pre-imported torch and the engine in %.2f s", seconds)
-    return Launcher(argv[0]).serve()
+    return Launcher(argv[0], int(argv[1])).serve()
 
 
 if __name__ == "__main__":

@@ -344,7 +344,7 @@ class Supervisor:
         from resident.worker.launcher import LauncherClient
 
         old, self.launcher = self.launcher, None
-        launcher = LauncherClient(self.port, self.env)
+        launcher = LauncherClient(self.port, self.env, self._lifeline_r)
         await launcher.start(self.config.ready_timeout_s)
         self.launcher = launcher
         if old is not None:

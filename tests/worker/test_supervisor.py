@@ -170,6 +170,14 @@ def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rol
         listener.close()
 
 
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rpartition(")")[2].split()[1])
@@ -207,6 +215,15 @@ def test_warm_standby_and_launcher_take_over_a_crashed_replica_and_serve_a_rollo
         (fresh,) = {_parent(r["pid"]) for r in rolled}
         assert fresh != launcher and _parent(fresh) == sup.proc.pid, "the rollout forked from a fresh launcher"
         _complete(sup.base_url)
+
+        # kill -9 of the supervisor leaves no orphan: replicas and launcher see their lifeline close.
+        sup.kill(signal.SIGKILL)
+        left = {fresh, *(r["pid"] for r in rolled)}
+        deadline = time.monotonic() + 30
+        while left and time.monotonic() < deadline:
+            left = {p for p in left if os.path.exists(f"/proc/{p}") and _state(p) != "Z"}
+            time.sleep(0.05)
+        assert not left, f"processes outlived their supervisor: {left}"
     finally:
         stop_serve(sup)
 
