@@ -4,8 +4,10 @@
   and its teacher-forced logits within 1e-3;
 - decode CUDA graphs give the eager step's logits (float32 within 1e-3 of scale, bf16 within
   2e-2 and the same top-1), stay valid after the KV cache is unmapped and re-mapped;
-- bf16 logits vs HF transformers on the GPU, teacher-forced over 1280 positions of a 4-layer
-  model with Llama-3-8B widths (prefill chunks, then graph-replayed decode steps);
+- bf16 logits vs HF transformers on the GPU, teacher-forced over 1920 positions of a 4-layer
+  model with Llama-3-8B widths (prefill chunks, then graph-replayed decode steps): top-1 equal
+  to float32 HF's on >= 99 % of the positions where bf16 cannot flip it (>= 512 of them), and
+  no noisier than HF's own bf16 run;
 - the KV cache's VMM range keeps its addresses and a captured graph across unmap/remap, and grows
   in place;
 - `resident serve` refuses a --gpu-memory-utilization that leaves no room, naming the flags;
@@ -150,37 +152,56 @@ def test_graphs_give_the_eager_logits(tiny_model, dtype, tol) -> None:
 
 
 # --- bf16 vs HF transformers at Llama-3-8B widths ---------------------------------------------
-@pytest.fixture(scope="module")
-def llama8b_wide():
-    """A 4-layer random model with Llama-3-8B widths (vocab 32000), bf16 on the GPU: (hf, config, weights)."""
+#: Projection weights' std. HF's default (0.02) makes a random 4-layer model at these widths
+#: chaotic: its own bf16 run agrees with its float32 run on only ~74 % of top-1 tokens (measured
+#: on CPU), so no bf16 implementation could show 99 %. At 0.01 the layers still decide the
+#: output (shuffling the positions changes 65 % of top-1 tokens) and bf16 is stable enough.
+LAYER_STD = 0.01
+
+
+def llama8b_wide_hf(device: str, num_layers: int = 4):
+    """A random model with Llama-3-8B widths (vocab 32000) in float32 on `device`: (hf, config dict)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=num_layers, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=8192,
         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.02)
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(cfg)
-    hf = hf.to(torch.bfloat16).eval()
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+    g = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".layers." in name and name.endswith("proj.weight"):
+                p.normal_(0.0, LAYER_STD, generator=g)
+    return hf, cfg.to_dict()
+
+
+def fused_from_hf(hf, cfg_dict: dict) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in hf.state_dict().items() if not k.endswith("inv_freq")}
-    cfg_dict = cfg.to_dict()
     weights = {}
     for fused in plan(cfg_dict, set(state)):
         parts = [state[s] for s in fused.sources]
         weights[fused.name] = (parts[0] if len(parts) == 1 else torch.cat(parts, 0)).contiguous()
-    return hf, cfg_dict, weights
+    return weights
 
 
-def test_bf16_logits_agree_with_hf_on_gpu(llama8b_wide) -> None:
-    hf, cfg_dict, weights = llama8b_wide
-    mc = ModelConfig.from_hf(cfg_dict)
-    num_seqs, length, prefill, chunk = 4, 320, 256, 128
-    ec = EngineConfig(block_size=16, num_kv_blocks=96, max_model_len=512, max_num_seqs=8,
-                      max_num_batched_tokens=1024)
-    runner = ModelRunner(mc, ec, weights, device="cuda")
+def teacher_forced_bf16_vs_hf(device: str, num_seqs: int = 6, length: int = 320, prefill: int = 256,
+                              chunk: int = 128) -> dict:
+    """Our bf16 logits (chunked prefill, then decode steps) vs HF's float32 and bf16 logits."""
+    hf, cfg_dict = llama8b_wide_hf(device)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, mc.vocab_size, (num_seqs, length), generator=gen)
+    ids = torch.randint(0, 32000, (num_seqs, length), generator=gen)
+    with torch.inference_mode():
+        want32 = hf(ids.to(device)).logits.float().cpu()
+        hf = hf.to(torch.bfloat16)
+        want16 = hf(ids.to(device)).logits.float().cpu()
+    weights = fused_from_hf(hf, cfg_dict)
+    mc = ModelConfig.from_hf(cfg_dict)
+    ec = EngineConfig(block_size=16, num_kv_blocks=num_seqs * 20 + 16, max_model_len=512, max_num_seqs=8,
+                      max_num_batched_tokens=1024)
+    runner = ModelRunner(mc, ec, weights, device=device)
     seqs = ids.tolist()
     tables = [list(range(i * 20, i * 20 + 20)) for i in range(num_seqs)]
     ours = [[] for _ in range(num_seqs)]
@@ -190,27 +211,39 @@ def test_bf16_logits_agree_with_hf_on_gpu(llama8b_wide) -> None:
         logits = runner.logits(SchedulerOutput(sched, num_seqs * chunk)).cpu()
         for i in range(num_seqs):
             ours[i].append(logits[i * chunk:(i + 1) * chunk])
-    for pos in range(prefill, length):         # decode steps: CUDA graphs (bucket 4)
+    for pos in range(prefill, length):         # decode steps (CUDA graphs on a GPU)
         sched = [ScheduledRequest(f"s{i}", [s[pos]], pos, tables[i], True, GREEDY, s, []) for i, s in enumerate(seqs)]
         logits = runner.logits(SchedulerOutput(sched, num_seqs)).cpu()
         for i in range(num_seqs):
             ours[i].append(logits[i:i + 1])
-    assert runner.graphs.num_replays == length - prefill
-    got = torch.stack([torch.cat(o) for o in ours])                        # [B, L, V]
-    with torch.inference_mode():
-        want = hf(ids.cuda()).logits.float().cpu()
-    top2 = want.topk(2, dim=-1).values
-    margin = top2[..., 0] - top2[..., 1]
-    # bf16 logits tie or nearly tie often on a random model; compare top-1 where HF's own
-    # top-2 margin exceeds 1 % of the logit scale (a few bf16 ulps), over >= 512 positions.
-    keep = margin > 0.01 * want.abs().max()
-    agree = (got.argmax(-1) == want.argmax(-1))
-    print(f"bf16 vs HF: top-1 agreement {agree.float().mean().item():.4f} over all {agree.numel()} positions, "
-          f"{agree[keep].float().mean().item():.4f} over the {int(keep.sum())} with a clear margin; "
-          f"max |diff| {(got - want).abs().max().item():.4f} at logit scale {want.abs().max().item():.2f}")
-    assert int(keep.sum()) >= 512
-    assert agree[keep].float().mean().item() >= 0.99
-    assert agree.float().mean().item() >= 0.95
+    got = torch.stack([torch.cat(o) for o in ours]).float()               # [B, L, V]
+    top32 = want32.argmax(-1)
+    margin = want32.topk(2, dim=-1).values
+    margin = margin[..., 0] - margin[..., 1]
+    hf_err = (want16 - want32).abs().amax(-1)
+    # Positions where bf16 cannot flip the top-1: float32's top-2 margin exceeds twice the
+    # largest deviation of HF's own bf16 logits there.
+    sure = margin > 2 * hf_err
+    return {
+        "num_positions": top32.numel(), "num_sure": int(sure.sum()),
+        "ours_vs_fp32_sure": (got.argmax(-1) == top32)[sure].float().mean().item(),
+        "ours_vs_fp32": (got.argmax(-1) == top32).float().mean().item(),
+        "hf_bf16_vs_fp32": (want16.argmax(-1) == top32).float().mean().item(),
+        "ours_vs_hf_bf16": (got.argmax(-1) == want16.argmax(-1)).float().mean().item(),
+        "ours_max_err": (got - want32).abs().max().item(), "hf_bf16_max_err": hf_err.max().item(),
+        "graph_replays": runner.graphs.num_replays if runner.graphs is not None else 0,
+    }
+
+
+def test_bf16_logits_agree_with_hf_on_gpu() -> None:
+    r = teacher_forced_bf16_vs_hf("cuda")
+    print("bf16 vs HF:", json.dumps(r))
+    assert r["graph_replays"] == 320 - 256
+    assert r["num_sure"] >= 512
+    assert r["ours_vs_fp32_sure"] >= 0.99
+    # Not noisier than HF's own bf16 run, measured against the same float32 reference.
+    assert r["ours_vs_fp32"] >= r["hf_bf16_vs_fp32"] - 0.03
+    assert r["ours_max_err"] <= 3 * r["hf_bf16_max_err"]
 
 
 # --- the KV cache's VMM range ---------------------------------------------------------------------
