@@ -13,7 +13,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random
 nvidia-smi > "$OUT/gpu_tests.txt" 2>&1
 if [ "$what" != bench ]; then
-  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests -rs --timeout 90 \
+  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests -rs --timeout 90 --continue-on-collection-errors \
     >> "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$OUT/gpu_tests.txt"
 fi
 if [ "$what" != tests ]; then

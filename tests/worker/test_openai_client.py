@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")
 from serve_helpers import MODEL_NAME, servable_tiny_model, start_serve, stop_serve
 
 from resident.worker.tokenizer import Tokenizer
