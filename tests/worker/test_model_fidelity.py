@@ -2,8 +2,9 @@
 
 For tiny random checkpoints of each supported architecture and for the real SmolLM2-135M,
 through the ModelRunner (paged KV cache, chunked prefill, batched decode, shuffled block
-tables), with weights built two ways: fused with torch.cat (the layout rules alone) and
-through the daemon's loader into host_shm memfds mapped as a client maps them.
+tables), with weights obtained three ways: fused with torch.cat (the layout rules alone),
+through the worker's LocalStore (the daemon's loader run in-process) and through its
+RemoteStore (attached from a real preload daemon process over its sockets).
 
 - teacher-forced logits over prompt + a 64-token continuation (HF's greedy one for the tiny
   models, real text for SmolLM2) within 1e-3 of HF's;
@@ -46,7 +47,7 @@ TINY = {
     # A window shorter than the sequence, so the sliding-window mask is exercised.
     "mistral": {"sliding_window": 24},
 }
-SOURCES = ("fused_cat", "daemon_loader")
+SOURCES = ("fused_cat", "local_store", "remote_store")
 
 
 @dataclass
@@ -84,26 +85,71 @@ def hf_reference(path: Path, prompts: list[list[int]], num_greedy: int,
     return Reference(path, config, prompts, continuation, forced, logits)
 
 
-def load_weights(path: Path, source: str) -> dict[str, torch.Tensor]:
+def load_weights(path: Path, source: str):
+    """(weights, owner): the owner (a WeightStore) must outlive the weights' use."""
     if source == "fused_cat":
-        return fused_weights_from_hf_folder(path, torch.float32)
-    from resident.daemon.loader import LoadSpec, load
-    from resident.daemon.memory import get_backend
+        return fused_weights_from_hf_folder(path, torch.float32), None
+    from resident.daemon.loader import LoadSpec
+    from resident.worker.weight_store import open_store
 
-    backend = get_backend("host_shm")
-    loaded = load(LoadSpec(model=str(path), dtype="float32"), backend)
-    try:
-        slabs = [type(backend).import_slab(s.desc, s.export_fd()) for s in loaded.slabs]
-    finally:
-        for s in loaded.slabs:
-            s.close()
-    return loaded.table.views(slabs)
+    spec = LoadSpec(model=str(path), dtype="float32")
+    if source == "local_store":
+        store = open_store(spec, "off")
+    else:
+        store = open_store(spec, "require", _daemon_socket())
+        assert store.source == "daemon"
+    store.verify(-1)
+    return store.tensors, store
+
+
+_DAEMON: dict[str, object] = {}
+
+
+def _daemon_socket() -> str:
+    """One preload daemon for this module's RemoteStore runs (stopped at module teardown)."""
+    if "socket" not in _DAEMON:
+        import subprocess
+        import sys
+        import tempfile
+        import time
+
+        from resident.daemon.client import Client
+
+        d = Path(tempfile.mkdtemp(prefix="rs-fid-", dir="/tmp"))
+        sock = str(d / "p.sock")
+        log = open(d / "daemon.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "resident.daemon", "--socket", sock, "--http", "off",
+                                 "--backend", "host_shm"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                Client(sock).close()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((d / "daemon.log").read_text())
+                time.sleep(0.05)
+        _DAEMON.update(socket=sock, proc=proc, dir=d)
+    return str(_DAEMON["socket"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_daemon():
+    yield
+    proc = _DAEMON.pop("proc", None)
+    if proc is not None:
+        proc.terminate()
+        proc.wait(timeout=30)
+    _DAEMON.clear()
 
 
 def make_runner(config: dict, path: Path, source: str, longest: int) -> ModelRunner:
     per_seq = -(-longest // BLOCK_SIZE)
     engine_config = EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=4 * per_seq + 2, max_model_len=longest)
-    return ModelRunner(ModelConfig.from_hf(config), engine_config, load_weights(path, source))
+    weights, owner = load_weights(path, source)
+    runner = ModelRunner(ModelConfig.from_hf(config), engine_config, weights)
+    runner._test_weight_owner = owner  # keep the store (and its lease) alive with the runner
+    return runner
 
 
 def shuffled_tables(num_blocks: int, per_seq: int, count: int, seed: int) -> list[list[int]]:
