@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,34 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Grow:
+    """Hand `num_new` pre-mapped KV blocks to the engine (run between steps)."""
+
+    num_new: int
+    done: threading.Event
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class KVGrowth:
+    """Grow the KV cache to `target_blocks` after start, `chunk_blocks` at a time.
+
+    `on_chunk(num_blocks)` runs on the growth thread after each chunk is in use;
+    `on_done(num_blocks, seconds)` once at the end (also when growth stopped early).
+    """
+
+    target_blocks: int
+    chunk_blocks: int
+    on_chunk: Callable[[int], None] | None = None
+    on_done: Callable[[int, float], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.target_blocks < 1 or self.chunk_blocks < 1:
+            raise ValueError(f"KV growth needs a positive target and chunk, got {self.target_blocks} blocks "
+                             f"in chunks of {self.chunk_blocks}")
+
+
 class AsyncEngine:
     """Wraps an `LLMEngine` (add_request / step / abort_request / has_unfinished_requests /
     stats). `on_step(stats)` is called from the engine thread after every step."""
@@ -50,7 +79,7 @@ class AsyncEngine:
         self._engine = engine
         self._on_step = on_step
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Grow] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +98,54 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="resident-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The engine's KV blocks now (read from any thread)."""
+        return self._engine.num_kv_blocks
+
+    def start_kv_growth(self, growth: KVGrowth) -> threading.Thread:
+        """Grow the KV cache in the background, chunk by chunk, while requests are served.
+
+        Per chunk, a growth thread maps and zeroes the new memory (`engine.prepare_kv_blocks`,
+        off the engine thread), then the engine thread takes the blocks between two steps
+        (`engine.add_kv_blocks`): a step stalls only for the view swap, never for the
+        mapping. A failure (e.g. another process took the memory meanwhile) stops growth
+        with a warning; the engine keeps serving with the blocks it has.
+        """
+        if self._thread is None:
+            raise RuntimeError("start the engine (AsyncEngine.start) before growing its KV cache")
+        thread = threading.Thread(target=self._grow, args=(growth,), name="resident-kv-grow", daemon=True)
+        thread.start()
+        return thread
+
+    def _grow(self, growth: KVGrowth) -> None:
+        engine = self._engine
+        t0 = time.monotonic()
+        current = start = engine.num_kv_blocks
+        try:
+            while current < growth.target_blocks and not self._stopping and self.error is None:
+                n = min(growth.chunk_blocks, growth.target_blocks - current)
+                engine.prepare_kv_blocks(current + n)
+                cmd = _Grow(n, threading.Event())
+                self._submit(cmd)
+                while not cmd.done.wait(0.5):
+                    if self._stopping or not self.is_alive:
+                        return
+                if cmd.error is not None:
+                    raise cmd.error
+                current += n
+                if growth.on_chunk is not None:
+                    growth.on_chunk(current)
+        except Exception as e:  # noqa: BLE001 - serving goes on with the blocks it has
+            logger.warning("KV cache growth stopped at %d of %d blocks: %s", current, growth.target_blocks, e)
+        finally:
+            elapsed = time.monotonic() - t0
+            if current > start:
+                logger.info("KV cache grown in the background from %d to %d blocks in %.2f s", start, current,
+                            elapsed)
+            if growth.on_done is not None:
+                growth.on_done(current, elapsed)
 
     @property
     def is_alive(self) -> bool:
@@ -141,7 +218,7 @@ class AsyncEngine:
         self._submit(_Abort(request_id))
 
     # --- event-loop side helpers ---------------------------------------------------------
-    def _submit(self, cmd: _Add | _Abort) -> None:
+    def _submit(self, cmd: _Add | _Abort | _Grow) -> None:
         with self._cond:
             self._commands.append(cmd)
             self._cond.notify()
@@ -183,6 +260,13 @@ class AsyncEngine:
                         return
                     commands, self._commands = self._commands, []
                 for cmd in commands:
+                    if isinstance(cmd, _Grow):
+                        try:
+                            engine.add_kv_blocks(cmd.num_new)
+                        except Exception as e:  # noqa: BLE001 - reported by the growth thread
+                            cmd.error = e
+                        cmd.done.set()
+                        continue
                     if isinstance(cmd, _Abort):
                         engine.abort_request(cmd.request_id)
                         continue

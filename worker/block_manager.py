@@ -174,6 +174,27 @@ class BlockManager:
                 if self._block_hash[block] is None:
                     self._free_queue.move_to_end(block, last=False)
 
+    def add_blocks(self, num_new: int) -> None:
+        """Make `num_new` more blocks available, ids continuing the range (the KV cache grew).
+
+        The new blocks are plain free blocks, so they are handed out before any evictable
+        cached block; blocks held by requests and the prefix cache are untouched. Call only
+        between steps, once the memory behind the new ids exists.
+        """
+        if num_new < 1:
+            raise ValueError(f"add_blocks needs at least one block, got {num_new}")
+        first = self.num_blocks
+        self._ref_counts.extend([0] * num_new)
+        self._block_hash.extend([None] * num_new)
+        # Plain free blocks go to the head of the queue, before the cached ones (order among
+        # plain free blocks does not matter).
+        for b in range(first + num_new - 1, first - 1, -1):
+            self._free_queue[b] = None
+            self._free_queue.move_to_end(b, last=False)
+        self.num_blocks = first + num_new
+        logger.info("block manager: %d blocks added (ids %d..%d), %d in all", num_new, first,
+                    self.num_blocks - 1, self.num_blocks)
+
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached block (e.g. after the weights changed)."""
         for block in list(self._free_queue):

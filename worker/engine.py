@@ -95,6 +95,35 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
+    # -- KV cache growth -------------------------------------------------------------------
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks the scheduler may hand out now (grows with `add_kv_blocks`)."""
+        return self.scheduler.block_manager.num_blocks
+
+    def prepare_kv_blocks(self, num_blocks: int) -> None:
+        """Back `num_blocks` engine blocks with memory, without using them yet.
+
+        The slow part of growing (mapping and zeroing GPU memory); safe to call from another
+        thread while this one steps, since no step touches block ids beyond `num_kv_blocks`.
+        A runner that cannot pre-map (no `map_kv_blocks`) does all the work in `add_kv_blocks`.
+        """
+        prepare = getattr(self.runner, "map_kv_blocks", None)
+        if prepare is not None:
+            prepare(num_blocks)
+
+    def add_kv_blocks(self, num_new: int) -> None:
+        """Grow the KV cache by `num_new` blocks: the runner first (views over the new memory),
+        then the scheduler's block manager. Engine thread only, between steps, so no step sees
+        half-added blocks. A runner without `grow_kv_cache` has no KV memory of its own."""
+        if num_new < 1:
+            raise ValueError(f"add_kv_blocks needs at least one block, got {num_new}")
+        grow = getattr(self.runner, "grow_kv_cache", None)
+        if grow is not None:
+            grow(self.num_kv_blocks + num_new)
+        self.scheduler.add_kv_blocks(num_new)
+
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -8,7 +8,16 @@ forward pass, capture CUDA graphs (on a GPU); then /ready turns 200, systemd hea
 and one log line gives the phases: "ready in X s (import a, cuda context g, weights b,
 verify c, tokenizer t, kv alloc d, warmup e, graphs f)". On a GPU the KV cache gets what
 --gpu-memory-utilization leaves after everything already on the GPU and the measured
-activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`).
+activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`), but only its first
+--kv-cache-initial bytes (default 4 GiB: Llama-3-8B's 2 MiB blocks give 2048 blocks,
+32k tokens, four requests of 8k context; never less than one request of --max-model-len,
+which is all that warm-up and graph capture need) are mapped before /ready: mapping and
+zeroing ~100 GB took seconds of the restart. After /ready a background thread maps the
+rest in chunks of KV_GROWTH_CHUNK_BYTES and the engine thread takes each chunk's blocks
+between two steps (`AsyncEngine.start_kv_growth`); `resident_worker_kv_cache_bytes`
+follows the growth and `resident_worker_kv_cache_growth_seconds` reports its duration.
+The "kv_alloc breakdown" log line splits the kv_alloc phase into its parts. On CPU the
+whole --kv-cache-memory is allocated at start.
 Phases are measured from the process's start (its kernel start time), so `import` includes
 the interpreter's own start-up.
 
@@ -41,6 +50,10 @@ QUANTIZATIONS = ("none", "fp8_per_tensor")
 PRELOAD_MODES = ("auto", "require", "off")
 CUDA_GRAPH_MODES = ("eager", "lazy", "off")    # = cuda_graphs.GRAPH_MODES (kept torch-free here)
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+#: GPU KV cache mapped before /ready (see the module doc); 0 maps the whole budget at start.
+DEFAULT_KV_CACHE_INITIAL_BYTES = 4 * 2**30
+#: GPU KV cache mapped per background growth step (one short pause of the engine thread each).
+KV_GROWTH_CHUNK_BYTES = 2 * 2**30
 #: --max-model-len default on CPU when the model allows more.
 CPU_MAX_MODEL_LEN = 4096
 
@@ -65,7 +78,8 @@ class ServeConfig:
     cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
     max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
-    num_kv_blocks: int | None = None          # overrides kv_cache_memory_bytes
+    num_kv_blocks: int | None = None          # overrides kv_cache_memory_bytes (GPU: all mapped at start)
+    kv_cache_initial_bytes: int = DEFAULT_KV_CACHE_INITIAL_BYTES   # GPU: mapped before /ready, rest after
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -91,6 +105,9 @@ class ServeConfig:
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_initial_bytes < 0:
+            raise ValueError(f"--kv-cache-initial must be >= 0 (0: map the whole KV cache at start), "
+                             f"got {self.kv_cache_initial_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -172,6 +189,9 @@ class _Worker:
     store: Any
     engine: Any
     serving: Any
+    runner: Any = None
+    kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
+    kv_block_bytes: int = 0       # one block, all layers, keys and values
 
 
 def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
@@ -200,7 +220,8 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     from resident.worker.engine import LLMEngine
     from resident.worker.device import resolve_device, weights_on
     from resident.worker.engine_config import EngineConfig
-    from resident.worker.gpu_memory import plan_gpu_kv_cache
+    from resident.worker.gpu_memory import initial_kv_blocks, plan_gpu_kv_cache
+    from resident.worker.kv_cache import bytes_per_block
     from resident.worker.model_runner import ModelRunner
     from resident.worker.openai_serving import OpenAIServing
     from resident.worker.protocol import ServingOptions
@@ -232,15 +253,24 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                            max_model_len, model_config.max_position_embeddings)
         dtype = store.tensors["model.embed_tokens.weight"].dtype
         max_kv_blocks = None
+        block_bytes = bytes_per_block(model_config, dtype, config.block_size)
+        plan_timings: dict[str, float] = {}
+        t_plan = time.monotonic()
         if device.type == "cuda":
             plan = plan_gpu_kv_cache(
                 model_config, weights, device, block_size=config.block_size, max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 utilization=config.gpu_memory_utilization, cuda_graphs=config.cuda_graphs,
                 num_kv_blocks=config.num_kv_blocks)
-            num_kv_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
+            plan_timings = plan.timings
+            kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
+            num_kv_blocks = kv_target_blocks
+            if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:
+                num_kv_blocks = initial_kv_blocks(kv_target_blocks, block_bytes, config.kv_cache_initial_bytes,
+                                                  -(-max_model_len // config.block_size))
         else:
-            num_kv_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
+            num_kv_blocks = kv_target_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
+        t_runner = time.monotonic()
         engine_config = EngineConfig(
             block_size=config.block_size, num_kv_blocks=num_kv_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -249,6 +279,8 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                              cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
         engine = LLMEngine(engine_config, runner, tokenizer)
         startup.end("kv_alloc")
+        _log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, runner.kv_cache.alloc_s,
+                      num_kv_blocks, kv_target_blocks, block_bytes)
         runner.warmup()
         startup.end("warmup")
         runner.capture_graphs()
@@ -264,7 +296,57 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                           trust_request_chat_template=config.trust_request_chat_template)
     async_engine = AsyncEngine(engine, on_step=on_step)
     serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
-    return _Worker(store, async_engine, serving)
+    return _Worker(store, async_engine, serving, runner, kv_target_blocks, block_bytes)
+
+
+def _log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],
+                  num_blocks: int, target_blocks: int, block_bytes: int) -> None:
+    """One line splitting the kv_alloc phase: GPU planning (memory measure, probe runner,
+    profile forward), then the runner (model build, VMM reserve, map + zero of the initial KV)."""
+    parts = [f"plan {plan_total_s:.2f} s"]
+    if plan_s:
+        parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in plan_s.items()) + ")"
+    parts.append(f"runner {runner_s:.2f} s (" + ", ".join(
+        [f"{k.replace('_', '+')} {v:.2f}" for k, v in cache_s.items()]
+        + [f"model and the rest {runner_s - sum(cache_s.values()):.2f}"]) + ")")
+    logger.info("kv_alloc breakdown: %s; %d blocks (%.2f GiB) mapped at start of %d (%.2f GiB)%s", "; ".join(parts),
+                num_blocks, num_blocks * block_bytes / 2**30, target_blocks, target_blocks * block_bytes / 2**30,
+                ", the rest grows in the background after ready" if target_blocks > num_blocks else "")
+
+
+def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> None:
+    """Export the KV cache's size, and grow it to its full budget in the background (GPU)."""
+    from prometheus_client import Gauge
+
+    from resident.worker.async_engine import KVGrowth
+
+    kv_bytes = Gauge("resident_worker_kv_cache_bytes", "KV-cache memory in use by the engine (grows after start).",
+                     registry=metrics.registry)
+    kv_blocks = Gauge("resident_worker_kv_cache_blocks", "KV-cache blocks the scheduler may hand out.",
+                      registry=metrics.registry)
+    growth_s = Gauge("resident_worker_kv_cache_growth_seconds",
+                     "Seconds the background KV-cache growth after ready took (0 until done or when none).",
+                     registry=metrics.registry)
+    runner = worker.runner
+    if runner is None:
+        return
+    kv_bytes.set(runner.kv_cache_bytes)
+    start = worker.engine.num_kv_blocks
+    kv_blocks.set(start)
+    if worker.kv_target_blocks <= start:
+        return
+
+    def on_chunk(num_blocks: int) -> None:
+        kv_bytes.set(runner.kv_cache_bytes)
+        kv_blocks.set(num_blocks)
+
+    def on_done(num_blocks: int, seconds: float) -> None:
+        growth_s.set(seconds)
+        logger.info("KV cache growth done: %d -> %d blocks (%.2f GiB) in %.2f s after ready", start, num_blocks,
+                    num_blocks * worker.kv_block_bytes / 2**30, seconds)
+
+    chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)
+    worker.engine.start_kv_growth(KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done))
 
 
 def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -335,6 +417,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     state.ready = True
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
     sd_notify(config.notify_socket, "READY=1")
+    _start_kv_growth(worker, metrics)
 
     await stopper
     logger.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)

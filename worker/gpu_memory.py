@@ -21,6 +21,7 @@ headroom measured by a profile forward come off the top; the rest is the KV cach
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -366,6 +367,22 @@ class GpuKVPlan:
     num_kv_blocks: int          # the engine's blocks
     max_num_kv_blocks: int      # the address reservation (blocks every sequence at full length could use)
     budget: GpuMemoryBudget
+    #: seconds: "measure" (sync + mem_get_info), "probe_build" (probe runner with its own
+    #: small KV range), "profile_forward" (its largest step + graph decode)
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+
+def initial_kv_blocks(num_kv_blocks: int, block_bytes: int, initial_bytes: int, min_blocks: int) -> int:
+    """Blocks to map at start when the cache grows to `num_kv_blocks` later.
+
+    `initial_bytes` worth of blocks (all layers' keys and values: `block_bytes` each), at
+    least `min_blocks` (one request of --max-model-len: warm-up and graph capture need far
+    fewer) and at most the full `num_kv_blocks`.
+    """
+    if block_bytes <= 0 or initial_bytes < 0 or min_blocks < 1 or num_kv_blocks < 1:
+        raise ValueError(f"initial_kv_blocks({num_kv_blocks}, {block_bytes}, {initial_bytes}, {min_blocks}): "
+                         f"sizes must be positive")
+    return min(num_kv_blocks, max(min_blocks, initial_bytes // block_bytes))
 
 
 def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, block_size: int,
@@ -381,6 +398,7 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
     from resident.worker.model_runner import ModelRunner
 
     index = device.index if device.index is not None else torch.cuda.current_device()
+    t0 = time.monotonic()
     torch.cuda.synchronize(index)
     free, total = gpu_memory_info(index)
     used = total - free
@@ -390,12 +408,15 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
     probe_config = EngineConfig(block_size=block_size, num_kv_blocks=max(per_seq, -(-probe_tokens // block_size)),
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_prefix_caching=False)
+    t1 = time.monotonic()
     probe = ModelRunner(model_config, probe_config, weights, device=str(device), cuda_graphs=cuda_graphs)
+    t2 = time.monotonic()
     try:
         headroom = probe.profile_peak_bytes()
     finally:
         probe.close()
         del probe
+    timings = {"measure": t1 - t0, "probe_build": t2 - t1, "profile_forward": time.monotonic() - t2}
     budget = GpuMemoryBudget(total_bytes=total, used_bytes=used, utilization=utilization, headroom_bytes=headroom)
     dtype = weights["model.embed_tokens.weight"].dtype
     layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
@@ -416,8 +437,8 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
     blocks = min(blocks, cap)
     logger.info("KV cache sized to %d blocks (%.2f GiB): %s", blocks, layout.total_bytes(blocks + 1) / GiB,
                 budget.describe())
-    return GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget)
+    return GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget, timings=timings)
 
 
-__all__ = ["GpuKVPlan", "GpuMemoryBudget", "KVLayout", "plan_gpu_kv_cache", "ModelDoesNotFit", "VmmRange", "gpu_memory_info",
+__all__ = ["GpuKVPlan", "GpuMemoryBudget", "KVLayout", "initial_kv_blocks", "plan_gpu_kv_cache", "ModelDoesNotFit", "VmmRange", "gpu_memory_info",
            "kv_blocks_for_budget", "vmm_granularity"]

@@ -14,7 +14,8 @@ the segment, not num_blocks * block; each half is contiguous). That is what lets
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,8 +43,13 @@ class KVCache:
     block_size: int
     memory: VmmRange | None = None      # the GPU address range, when VMM-backed
     layout: KVLayout | None = None
+    #: Blocks backed by memory (VMM: mapped ahead by `map_blocks`, >= num_blocks).
+    mapped_num_blocks: int = 0
+    #: Seconds of the allocation's parts: "reserve", "map_zero" (VMM only).
+    alloc_s: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.mapped_num_blocks = max(self.mapped_num_blocks, self.num_blocks)
         for t in self.tensors:
             if t.dim() != 5 or t.shape[0] != 2 or t.shape[1] != self.num_blocks or t.shape[2] != self.block_size:
                 raise ValueError(
@@ -92,18 +98,23 @@ class KVCache:
                           head_dim=model_config.head_dim, block_size=block_size,
                           itemsize=torch.empty((), dtype=dtype).element_size(),
                           granularity=vmm_granularity(index), max_num_blocks=max_num_blocks)
+        t0 = time.monotonic()
         memory = VmmRange(layout.reserve_bytes, index)
+        t1 = time.monotonic()
         try:
             per_segment = layout.mapped_segment_bytes(num_blocks)
             for s in range(layout.num_segments):
                 memory.map(s * layout.segment_bytes, per_segment)
+            torch.cuda.synchronize(index)   # cuMemsetD8 is asynchronous: time the zeroing too
         except BaseException:
             memory.close()
             raise
-        cache = cls(_segment_views(memory, layout, num_blocks, dtype), num_blocks, block_size, memory, layout)
-        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB mapped in a VMM range of %.1f GiB at 0x%x on %s",
-                    num_blocks, block_size, memory.mapped_bytes / 2**20, memory.reserved_bytes / 2**30,
-                    memory.ptr, device)
+        t2 = time.monotonic()
+        cache = cls(_segment_views(memory, layout, num_blocks, dtype), num_blocks, block_size, memory, layout,
+                    alloc_s={"reserve": t1 - t0, "map_zero": t2 - t1})
+        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB mapped in a VMM range of %.1f GiB at 0x%x on %s "
+                    "(reserve %.3f s, map+zero %.3f s)", num_blocks, block_size, memory.mapped_bytes / 2**20,
+                    memory.reserved_bytes / 2**30, memory.ptr, device, t1 - t0, t2 - t1)
         return cache
 
     # --- VMM-backed caches only ---------------------------------------------------------------
@@ -112,16 +123,45 @@ class KVCache:
             raise RuntimeError("this KV cache is not VMM-backed (CPU caches cannot grow, unmap or remap)")
         return self.memory, self.layout
 
-    def grow(self, num_blocks: int) -> None:
-        """Hold `num_blocks` blocks (more than now, at most the reservation's); existing blocks stay put."""
+    def map_blocks(self, num_blocks: int) -> None:
+        """Map (and zero) memory for `num_blocks` blocks without changing the tensors.
+
+        The slow half of growing a VMM-backed cache; it touches only memory past every
+        block in use, so it may run on another thread while steps use the cache (one
+        caller at a time). Returns when the new memory is zeroed. No-op on CPU caches
+        (their memory comes with `grow`) and when the blocks are mapped already.
+        """
+        if self.memory is None or num_blocks <= self.mapped_num_blocks:
+            return
         memory, layout = self._vmm()
-        if num_blocks <= self.num_blocks:
-            raise ValueError(f"grow({num_blocks}): the cache already holds {self.num_blocks} blocks")
-        old, new = layout.mapped_segment_bytes(self.num_blocks), layout.mapped_segment_bytes(num_blocks)
+        old, new = layout.mapped_segment_bytes(self.mapped_num_blocks), layout.mapped_segment_bytes(num_blocks)
         if new > old:
             for s in range(layout.num_segments):
                 memory.map(s * layout.segment_bytes + old, new - old)
+            torch.cuda.synchronize(memory.device)
+        self.mapped_num_blocks = num_blocks
+
+    def grow(self, num_blocks: int) -> None:
+        """Hold `num_blocks` blocks (more than now); existing blocks keep their contents.
+
+        VMM-backed: in place (blocks never move; at most the reservation's blocks), mapping
+        whatever `map_blocks` has not yet. CPU: new zeroed tensors with the old blocks copied.
+        """
+        if num_blocks <= self.num_blocks:
+            raise ValueError(f"grow({num_blocks}): the cache already holds {self.num_blocks} blocks")
         dtype = self.tensors[0].dtype
+        if self.memory is None:
+            grown = []
+            for t in self.tensors:
+                g = torch.zeros((2, num_blocks, *t.shape[2:]), dtype=dtype, device=t.device)
+                g[:, :self.num_blocks].copy_(t)
+                grown.append(g)
+            self.tensors = grown
+            self.num_blocks = self.mapped_num_blocks = num_blocks
+            logger.info("KV cache grown to %d blocks (%.1f MiB)", num_blocks, self.nbytes / 2**20)
+            return
+        memory, layout = self._vmm()
+        self.map_blocks(num_blocks)
         self.tensors = _segment_views(memory, layout, num_blocks, dtype)
         self.num_blocks = num_blocks
         logger.info("KV cache grown to %d blocks (%.1f MiB mapped)", num_blocks, memory.mapped_bytes / 2**20)

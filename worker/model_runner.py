@@ -137,6 +137,42 @@ class ModelRunner:
             self.graphs = None
         self.kv_cache.close()
 
+    # --- KV cache growth (see LLMEngine.add_kv_blocks) ---------------------------------------
+    def map_kv_blocks(self, num_blocks: int) -> None:
+        """Back `num_blocks` engine blocks (plus the GPU padding block) with zeroed memory,
+        without using it yet: safe on another thread while steps run (one caller at a time)."""
+        self.kv_cache.map_blocks(num_blocks + (1 if self.pad_block is not None else 0))
+
+    @torch.inference_mode()
+    def grow_kv_cache(self, num_blocks: int) -> None:
+        """Take `num_blocks` engine blocks (more than now); blocks in use keep their KV.
+
+        On a GPU the padding block of CUDA graphs moves to the new end: the old one (id
+        = the old block count) becomes an ordinary engine block and is zeroed. Call between
+        steps, on the thread that steps.
+        """
+        if num_blocks <= self.num_blocks:
+            raise ValueError(f"grow_kv_cache({num_blocks}): the runner already has {self.num_blocks} blocks")
+        with self._device_guard():
+            if self.pad_block is None:
+                self.kv_cache.grow(num_blocks)
+            else:
+                old_pad = self.pad_block
+                self.kv_cache.grow(num_blocks + 1)
+                self.kv_cache.zero_blocks([old_pad])
+                self.pad_block = num_blocks
+                if self.graphs is not None:
+                    self.graphs.pad_block = num_blocks
+                    self.graphs.pad_slot = num_blocks * self.block_size
+                    self.graphs.tables.fill_(num_blocks)
+        self.num_blocks = num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV memory this runner holds (mapped, on a GPU)."""
+        memory = self.kv_cache.memory
+        return memory.mapped_bytes if memory is not None else self.kv_cache.nbytes
+
     @staticmethod
     def kv_cache_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int = 16) -> int:
         """Bytes of one KV block over all layers (block_size defaults to EngineConfig's)."""

@@ -169,6 +169,11 @@ class Scheduler:
 
     # -- state changes -------------------------------------------------------------------
 
+    def add_kv_blocks(self, num_new: int) -> None:
+        """The KV cache grew by `num_new` blocks; later steps may schedule into them. Waiting
+        requests that did not fit are admitted from the next `schedule()` on."""
+        self.block_manager.add_blocks(num_new)
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.preempt()
