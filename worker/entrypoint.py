@@ -305,16 +305,16 @@ def _log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float
     profile forward), then the runner (model build, VMM reserve, map + zero of the initial KV)."""
     parts = [f"plan {plan_total_s:.2f} s"]
     if plan_s:
-        parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in plan_s.items()) + ")"
+        parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in plan_s.items()) + ")"
     parts.append(f"runner {runner_s:.2f} s (" + ", ".join(
-        [f"{k.replace('_', '+')} {v:.2f}" for k, v in cache_s.items()]
+        [f"{k.replace('_', '+')} {v:.3f}" for k, v in cache_s.items()]
         + [f"model and the rest {runner_s - sum(cache_s.values()):.2f}"]) + ")")
     logger.info("kv_alloc breakdown: %s; %d blocks (%.2f GiB) mapped at start of %d (%.2f GiB)%s", "; ".join(parts),
                 num_blocks, num_blocks * block_bytes / 2**30, target_blocks, target_blocks * block_bytes / 2**30,
                 ", the rest grows in the background after ready" if target_blocks > num_blocks else "")
 
 
-def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> None:
+def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> threading.Thread | None:
     """Export the KV cache's size, and grow it to its full budget in the background (GPU)."""
     from prometheus_client import Gauge
 
@@ -329,12 +329,12 @@ def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> None:
                      registry=metrics.registry)
     runner = worker.runner
     if runner is None:
-        return
+        return None
     kv_bytes.set(runner.kv_cache_bytes)
     start = worker.engine.num_kv_blocks
     kv_blocks.set(start)
     if worker.kv_target_blocks <= start:
-        return
+        return None
 
     def on_chunk(num_blocks: int) -> None:
         kv_bytes.set(runner.kv_cache_bytes)
@@ -346,7 +346,7 @@ def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> None:
                     num_blocks * worker.kv_block_bytes / 2**30, seconds)
 
     chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)
-    worker.engine.start_kv_growth(KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done))
+    return worker.engine.start_kv_growth(KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done))
 
 
 def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -417,7 +417,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     state.ready = True
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
     sd_notify(config.notify_socket, "READY=1")
-    _start_kv_growth(worker, metrics)
+    growth = _start_kv_growth(worker, metrics)
 
     await stopper
     logger.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
@@ -430,6 +430,8 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
         await asyncio.sleep(0.02)  # handlers write their final chunks
     await runner.cleanup()
     worker.engine.shutdown()
+    if growth is not None:
+        growth.join(10.0)   # it stops after the chunk it is mapping (the engine no longer takes blocks)
     worker.store.close()
     logger.info("stopped")
     return 0

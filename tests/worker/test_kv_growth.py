@@ -286,3 +286,56 @@ def test_cpu_kv_cache_grow_keeps_contents(tiny_model) -> None:
     assert cache.num_blocks == 9 and cache.mapped_num_blocks == 9
     for t, o in zip(cache.tensors, old):
         assert t.shape[1] == 9 and torch.equal(t[:, :4], o) and not t[:, 4:].any()
+
+
+# --- on a GPU: the VMM cache grows in place under captured graphs ---------------------------
+def _gpu_run(runner: ModelRunner, config: EngineConfig, prompts: list[list[int]], grow_to: int | None,
+             ) -> tuple[list[list[int]], set[int]]:
+    """r0, r1 from the start; at step 3 (after growing, when `grow_to`) r2, which gets new blocks first."""
+    engine = LLMEngine(config, runner)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i in (0, 1):
+        engine.add_request(f"r{i}", prompts[i], params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    used: set[int] = set()
+    step = 0
+    while engine.has_unfinished_requests():
+        if step == 3:
+            if grow_to is not None:
+                mapper = threading.Thread(target=runner.map_kv_blocks, args=(grow_to,), name="resident-kv-grow")
+                mapper.start()          # maps while the engine could step: blocks beyond the cache are unused
+                mapper.join()
+                engine.add_kv_blocks(grow_to - engine.num_kv_blocks)
+            engine.add_request("r2", prompts[2], params)
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        for rid in out:
+            used.update(engine.scheduler.block_manager.block_table(rid))
+        engine.scheduler.block_manager.check_integrity()
+        step += 1
+    return [out[f"r{i}"] for i in range(3)], used
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cache_grows_in_place_under_graphs(tiny_model) -> None:
+    import json
+
+    path = tiny_model("llama3")
+    mc = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    weights = {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
+    prompts = [[(i * 7 + k) % 256 for i in range(n)] for k, n in ((1, 20), (2, 20), (3, 30))]
+    small = EngineConfig(block_size=8, num_kv_blocks=16, max_model_len=64, max_num_seqs=8)
+    full = EngineConfig(block_size=8, num_kv_blocks=64, max_model_len=64, max_num_seqs=8)
+    runner = ModelRunner(mc, small, weights, device="cuda", cuda_graphs="eager", max_num_kv_blocks=64)
+    runner.capture_graphs()
+    base, reserved = runner.kv_cache.memory.ptr, runner.kv_cache.memory.reserved_bytes
+    grown, used = _gpu_run(runner, small, prompts, grow_to=64)
+    assert runner.num_blocks == 64 and runner.pad_block == 64 and runner.graphs.pad_block == 64
+    assert runner.kv_cache.memory.ptr == base and runner.kv_cache.memory.reserved_bytes == reserved
+    assert max(used) >= 16, "no request used a block added by the growth"
+    assert runner.graphs.num_replays > 0
+    reference = ModelRunner(mc, full, weights, device="cuda", cuda_graphs="eager")
+    reference.capture_graphs()
+    want, _ = _gpu_run(reference, full, prompts, grow_to=None)
+    assert grown == want and all(len(t) == 24 for t in grown)
