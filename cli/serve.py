@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 @click.option("--cuda-graphs", type=click.Choice(["eager", "lazy", "off"]), default="lazy", show_default=True,
               help="Decode CUDA graphs: eager captures every batch size at start; lazy the sizes 1-8 at start "
                    "and larger ones on first use; off runs decode steps eagerly.")
+@click.option("--kv-cache-initial", type=SIZE, default="4GiB", show_default=True,
+              help="GPU: KV cache mapped before /ready (at least one --max-model-len request); the rest of "
+                   "the budget is mapped in the background after /ready. 0 maps everything at start.")
 @click.option("--num-kv-blocks", type=click.IntRange(min=1), default=None,
               help="KV-cache blocks (overrides --kv-cache-memory).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -91,7 +94,7 @@ logger = logging.getLogger(__name__)
                    "$XDG_RUNTIME_DIR/resident, then engine-PORT.ctl].")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
-          max_model_len: int | None, kv_cache_memory: int, num_kv_blocks: int | None, block_size: int,
+          max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
@@ -109,6 +112,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             model=model, served_model_name=served_model_name, host=host, port=port, port_file=port_file,
             api_key=api_key or None, dtype=dtype, quantization=quantization, revision=revision,
             preload=preload, socket=sock, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory,
+            kv_cache_initial_bytes=kv_cache_initial,
             num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
