@@ -85,11 +85,19 @@ def _load(model: str, dtype: str, quantization: str, device: str):
     return loaded, tensors
 
 
+def prefill_steps_bound(batch: int, context: int, max_num_batched_tokens: int) -> int:
+    """Engine steps the prefill of `batch` prompts of `context` tokens can take at most."""
+    return -(-(batch * (context + 1)) // max_num_batched_tokens) + 1
+
+
 def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: int, device) -> dict:
     from resident.worker.sampling_params import SamplingParams
 
     rng = random.Random(batch)
-    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True, temperature=0.0)
+    # Requests whose prefill finishes early decode while the others still prefill: give
+    # every request room for those tokens too, so none leaves the batch during timed steps.
+    prefill_bound = prefill_steps_bound(batch, context, engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=warmup + steps + 4 + prefill_bound, ignore_eos=True, temperature=0.0)
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
@@ -139,11 +147,13 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
     runner = None
     try:
         model_config = ModelConfig.from_hf(loaded.config)
-        max_model_len = context + warmup + steps + 2 * block_size
+        budget = 8192 if device == "cuda" else 2048
+        max_model_len = (context + warmup + steps + 4 + prefill_steps_bound(max(batch_sizes), context, budget)
+                         + 2 * block_size)
         per_seq = -(-max_model_len // block_size)
         engine_config = EngineConfig(
             block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
-            max_num_batched_tokens=8192 if device == "cuda" else 2048, max_model_len=max_model_len,
+            max_num_batched_tokens=budget, max_model_len=max_model_len,
             enable_prefix_caching=False)
         runner = ModelRunner(model_config, engine_config, tensors, device=device)
         runner.warmup()
