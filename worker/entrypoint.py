@@ -233,12 +233,12 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     device = resolve_device(config.device)
     spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
                     quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache)
-    store = open_store(spec, config.preload, config.socket)
+    store = open_store(spec, config.preload, config.socket, device=str(device))
     try:
         metrics.set_weights_source(store.source)
         startup.end("weights")
         checked = store.verify(config.verify_sample)
-        logger.info("verified CRC-32 of %d/%d tensors", checked, len(store.tensors))
+        logger.info("verified the checksums of %d/%d tensors", checked, len(store.tensors))
         startup.end("verify")
         template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
         tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)

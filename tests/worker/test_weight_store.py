@@ -65,8 +65,9 @@ class FakeClient:
 class FakeLocal:
     source = "local"
 
-    def __init__(self, spec):
+    def __init__(self, spec, device="cpu"):
         self.spec = spec
+        self.device = device
 
 
 @pytest.fixture
@@ -155,3 +156,23 @@ def test_local_store_verifies_and_catches_corruption(model_dir):
             store.verify(0)
     finally:
         store.close()
+
+
+@pytest.mark.gpu
+def test_local_store_on_gpu_loads_into_device_memory(tmp_path):
+    """--preload off on a GPU: the in-process loader fills GPU slabs (no host copy to move)."""
+    from fixtures_models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "qwen2")
+    spec = LoadSpec(model=str(folder), dtype="float32")
+    host = weight_store.LocalStore(spec, "cpu")
+    gpu = weight_store.LocalStore(spec, "cuda:0")
+    try:
+        assert gpu.model_key == host.model_key and gpu.tensors.keys() == host.tensors.keys()
+        for name, t in host.tensors.items():
+            assert gpu.tensors[name].is_cuda, name
+            assert torch.equal(gpu.tensors[name].cpu(), t), name
+        assert gpu.verify(-1) == len(gpu.tensors)
+    finally:
+        gpu.close()
+        host.close()
