@@ -34,7 +34,9 @@ from resident.daemon.memory.cuda_util import (
     driver,
     ensure_context,
     require_cuda,
+    pinned_device_prop,
     round_up,
+    vmm_granularity,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,23 +164,6 @@ def kv_blocks_for_budget(budget: GpuMemoryBudget, layout: KVLayout, min_blocks: 
 
 
 # --- the VMM range -------------------------------------------------------------------------
-def _kv_allocation_prop(index: int) -> Any:
-    drv = driver()
-    prop = drv.CUmemAllocationProp()
-    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = index
-    return prop
-
-
-def vmm_granularity(index: int) -> int:
-    """Allocation granularity for the KV cache's physical memory on device `index`."""
-    drv = driver()
-    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    return int(check("cuMemGetAllocationGranularity",
-                     drv.cuMemGetAllocationGranularity(_kv_allocation_prop(index), flag)))
-
-
 @dataclass
 class _Piece:
     offset: int
@@ -333,7 +318,7 @@ class VmmRange:
         drv = driver()
         ensure_context(self.device)
         try:
-            handle = check("cuMemCreate", drv.cuMemCreate(piece.nbytes, _kv_allocation_prop(self.device), 0))
+            handle = check("cuMemCreate", drv.cuMemCreate(piece.nbytes, pinned_device_prop(self.device), 0))
         except Exception as e:
             raise MemoryError(f"{self.what}: cannot allocate {piece.nbytes / MiB:.0f} MiB on cuda:{self.device}: "
                               f"{e}; lower --gpu-memory-utilization or free GPU memory") from None

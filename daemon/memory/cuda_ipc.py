@@ -26,6 +26,7 @@ from resident.daemon.memory.cuda_util import (
     CudaError,
     DeviceBuffer,
     DeviceSlab,
+    backend_device,
     best_effort,
     check,
     device_index,
@@ -33,7 +34,6 @@ from resident.daemon.memory.cuda_util import (
     driver,
     ensure_context,
     importing_device,
-    require_cuda,
     round_up,
 )
 
@@ -70,13 +70,7 @@ class CudaIpcBackend(MemoryBackend):
     alignment = 256
 
     def __init__(self, device: int | str = 0, max_slab_bytes: int = 4 * GiB) -> None:
-        require_cuda(NAME)
-        self.device = device_index(device)
-        count = int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
-        if self.device >= count:
-            raise ValueError(f"{NAME}: GPU cuda:{self.device} does not exist; this process sees {count} GPU(s)")
-        if max_slab_bytes <= 0:
-            raise ValueError(f"{NAME}: max_slab_bytes must be positive, got {max_slab_bytes}")
+        self.device = backend_device(NAME, device, max_slab_bytes)
         self.max_slab_bytes = max_slab_bytes
 
     def slab_size_limit(self) -> int:

@@ -186,6 +186,41 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def backend_device(backend: str, device: int | str, max_slab_bytes: int) -> int:
+    """The ordinal of `device` for a GPU backend's constructor, after checking that a GPU
+    with a driver is there, that the device exists and that the slab limit is positive."""
+    require_cuda(backend)
+    index = device_index(device)
+    count = int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
+    if index >= count:
+        raise ValueError(f"{backend}: GPU cuda:{index} does not exist; this process sees {count} GPU(s)")
+    if max_slab_bytes <= 0:
+        raise ValueError(f"{backend}: max_slab_bytes must be positive, got {max_slab_bytes}")
+    return index
+
+
+def pinned_device_prop(index: int, export_fd: bool = False) -> Any:
+    """cuMemCreate properties: pinned memory on device `index`, exportable as a POSIX fd when
+    `export_fd` (the daemon's slabs) or private (a worker's KV cache)."""
+    drv = driver()
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    if export_fd:
+        prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def vmm_granularity(index: int, export_fd: bool = False) -> int:
+    """The recommended VMM allocation granularity for `pinned_device_prop(index, export_fd)`
+    (2 MiB on an H200)."""
+    drv = driver()
+    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(check("cuMemGetAllocationGranularity",
+                     drv.cuMemGetAllocationGranularity(pinned_device_prop(index, export_fd), flag)))
+
+
 class DeviceBuffer:
     """Owner of `nbytes` of raw device memory at `ptr`; exposes `__cuda_array_interface__`.
 

@@ -34,6 +34,7 @@ from resident.daemon.memory.cuda_util import (
     DeviceBuffer,
     DeviceMismatch,
     DeviceSlab,
+    backend_device,
     best_effort,
     check,
     device_index,
@@ -42,8 +43,9 @@ from resident.daemon.memory.cuda_util import (
     ensure_context,
     importing_device,
     index_of_uuid,
-    require_cuda,
+    pinned_device_prop,
     round_up,
+    vmm_granularity,
 )
 
 log = logging.getLogger(__name__)
@@ -52,20 +54,12 @@ NAME = "cuda_vmm"
 
 
 def _allocation_prop(index: int) -> Any:
-    drv = driver()
-    prop = drv.CUmemAllocationProp()
-    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = index
-    prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    return prop
+    return pinned_device_prop(index, export_fd=True)
 
 
 def granularity(index: int) -> int:
     """The recommended VMM allocation granularity of device `index` (2 MiB on an H200)."""
-    drv = driver()
-    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    return int(check("cuMemGetAllocationGranularity", drv.cuMemGetAllocationGranularity(_allocation_prop(index), flag)))
+    return vmm_granularity(index, export_fd=True)
 
 
 def _set_access(ptr: int, size: int, index: int, read_only: bool) -> bool:
@@ -155,13 +149,7 @@ class CudaVmmBackend(MemoryBackend):
     alignment = 256
 
     def __init__(self, device: int | str = 0, max_slab_bytes: int = 4 * GiB) -> None:
-        require_cuda(NAME)
-        self.device = device_index(device)
-        count = int(check("cuDeviceGetCount", driver().cuDeviceGetCount()))
-        if self.device >= count:
-            raise ValueError(f"{NAME}: GPU cuda:{self.device} does not exist; this process sees {count} GPU(s)")
-        if max_slab_bytes <= 0:
-            raise ValueError(f"{NAME}: max_slab_bytes must be positive, got {max_slab_bytes}")
+        self.device = backend_device(NAME, device, max_slab_bytes)
         ensure_context(self.device)
         self.granularity = granularity(self.device)
         # Slabs are whole multiples of the granularity, so the limit is too.
