@@ -40,7 +40,9 @@ from resident.daemon.fdsock import (
     MAX_FDS_PER_MESSAGE,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    ErrorReply,
     FrameError,
+    parse_reply,
     recv_frame,
     send_frame,
 )
@@ -124,13 +126,10 @@ class Client:
                 raise DaemonUnavailable(f"lost the daemon's fd socket {self.fd_socket_path}: {e}") from None
         if frame is None:
             raise DaemonUnavailable(f"the daemon closed the fd socket {self.fd_socket_path}")
-        reply = fpb.FdReply()
-        reply.ParseFromString(frame[0])
-        if reply.WhichOneof("kind") == "error":
-            for fd in frame[1]:
-                os.close(fd)
-            raise error_from(reply.error.code, reply.error.message)
-        return reply, frame[1]
+        try:
+            return parse_reply(frame)
+        except ErrorReply as e:
+            raise error_from(e.code, e.message) from None
 
     def _say_hello(self) -> fpb.HelloReply:
         from resident.daemon.server import daemon_version

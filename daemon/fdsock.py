@@ -125,6 +125,26 @@ def error_reply(code: str, message: str) -> fpb.FdReply:
     return fpb.FdReply(error=fpb.Error(code=code, message=message))
 
 
+class ErrorReply(Exception):
+    """The daemon answered with `FdReply.error`; any fds that came with it are closed."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def parse_reply(frame: tuple[bytes, list[int]]) -> tuple[fpb.FdReply, list[int]]:
+    """A received frame as (FdReply, fds); an error reply closes its fds and raises ErrorReply."""
+    reply = fpb.FdReply()
+    reply.ParseFromString(frame[0])
+    if reply.WhichOneof("kind") == "error":
+        for fd in frame[1]:
+            os.close(fd)
+        raise ErrorReply(reply.error.code, reply.error.message)
+    return reply, frame[1]
+
+
 class FdSocketServer:
     """Accepts connections on `path` and serves each in its own thread."""
 

@@ -39,7 +39,9 @@ from resident.daemon.fdsock import (
     MAX_FDS_PER_MESSAGE,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    ErrorReply,
     FrameError,
+    parse_reply,
     recv_frame,
     send_frame,
 )
@@ -212,17 +214,14 @@ def _reply(sock: socket.socket, what: str, want_fds: bool = False) -> tuple[fpb.
         raise TakeoverError(f"lost the old daemon during {what}: {e}") from None
     if frame is None:
         raise TakeoverError(f"the old daemon closed the connection during {what}; see its log")
-    reply = fpb.FdReply()
-    reply.ParseFromString(frame[0])
-    if reply.WhichOneof("kind") == "error":
-        for fd in frame[1]:
-            os.close(fd)
-        message = reply.error.message
-        if reply.error.code == "INVALID_ARGUMENT" and "unknown fd-socket request" in message:
+    try:
+        return parse_reply(frame)
+    except ErrorReply as e:
+        message = e.message
+        if e.code == "INVALID_ARGUMENT" and "unknown fd-socket request" in message:
             message = ("the running daemon does not support hand-over (an older resident); stop it with "
                        "`resident preload stop` and start this one without --takeover")
-        raise TakeoverError(f"the old daemon refused the takeover: {message}")
-    return reply, frame[1]
+        raise TakeoverError(f"the old daemon refused the takeover: {message}") from None
 
 
 def take_over(fd_socket: str, daemon_version: str, timeout_s: float = STEP_TIMEOUT_S) -> Inherited:
