@@ -437,10 +437,11 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     return 0
 
 
-def run_server(config: ServeConfig) -> int:
-    """Serve until SIGTERM; returns the process exit code (0 after a clean drain)."""
-    t0 = config.process_start_time or time.time()
-    # The heavy imports, counted in the "import" phase (the CLI imports nothing heavy).
+def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConfig, _Startup] | None:
+    """What every serving process does first (`resident serve` and each replica): the heavy
+    imports, counted in the "import" phase (the CLI imports nothing heavy), torch's thread
+    count, and the device (its CUDA context counted as "cuda_context"). None, after logging
+    why, when the device cannot be used."""
     import torch
 
     import resident.worker.engine  # noqa: F401
@@ -459,11 +460,19 @@ def run_server(config: ServeConfig) -> int:
     try:
         device = resolve_device(config.device)
     except ValueError as e:
-        logger.error("resident serve could not start: %s", e)
-        return 1
-    config = replace(config, device=str(device))
+        logger.error("%s could not start: %s", who, e)
+        return None
     if device.type == "cuda":
         startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
+    return replace(config, device=str(device)), startup
+
+
+def run_server(config: ServeConfig) -> int:
+    """Serve until SIGTERM; returns the process exit code (0 after a clean drain)."""
+    prepared = prepare_process(config, config.process_start_time or time.time(), "resident serve")
+    if prepared is None:
+        return 1
+    config, startup = prepared
     return asyncio.run(_serve(config, startup))
 
 

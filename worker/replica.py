@@ -31,7 +31,15 @@ from aiohttp import web
 
 from resident.worker.admin import AdminServer, ReplicaState
 from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.entrypoint import ServeConfig, _build, _in_thread, _Startup, _Worker, process_start_time
+from resident.worker.entrypoint import (
+    ServeConfig,
+    _build,
+    _in_thread,
+    _Startup,
+    _Worker,
+    prepare_process,
+    process_start_time,
+)
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
 
@@ -235,27 +243,10 @@ class Replica:
 def run_replica(config: ServeConfig, options: ReplicaOptions, t0: float | None = None) -> int:
     """Run one replica until drained; returns the exit code."""
     t0 = t0 or config.process_start_time or time.time()
-    import torch
-
-    import resident.worker.engine  # noqa: F401 - counted in the import phase
-    import resident.worker.model_runner  # noqa: F401
-    import resident.worker.tokenizer  # noqa: F401
-    import resident.worker.weight_store  # noqa: F401
-
-    from resident.worker.device import resolve_device
-
-    if config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-    startup = _Startup(t0)
-    startup.phases["import"] = time.time() - t0
-    try:
-        device = resolve_device(config.device)
-    except ValueError as e:
-        logger.error("replica %d could not start: %s", options.replica_id, e)
+    prepared = prepare_process(config, t0, f"replica {options.replica_id}")
+    if prepared is None:
         return 1
-    config = dataclasses.replace(config, device=str(device))
-    if device.type == "cuda":
-        startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
+    config, startup = prepared
     return asyncio.run(Replica(config, options, startup).run())
 
 
