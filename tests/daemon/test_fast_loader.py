@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+from recording_backend import RecordingBackend
 
 from resident.daemon import checksum, tensor_reader
 from resident.daemon.loader import LoadSpec, load
@@ -19,17 +20,6 @@ from resident.daemon.tensor_table import crc32_of
 # Tiny buffers so every tensor of the test models spans several chunks, fewer buffers than
 # threads so readers wait for buffers, and several "streams".
 SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
-
-
-class RecordingBackend(HostShmBackend):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.slabs = []
-
-    def allocate(self, nbytes, index, device="cpu"):
-        slab = super().allocate(nbytes, index, device)
-        self.slabs.append(slab)
-        return slab
 
 
 @pytest.fixture

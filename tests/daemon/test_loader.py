@@ -11,24 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fake_hub import COMMIT, fake_hub
+from recording_backend import RecordingBackend
 from resident.daemon import loader, tensor_reader
 from resident.daemon.loader import LoadSpec, key_for, load, pack
-from resident.daemon.memory.host_shm import HostShmBackend
 from resident.daemon.safetensors_io import CheckpointError
 from resident.daemon.tensor_table import crc32_of
-
-
-class RecordingBackend(HostShmBackend):
-    """host_shm that remembers its slabs, to check allocation and clean-up."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.slabs = []
-
-    def allocate(self, nbytes, index, device="cpu"):
-        slab = super().allocate(nbytes, index, device)
-        self.slabs.append(slab)
-        return slab
 
 
 @pytest.fixture
