@@ -158,11 +158,10 @@ class RemoteStore(WeightStore):
         self.bytes_read_from_disk = 0
         self.attach_s = attached.attach_s
         self.num_tensors = len(attached.tensors)
-        self.backend = getattr(attached.info, "backend", "")
+        self.backend = attached.info.backend
         logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
                     attached.attach_s, attached.lease_id)
-        if hasattr(client, "wait_closed"):  # a resident.daemon.client.Client (not a scripted stand-in)
-            threading.Thread(target=self._watch, name="daemon-lease-watch", daemon=True).start()
+        threading.Thread(target=self._watch, name="daemon-lease-watch", daemon=True).start()
 
     @property
     def client(self) -> Any:

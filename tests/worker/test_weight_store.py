@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,7 @@ class FakeClient:
             raise DaemonUnavailable(f"no daemon at {socket_path}")
         self.calls: list[tuple] = []
         self.closed = False
+        self._closed = threading.Event()
         FakeClient.instances.append(self)
 
     def attach(self, model, expected_key="", *, verify_checksums=False):
@@ -45,8 +47,8 @@ class FakeClient:
             raise NotFound(f"no model {model}")
         w = torch.zeros(2)
         table = TensorTable([TensorEntry("w", "float32", (2,), (1,), 0, 0, 8, crc32_of(w))])
-        return SimpleNamespace(lease_id="L1", info=None, tensors={"w": w}, config={"a": 1},
-                               attach_s=0.001, table=table)
+        return SimpleNamespace(lease_id="L1", info=SimpleNamespace(backend="host_shm"), tensors={"w": w},
+                               config={"a": 1}, attach_s=0.001, table=table)
 
     def load(self, model, name="", dtype="auto", quantization="none", revision=""):
         self.calls.append(("load", model, dtype, quantization))
@@ -60,6 +62,11 @@ class FakeClient:
 
     def close(self):
         self.closed = True
+        self._closed.set()
+
+    def wait_closed(self):
+        """Like Client.wait_closed: returns once the session ends (here: at close())."""
+        self._closed.wait()
 
 
 class FakeLocal:
