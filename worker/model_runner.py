@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,10 +69,12 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
                  *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None,
-                 kernel_backend: str = "auto") -> None:
+                 kernel_backend: str = "auto", parallel: Any = None) -> None:
         """`cuda_graphs`: eager | lazy | off (ignored off a GPU). `max_num_kv_blocks`: the GPU
         KV cache's address reservation (default: num_kv_blocks), so it can grow later.
-        `kernel_backend`: auto | triton | torch (auto: Triton on a GPU, the reference on CPU)."""
+        `kernel_backend`: auto | triton | torch (auto: Triton on a GPU, the reference on CPU).
+        `parallel`: this rank's tensor-parallel group (worker/distributed.py), None for TP=1;
+        `model_config` is then the rank-local one (heads and intermediate size divided)."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = torch.device(device)
@@ -92,8 +95,9 @@ class ModelRunner:
                 f"(never converted): load the model with dtype={str(dtype).removeprefix('torch.')}"
             )
         self.kernels = get_kernels(self.device, kernel_backend)
+        self.parallel = parallel
         self.model = build_model(model_config, weights, kernels=self.kernels,
-                                 max_position=engine_config.max_model_len)
+                                 max_position=engine_config.max_model_len, parallel=parallel)
         self.dtype = self.model.dtype
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_kv_blocks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,10 +144,12 @@ class LlamaForCausalLM:
     """forward(input_ids [T], positions [T], attn_metadata, kv_caches) -> hidden [T, H]."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], kernels: Kernels | None = None,
-                 max_position: int | None = None) -> None:
+                 max_position: int | None = None, parallel: Any = None) -> None:
         """`kernels`: default get_kernels(weights' device); `max_position`: rotary table length
-        (default max_position_embeddings; the runner passes max(that, max_model_len))."""
+        (default max_position_embeddings; the runner passes max(that, max_model_len));
+        `parallel`: the tensor-parallel group (None: TP=1)."""
         self.config = config
+        self.parallel = parallel
         self.dtype = check_weights(config, weights)
         self.device = weights["model.embed_tokens.weight"].device
         self.kernels = kernels if kernels is not None else get_kernels(self.device)

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.resident/protos/resident/v1/weight_cache.proto\x12\x0bresident.v1\"\x7f\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\"\xa8\x01\n\x0cLoadProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12%\n\x05model\x18\x06 \x01(\x0b\x32\x16.resident.v1.ModelInfo\x12\x18\n\x10\x61lready_resident\x18\x07 \x01(\x08\"\x87\x01\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0f\n\x07strides\x18\x04 \x03(\x04\x12\x0c\n\x04slab\x18\x05 \x01(\r\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"s\n\x08SlabInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\"\xd8\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x18\n\x10\x63ontent_checksum\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\t \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x11\n\tloaded_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_used_at\x18\x0c \x01(\x01\x12&\n\x06leases\x18\r \x03(\x0b\x32\x16.resident.v1.LeaseInfo\x12\x13\n\x0b\x63onfig_json\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\r\x12\x0e\n\x06latest\x18\x10 \x01(\x08\x12\x14\n\x0cnum_attaches\x18\x11 \x01(\x04\"v\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\x12\r\n\x05since\x18\x05 \x01(\x01\x12\x19\n\x11\x61waiting_reattach\x18\x06 \x01(\x08\"p\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65xpected_key\x18\x02 \x01(\t\x12\x16\n\x0eprotocol_major\x18\x03 \x01(\r\x12\x10\n\x08reattach\x18\x04 \x01(\x08\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xb2\x01\n\x0e\x41ttachResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05model\x18\x02 \x01(\x0b\x32\x16.resident.v1.ModelInfo\x12$\n\x05slabs\x18\x03 \x03(\x0b\x32\x15.resident.v1.SlabInfo\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.resident.v1.TensorEntry\x12\x16\n\x0eprotocol_major\x18\x05 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\r\n\x0bListRequest\"6\n\x0cListResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.resident.v1.ModelInfo\"\x0f\n\rStatusRequest\"\xc4\x02\n\x0eStatusResponse\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0eprotocol_major\x18\x03 \x01(\r\x12\x0e\n\x06socket\x18\x04 \x01(\t\x12\x11\n\tfd_socket\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0eresident_bytes\x18\x07 \x01(\x04\x12\x11\n\tmax_bytes\x18\x08 \x01(\x04\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12&\n\x06models\x18\n \x03(\x0b\x32\x16.resident.v1.ModelInfo\x12\x14\n\x0cnum_sessions\x18\x0b \x01(\r\x12\x0c\n\x04http\x18\x0c \x01(\t\x12\x1e\n\x16weights_survive_daemon\x18\r \x01(\x08\x12\x1d\n\x15num_awaiting_reattach\x18\x0e \x01(\r\",\n\rUnloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x1e\n\x0eUnloadResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*G\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROTOCOL_MAJOR\x10\x01\x32\xe1\x03\n\x0bWeightCache\x12=\n\x04Load\x12\x18.resident.v1.LoadRequest\x1a\x19.resident.v1.LoadProgress0\x01\x12\x41\n\x06\x41ttach\x12\x1a.resident.v1.AttachRequest\x1a\x1b.resident.v1.AttachResponse\x12\x44\n\x07Release\x12\x1b.resident.v1.ReleaseRequest\x1a\x1c.resident.v1.ReleaseResponse\x12;\n\x04List\x12\x18.resident.v1.ListRequest\x1a\x19.resident.v1.ListResponse\x12\x41\n\x06Status\x12\x1a.resident.v1.StatusRequest\x1a\x1b.resident.v1.StatusResponse\x12\x41\n\x06Unload\x12\x1a.resident.v1.UnloadRequest\x1a\x1b.resident.v1.UnloadResponse\x12G\n\x08Shutdown\x12\x1c.resident.v1.ShutdownRequest\x1a\x1d.resident.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.resident/protos/resident/v1/weight_cache.proto\x12\x0bresident.v1\"\xa5\x01\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x10\n\x08revision\x18\x05 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x03(\t\"\xa8\x01\n\x0cLoadProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x11\n\telapsed_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12%\n\x05model\x18\x06 \x01(\x0b\x32\x16.resident.v1.ModelInfo\x12\x18\n\x10\x61lready_resident\x18\x07 \x01(\x08\"\x87\x01\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0f\n\x07strides\x18\x04 \x03(\x04\x12\x0c\n\x04slab\x18\x05 \x01(\r\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\r\"s\n\x08SlabInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\t\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\"\xcb\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x18\n\x10\x63ontent_checksum\x18\x07 \x01(\t\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\t \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\x11\n\tloaded_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_used_at\x18\x0c \x01(\x01\x12&\n\x06leases\x18\r \x03(\x0b\x32\x16.resident.v1.LeaseInfo\x12\x13\n\x0b\x63onfig_json\x18\x0e \x01(\t\x12\x0f\n\x07version\x18\x0f \x01(\r\x12\x0e\n\x06latest\x18\x10 \x01(\x08\x12\x14\n\x0cnum_attaches\x18\x11 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x12 \x01(\r\x12\x0f\n\x07\x64\x65vices\x18\x13 \x03(\t\x12\x11\n\tdraft_key\x18\x14 \x01(\t\x12\x19\n\x11\x64raft_config_json\x18\x15 \x01(\t\x12\x14\n\x0c\x64raft_source\x18\x16 \x01(\t\"v\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x0b\n\x03uid\x18\x03 \x01(\r\x12\x13\n\x0b\x63lient_name\x18\x04 \x01(\t\x12\r\n\x05since\x18\x05 \x01(\x01\x12\x19\n\x11\x61waiting_reattach\x18\x06 \x01(\x08\"\x81\x01\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65xpected_key\x18\x02 \x01(\t\x12\x16\n\x0eprotocol_major\x18\x03 \x01(\r\x12\x10\n\x08reattach\x18\x04 \x01(\x08\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\"\xc3\x01\n\x0e\x41ttachResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05model\x18\x02 \x01(\x0b\x32\x16.resident.v1.ModelInfo\x12$\n\x05slabs\x18\x03 \x03(\x0b\x32\x15.resident.v1.SlabInfo\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.resident.v1.TensorEntry\x12\x16\n\x0eprotocol_major\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\r\n\x0bListRequest\"6\n\x0cListResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.resident.v1.ModelInfo\"\x0f\n\rStatusRequest\"\xc4\x02\n\x0eStatusResponse\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x16\n\x0eprotocol_major\x18\x03 \x01(\r\x12\x0e\n\x06socket\x18\x04 \x01(\t\x12\x11\n\tfd_socket\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x16\n\x0eresident_bytes\x18\x07 \x01(\x04\x12\x11\n\tmax_bytes\x18\x08 \x01(\x04\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12&\n\x06models\x18\n \x03(\x0b\x32\x16.resident.v1.ModelInfo\x12\x14\n\x0cnum_sessions\x18\x0b \x01(\r\x12\x0c\n\x04http\x18\x0c \x01(\t\x12\x1e\n\x16weights_survive_daemon\x18\r \x01(\x08\x12\x1d\n\x15num_awaiting_reattach\x18\x0e \x01(\r\",\n\rUnloadRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\x1e\n\x0eUnloadResponse\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*G\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROTOCOL_MAJOR\x10\x01\x32\xe1\x03\n\x0bWeightCache\x12=\n\x04Load\x12\x18.resident.v1.LoadRequest\x1a\x19.resident.v1.LoadProgress0\x01\x12\x41\n\x06\x41ttach\x12\x1a.resident.v1.AttachRequest\x1a\x1b.resident.v1.AttachResponse\x12\x44\n\x07Release\x12\x1b.resident.v1.ReleaseRequest\x1a\x1c.resident.v1.ReleaseResponse\x12;\n\x04List\x12\x18.resident.v1.ListRequest\x1a\x19.resident.v1.ListResponse\x12\x41\n\x06Status\x12\x1a.resident.v1.StatusRequest\x1a\x1b.resident.v1.StatusResponse\x12\x41\n\x06Unload\x12\x1a.resident.v1.UnloadRequest\x1a\x1b.resident.v1.UnloadResponse\x12G\n\x08Shutdown\x12\x1c.resident.v1.ShutdownRequest\x1a\x1d.resident.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'resident.protos.resident.v1.weight_cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=1967
-  _globals['_PROTOCOLVERSION']._serialized_end=2038
-  _globals['_LOADREQUEST']._serialized_start=63
-  _globals['_LOADREQUEST']._serialized_end=190
-  _globals['_LOADPROGRESS']._serialized_start=193
-  _globals['_LOADPROGRESS']._serialized_end=361
-  _globals['_TENSORENTRY']._serialized_start=364
-  _globals['_TENSORENTRY']._serialized_end=499
-  _globals['_SLABINFO']._serialized_start=501
-  _globals['_SLABINFO']._serialized_end=616
-  _globals['_MODELINFO']._serialized_start=619
-  _globals['_MODELINFO']._serialized_end=963
-  _globals['_LEASEINFO']._serialized_start=965
-  _globals['_LEASEINFO']._serialized_end=1083
-  _globals['_ATTACHREQUEST']._serialized_start=1085
-  _globals['_ATTACHREQUEST']._serialized_end=1197
-  _globals['_ATTACHRESPONSE']._serialized_start=1200
-  _globals['_ATTACHRESPONSE']._serialized_end=1378
-  _globals['_RELEASEREQUEST']._serialized_start=1380
-  _globals['_RELEASEREQUEST']._serialized_end=1414
-  _globals['_RELEASERESPONSE']._serialized_start=1416
-  _globals['_RELEASERESPONSE']._serialized_end=1433
-  _globals['_LISTREQUEST']._serialized_start=1435
-  _globals['_LISTREQUEST']._serialized_end=1448
-  _globals['_LISTRESPONSE']._serialized_start=1450
-  _globals['_LISTRESPONSE']._serialized_end=1504
-  _globals['_STATUSREQUEST']._serialized_start=1506
-  _globals['_STATUSREQUEST']._serialized_end=1521
-  _globals['_STATUSRESPONSE']._serialized_start=1524
-  _globals['_STATUSRESPONSE']._serialized_end=1848
-  _globals['_UNLOADREQUEST']._serialized_start=1850
-  _globals['_UNLOADREQUEST']._serialized_end=1894
-  _globals['_UNLOADRESPONSE']._serialized_start=1896
-  _globals['_UNLOADRESPONSE']._serialized_end=1926
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1928
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1945
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1947
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1965
-  _globals['_WEIGHTCACHE']._serialized_start=2041
-  _globals['_WEIGHTCACHE']._serialized_end=2522
+  _globals['_PROTOCOLVERSION']._serialized_start=2156
+  _globals['_PROTOCOLVERSION']._serialized_end=2227
+  _globals['_LOADREQUEST']._serialized_start=64
+  _globals['_LOADREQUEST']._serialized_end=229
+  _globals['_LOADPROGRESS']._serialized_start=232
+  _globals['_LOADPROGRESS']._serialized_end=400
+  _globals['_TENSORENTRY']._serialized_start=403
+  _globals['_TENSORENTRY']._serialized_end=538
+  _globals['_SLABINFO']._serialized_start=540
+  _globals['_SLABINFO']._serialized_end=655
+  _globals['_MODELINFO']._serialized_start=658
+  _globals['_MODELINFO']._serialized_end=1117
+  _globals['_LEASEINFO']._serialized_start=1119
+  _globals['_LEASEINFO']._serialized_end=1237
+  _globals['_ATTACHREQUEST']._serialized_start=1240
+  _globals['_ATTACHREQUEST']._serialized_end=1369
+  _globals['_ATTACHRESPONSE']._serialized_start=1372
+  _globals['_ATTACHRESPONSE']._serialized_end=1567
+  _globals['_RELEASEREQUEST']._serialized_start=1569
+  _globals['_RELEASEREQUEST']._serialized_end=1603
+  _globals['_RELEASERESPONSE']._serialized_start=1605
+  _globals['_RELEASERESPONSE']._serialized_end=1622
+  _globals['_LISTREQUEST']._serialized_start=1624
+  _globals['_LISTREQUEST']._serialized_end=1637
+  _globals['_LISTRESPONSE']._serialized_start=1639
+  _globals['_LISTRESPONSE']._serialized_end=1693
+  _globals['_STATUSREQUEST']._serialized_start=1695
+  _globals['_STATUSREQUEST']._serialized_end=1710
+  _globals['_STATUSRESPONSE']._serialized_start=1713
+  _globals['_STATUSRESPONSE']._serialized_end=2037
+  _globals['_UNLOADREQUEST']._serialized_start=2039
+  _globals['_UNLOADREQUEST']._serialized_end=2083
+  _globals['_UNLOADRESPONSE']._serialized_start=2085
+  _globals['_UNLOADRESPONSE']._serialized_end=2115
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2117
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2134
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2136
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2154
+  _globals['_WEIGHTCACHE']._serialized_start=2230
+  _globals['_WEIGHTCACHE']._serialized_end=2711
 # @@protoc_insertion_point(module_scope)

@@ -15,20 +15,24 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_MAJOR: ProtocolVersion
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "name", "dtype", "quantization", "revision", "tensor_parallel_size")
+    __slots__ = ("model", "name", "dtype", "quantization", "revision", "tensor_parallel_size", "draft_model", "devices")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     model: str
     name: str
     dtype: str
     quantization: str
     revision: str
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., revision: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., revision: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_model: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
     __slots__ = ("phase", "bytes_done", "bytes_total", "elapsed_s", "done", "model", "already_resident")
@@ -85,7 +89,7 @@ class SlabInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "key", "source", "dtype", "quantization", "layout", "content_checksum", "nbytes", "num_tensors", "backend", "loaded_at", "last_used_at", "leases", "config_json", "version", "latest", "num_attaches")
+    __slots__ = ("name", "key", "source", "dtype", "quantization", "layout", "content_checksum", "nbytes", "num_tensors", "backend", "loaded_at", "last_used_at", "leases", "config_json", "version", "latest", "num_attaches", "tensor_parallel_size", "devices", "draft_key", "draft_config_json", "draft_source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +107,11 @@ class ModelInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     NUM_ATTACHES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     key: str
     source: str
@@ -120,7 +129,12 @@ class ModelInfo(_message.Message):
     version: int
     latest: bool
     num_attaches: int
-    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., source: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., layout: _Optional[str] = ..., content_checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., num_attaches: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    draft_key: str
+    draft_config_json: str
+    draft_source: str
+    def __init__(self, name: _Optional[str] = ..., key: _Optional[str] = ..., source: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., layout: _Optional[str] = ..., content_checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., backend: _Optional[str] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., config_json: _Optional[str] = ..., version: _Optional[int] = ..., latest: _Optional[bool] = ..., num_attaches: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., draft_key: _Optional[str] = ..., draft_config_json: _Optional[str] = ..., draft_source: _Optional[str] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "uid", "client_name", "since", "awaiting_reattach")
@@ -139,32 +153,36 @@ class LeaseInfo(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., uid: _Optional[int] = ..., client_name: _Optional[str] = ..., since: _Optional[float] = ..., awaiting_reattach: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model", "expected_key", "protocol_major", "reattach", "lease_id")
+    __slots__ = ("model", "expected_key", "protocol_major", "reattach", "lease_id", "tp_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_KEY_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]
     REATTACH_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     expected_key: str
     protocol_major: int
     reattach: bool
     lease_id: str
-    def __init__(self, model: _Optional[str] = ..., expected_key: _Optional[str] = ..., protocol_major: _Optional[int] = ..., reattach: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    tp_rank: int
+    def __init__(self, model: _Optional[str] = ..., expected_key: _Optional[str] = ..., protocol_major: _Optional[int] = ..., reattach: _Optional[bool] = ..., lease_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("lease_id", "model", "slabs", "tensors", "protocol_major")
+    __slots__ = ("lease_id", "model", "slabs", "tensors", "protocol_major", "tp_rank")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SLABS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     model: ModelInfo
     slabs: _containers.RepeatedCompositeFieldContainer[SlabInfo]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     protocol_major: int
-    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., slabs: _Optional[_Iterable[_Union[SlabInfo, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., protocol_major: _Optional[int] = ...) -> None: ...
+    tp_rank: int
+    def __init__(self, lease_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., slabs: _Optional[_Iterable[_Union[SlabInfo, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., protocol_major: _Optional[int] = ..., tp_rank: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
