@@ -46,12 +46,25 @@ class LoadSpec:
     quantization: str = "none"  # none | fp8_per_tensor
     revision: str | None = None
     hub_cache: str | None = None  # HF hub cache dir; None = the default resolved by the caller's config
+    draft: str | None = None  # a draft model (folder or hub id) held and attached with this one
+    tensor_parallel_size: int = 1  # > 1: one shard per rank (daemon/sharding.py)
+    devices: tuple[str, ...] = ()  # the device of each rank's shard; () = the backend's default(s)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("LoadSpec.model is empty: pass a local folder or a hub id")
         quant.check_dtype(self.dtype)
         quant.check_quantization(self.quantization)
+        if self.draft is not None and not self.draft:
+            raise ValueError("LoadSpec.draft is empty: pass the draft model's folder or hub id, or None")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.devices, tuple):
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if self.devices and len(self.devices) != self.tensor_parallel_size:
+            raise ValueError(f"--devices names {len(self.devices)} device(s) for tensor_parallel_size "
+                             f"{self.tensor_parallel_size}; give one device per rank")
 
     @property
     def display_name(self) -> str:
