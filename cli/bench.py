@@ -13,6 +13,8 @@ _BENCHES = {
                 "Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon."),
     "checkpoint": ("resident.cli.bench_checkpoint:bench_checkpoint",
                    "Write a random-weight Llama checkpoint (Llama-3-8B shape, or tiny)."),
+    "perplexity": ("resident.cli.bench_perplexity:bench_perplexity",
+                   "Teacher-forced perplexity per weight variant (fp8 vs bf16) over the same text."),
     "throughput": ("resident.cli.bench_throughput:bench_throughput",
                    "Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."),
 }
