@@ -90,6 +90,7 @@ class ServeConfig:
     verify_sample: int = 16                   # tensors whose CRC-32 is checked at start (-1 = all)
     notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
     process_start_time: float | None = None   # unix time the process started (None: now)
+    kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -222,6 +223,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     from resident.worker.engine_config import EngineConfig
     from resident.worker.gpu_memory import initial_kv_blocks, plan_gpu_kv_cache
     from resident.worker.kv_cache import bytes_per_block
+    from resident.worker.kv_profile_cache import KvProfileCache, resolve_cache_path
     from resident.worker.model_runner import ModelRunner
     from resident.worker.openai_serving import OpenAIServing
     from resident.worker.protocol import ServingOptions
@@ -255,14 +257,17 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         max_kv_blocks = None
         block_bytes = bytes_per_block(model_config, dtype, config.block_size)
         plan_timings: dict[str, float] = {}
+        headroom_source = ""
         t_plan = time.monotonic()
         if device.type == "cuda":
+            cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
             plan = plan_gpu_kv_cache(
                 model_config, weights, device, block_size=config.block_size, max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 utilization=config.gpu_memory_utilization, cuda_graphs=config.cuda_graphs,
-                num_kv_blocks=config.num_kv_blocks)
-            plan_timings = plan.timings
+                num_kv_blocks=config.num_kv_blocks,
+                headroom_cache=KvProfileCache(cache_path) if cache_path is not None else None)
+            plan_timings, headroom_source = plan.timings, plan.headroom_source
             kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
             num_kv_blocks = kv_target_blocks
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:
@@ -280,7 +285,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         engine = LLMEngine(engine_config, runner, tokenizer)
         startup.end("kv_alloc")
         _log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, runner.kv_cache.alloc_s,
-                      num_kv_blocks, kv_target_blocks, block_bytes)
+                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
         runner.warmup()
         startup.end("warmup")
         runner.capture_graphs()
@@ -300,10 +305,11 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
 
 
 def _log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],
-                  num_blocks: int, target_blocks: int, block_bytes: int) -> None:
+                  num_blocks: int, target_blocks: int, block_bytes: int, headroom_source: str = "") -> None:
     """One line splitting the kv_alloc phase: GPU planning (memory measure, probe runner,
-    profile forward), then the runner (model build, VMM reserve, map + zero of the initial KV)."""
-    parts = [f"plan {plan_total_s:.2f} s"]
+    profile forward — or the headroom cache's lookup), then the runner (model build, VMM
+    reserve, map + zero of the initial KV)."""
+    parts = [f"plan {plan_total_s:.2f} s" + (f", headroom {headroom_source}" if headroom_source else "")]
     if plan_s:
         parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in plan_s.items()) + ")"
     parts.append(f"runner {runner_s:.2f} s (" + ", ".join(

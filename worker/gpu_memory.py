@@ -353,8 +353,10 @@ class GpuKVPlan:
     max_num_kv_blocks: int      # the address reservation (blocks every sequence at full length could use)
     budget: GpuMemoryBudget
     #: seconds: "measure" (sync + mem_get_info), "probe_build" (probe runner with its own
-    #: small KV range), "profile_forward" (its largest step + graph decode)
+    #: small KV range), "profile_forward" (its largest step + graph decode); or
+    #: "cache_lookup" when the headroom came from the KV profile cache
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    headroom_source: str = "measured"   # "cached" | "measured" | "measured (cache off)"
 
 
 def initial_kv_blocks(num_kv_blocks: int, block_bytes: int, initial_bytes: int, min_blocks: int) -> int:
@@ -372,14 +374,18 @@ def initial_kv_blocks(num_kv_blocks: int, block_bytes: int, initial_bytes: int, 
 
 def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, block_size: int,
                       max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
-                      cuda_graphs: str, num_kv_blocks: int | None = None) -> GpuKVPlan:
+                      cuda_graphs: str, num_kv_blocks: int | None = None,
+                      headroom_cache: Any = None) -> GpuKVPlan:
     """Size the KV cache on `device` for --gpu-memory-utilization (or check --num-kv-blocks).
 
     Measures what the whole GPU uses now (the weights are already mapped), then the
-    headroom with a probe runner (`ModelRunner.profile_peak_bytes`), and gives the KV cache
-    the rest — at most what max_num_seqs requests of max_model_len tokens could use.
+    headroom with a probe runner (`ModelRunner.profile_peak_bytes`) — or reads it from
+    `headroom_cache` (a `kv_profile_cache.KvProfileCache`) when an earlier start with the
+    same key measured it — and gives the KV cache the rest, at most what max_num_seqs
+    requests of max_model_len tokens could use.
     """
     from resident.worker.engine_config import EngineConfig
+    from resident.worker.kv_profile_cache import decide_headroom, headroom_key
     from resident.worker.model_runner import ModelRunner
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -394,14 +400,23 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=max_model_len, enable_prefix_caching=False)
     t1 = time.monotonic()
-    probe = ModelRunner(model_config, probe_config, weights, device=str(device), cuda_graphs=cuda_graphs)
-    t2 = time.monotonic()
-    try:
-        headroom = probe.profile_peak_bytes()
-    finally:
-        probe.close()
-        del probe
-    timings = {"measure": t1 - t0, "probe_build": t2 - t1, "profile_forward": time.monotonic() - t2}
+
+    def profile() -> tuple[int, dict[str, float]]:
+        t2 = time.monotonic()
+        probe = ModelRunner(model_config, probe_config, weights, device=str(device), cuda_graphs=cuda_graphs)
+        t3 = time.monotonic()
+        try:
+            return probe.profile_peak_bytes(), {"probe_build": t3 - t2, "profile_forward": time.monotonic() - t3}
+        finally:
+            probe.close()
+            del probe
+
+    key = headroom_key(model_config, weights, block_size=block_size, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       cuda_graphs=cuda_graphs, gpu_name=torch.cuda.get_device_name(index))
+    decision = decide_headroom(key, headroom_cache, profile)
+    headroom = decision.headroom_bytes
+    timings = {"measure": t1 - t0, **decision.timings}
     budget = GpuMemoryBudget(total_bytes=total, used_bytes=used, utilization=utilization, headroom_bytes=headroom)
     dtype = weights["model.embed_tokens.weight"].dtype
     layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
@@ -422,7 +437,8 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
     blocks = min(blocks, cap)
     logger.info("KV cache sized to %d blocks (%.2f GiB): %s", blocks, layout.total_bytes(blocks + 1) / GiB,
                 budget.describe())
-    return GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget, timings=timings)
+    return GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget, timings=timings,
+                     headroom_source=decision.source)
 
 
 __all__ = ["GpuKVPlan", "GpuMemoryBudget", "KVLayout", "initial_kv_blocks", "plan_gpu_kv_cache", "ModelDoesNotFit", "VmmRange", "gpu_memory_info",
