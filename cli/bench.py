@@ -17,6 +17,10 @@ _BENCHES = {
                    "Teacher-forced perplexity per weight variant (fp8 vs bf16) over the same text."),
     "throughput": ("resident.cli.bench_throughput:bench_throughput",
                    "Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."),
+    "rollout": ("resident.cli.bench_rollout:bench_rollout",
+                "Rolling restart under load: req/s, failures, p99, replica ready and standby switch-over."),
+    "handover": ("resident.cli.bench_handover:bench_handover",
+                 "Daemon hand-over (--takeover) and fd-store restart: time to serving, disk reads, re-attach."),
 }
 
 

@@ -103,7 +103,8 @@ async def _roll(sup: Supervisor, step: _Steps, timeout_s: float) -> tuple[bool, 
     if sup.config.use_launcher:
         t = time.monotonic()
         await sup.start_launcher()
-        step("launcher", f"fresh launcher (new code imported) in {time.monotonic() - t:.2f} s")
+        seconds = time.monotonic() - t
+        step("launcher", f"fresh launcher (new code imported) in {seconds:.2f} s", launcher_s=seconds)
     for old in old_standby:
         if await _start_ready(sup, Role.STANDBY, timeout_s, step, "[standby]") is None:
             return False, "a new standby replica did not become ready"
