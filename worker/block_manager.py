@@ -160,6 +160,26 @@ class BlockManager:
             # this copy stays unregistered and returns to the plain free pool when released.
         self._req_num_registered[rid] = max(self._req_num_registered[rid], num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Release the request's trailing blocks beyond the first num_blocks_for(num_tokens):
+        the KV of rejected speculative tokens. Those blocks hold no committed KV, so none is
+        in the prefix cache; they return to the plain free pool. Returns how many were freed."""
+        rid = request.request_id
+        blocks = self._req_blocks.get(rid)
+        keep = self.num_blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        assert keep >= self._req_num_registered.get(rid, 0), (request, keep)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        for block in reversed(tail):
+            assert self._block_hash[block] is None, f"block {block} holding uncommitted KV is cached"
+            self._ref_counts[block] -= 1
+            assert self._ref_counts[block] == 0, f"speculative block {block} is shared"
+            self._free_queue[block] = None
+            self._free_queue.move_to_end(block, last=False)
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks. Cached ones stay reusable until evicted; the tail of
         the sequence is queued for eviction before its head (a later request is likelier to

@@ -12,7 +12,7 @@ from typing import Any
 from resident.worker.engine_config import EngineConfig
 from resident.worker.output_processor import DetokenizerFactory, OutputState
 from resident.worker.outputs import ModelRunnerOutput
-from resident.worker.request import Request, RequestOutput, RequestStatus
+from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.scheduler import Scheduler
 
@@ -28,18 +28,31 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of which found there
     num_generated_tokens: int
+    # Speculative decoding (0 without): verification steps with drafts, draft tokens
+    # proposed, of which accepted (cumulative).
+    spec_num_drafts: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
 
 
 class LLMEngine:
     """The engine loop over a model runner (anything with execute(SchedulerOutput) ->
-    ModelRunnerOutput) and an optional tokenizer (for text, EOS ids and stop strings)."""
+    ModelRunnerOutput) and an optional tokenizer (for text, EOS ids and stop strings).
+
+    num_speculative_tokens > 0: the scheduler leaves room for that many draft tokens per
+    decoding request, and the runner (a `spec_decode.SpecDecodeRunner`) proposes and
+    verifies them, answering with `ModelRunnerOutput.spec`. A step may then commit several
+    tokens of one request; they are checked for stops one by one and the run is cut at
+    the first stop (the tokens after it are dropped)."""
 
     def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None = None,
-                 *, detokenizer_factory: DetokenizerFactory | None = None) -> None:
+                 *, detokenizer_factory: DetokenizerFactory | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.scheduler = Scheduler(config, num_speculative_tokens)
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
         if tokenizer is not None and detokenizer_factory is None:
             from resident.worker.detokenizer import IncrementalDetokenizer
@@ -50,6 +63,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
+        self.spec_totals = [0, 0, 0]  # drafts, proposed, accepted
 
     # -- requests ------------------------------------------------------------------------
 
@@ -133,21 +147,50 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return outputs
         runner_output = self.runner.execute(scheduler_output)
-        for request in self.scheduler.update_from_output(scheduler_output, runner_output):
-            outputs.append(self._process_token(request, runner_output))
+        for spec in runner_output.spec.values():
+            if spec.num_proposed:
+                self.spec_totals[0] += 1
+                self.spec_totals[1] += spec.num_proposed
+                self.spec_totals[2] += spec.num_accepted
+        for request, num_new in self.scheduler.update_from_output(scheduler_output, runner_output):
+            outputs.append(self._process_tokens(request, num_new, runner_output))
         return outputs
 
-    def _process_token(self, request: Request, runner_output: ModelRunnerOutput) -> RequestOutput:
+    def _process_tokens(self, request: Request, num_new: int, runner_output: ModelRunnerOutput) -> RequestOutput:
+        """Check the request's num_new new tokens for stops, in order; cut the run at a stop."""
         rid = request.request_id
-        state = self._states[rid]
         params = request.sampling_params
-        token = request.output_token_ids[-1]
-        self.num_generated_tokens += 1
+        logprobs: list[TokenLogprob | None] = [None] * num_new
         if params.logprobs is not None:
-            logprob = runner_output.logprobs.get(rid)
-            if logprob is None:
+            spec = runner_output.spec.get(rid)
+            got = spec.logprobs if spec is not None else [runner_output.logprobs.get(rid)]
+            if len(got) != num_new or any(lp is None for lp in got):
                 raise RuntimeError(f"request {rid!r} asked for logprobs, but the model runner "
-                                   f"returned none for it")
+                                   f"returned none for some of its tokens")
+            logprobs = list(got)
+        first = request.num_output_tokens - num_new
+        for i in range(num_new):
+            status = self._process_token(request, first + i, logprobs[i])
+            if status is not None:
+                if i + 1 < num_new:
+                    request.truncate_output(first + i + 1)
+                self.scheduler.finish_request(rid, status)
+                break
+        state = self._states[rid]
+        if request.is_finished:
+            del self._states[rid]
+        out = state.make_output()
+        if self.num_speculative_tokens:
+            out.spec_decode = request.spec_stats
+        return out
+
+    def _process_token(self, request: Request, index: int, logprob: TokenLogprob | None) -> RequestStatus | None:
+        """Output token `index`: its logprob and text; the finish status it causes, if any."""
+        state = self._states[request.request_id]
+        token = request.output_token_ids[index]
+        params = request.sampling_params
+        self.num_generated_tokens += 1
+        if logprob is not None:
             state.pending_logprobs.append(logprob)
         status: RequestStatus | None = None
         stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
@@ -157,14 +200,11 @@ class LLMEngine:
         stop_string = state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output)
         if stop_string:
             status = RequestStatus.FINISHED_STOPPED
-        elif status is None and request.num_output_tokens >= request.max_output_tokens:
+        elif status is None and index + 1 >= request.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not stop_string and state.flush():
             status = RequestStatus.FINISHED_STOPPED  # the released tail completed a stop string
-        if status is not None:
-            self.scheduler.finish_request(rid, status)
-            del self._states[rid]
-        return state.make_output()
+        return status
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -176,4 +216,7 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_generated_tokens=self.num_generated_tokens,
+            spec_num_drafts=self.spec_totals[0],
+            spec_num_proposed=self.spec_totals[1],
+            spec_num_accepted=self.spec_totals[2],
         )

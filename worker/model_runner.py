@@ -194,28 +194,58 @@ class ModelRunner:
             return self._execute(out)
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in out.finished_request_ids:
-            self._generators.pop(rid, None)
+        self.drop_requests(out.finished_request_ids)
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
-        batch = self._prepare(out.scheduled)
         to_sample = [s for s in out.scheduled if s.sample]
-        if batch.graph_size is not None:
-            logits = self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)
-            if not to_sample:
-                return ModelRunnerOutput(sampled={})
-            logits = logits.index_select(0, batch.sample_idx)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
-            if not to_sample:
-                return ModelRunnerOutput(sampled={})
-            logits = self.model.compute_logits(hidden[batch.sample_idx])
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self._generator(s))
+        logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled])
+        if not to_sample:
+            return ModelRunnerOutput(sampled={})
+        return self.sample(logits, to_sample)
+
+    def drop_requests(self, request_ids: set[str]) -> None:
+        """Forget the per-request state (seeded generators) of finished requests."""
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> ModelRunnerOutput:
+        """Sample one token per request from its row of `logits` (float, [len(to_sample), V])."""
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s))
                 for s in to_sample]
         result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(to_sample, result.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, result.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+
+    def forward_logits(self, scheduled: list[ScheduledRequest], num_logits: list[int]) -> torch.Tensor:
+        """One forward pass over `scheduled` (KV written); logits of the last `num_logits[i]`
+        tokens of chunk i, chunk by chunk in order: [sum(num_logits), V] (empty when 0).
+
+        Decode batches (one token per chunk) replay a CUDA graph; anything else runs eagerly
+        (speculative verification, with several tokens per chunk, always does).
+        Call under inference mode and the device guard (`execute`, or `spec_decode`).
+        """
+        if len(num_logits) != len(scheduled) or any(not 0 <= k <= len(s.token_ids)
+                                                    for s, k in zip(scheduled, num_logits)):
+            raise BatchError(f"num_logits {num_logits} does not fit the chunks scheduled")
+        batch = self._prepare(scheduled)
+        if batch.graph_size is not None:
+            logits = self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)
+            rows = [i for i, k in enumerate(num_logits) if k]
+            if len(rows) == len(scheduled):   # a copy: the graph's output buffer is reused
+                return logits[:len(rows)].clone()
+            return logits.index_select(0, torch.tensor(rows, device=logits.device))
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
+        idx: list[int] = []
+        end = 0
+        for s, k in zip(scheduled, num_logits):
+            end += len(s.token_ids)
+            idx.extend(range(end - k, end))
+        if not idx:
+            return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        if idx == list(range(len(idx))) and len(idx) == hidden.shape[0]:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[torch.tensor(idx, device=hidden.device)])
 
     @torch.inference_mode()
     def logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -236,7 +266,8 @@ class ModelRunner:
             return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].clone()
         return self._forward_logits(batch.input_ids, batch.positions, batch.meta)
 
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+    def generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        """The request's own generator when it is seeded (created on first use), else None."""
         seed = s.sampling_params.seed
         if seed is None:
             return None

@@ -27,6 +27,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (penalties)
+    # Speculative decoding: up to this many draft tokens may follow token_ids (the scheduler
+    # budgeted and allocated blocks for them; set only for decode chunks, sample=True).
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +44,27 @@ class SchedulerOutput:
 
 
 @dataclass
+class SpecResult:
+    """A speculative step of one request: the draft tokens proposed, and the tokens committed
+    (the accepted drafts, then the target's own token: the correction or the bonus)."""
+
+    num_proposed: int
+    token_ids: list[int]  # 1 .. num_proposed + 1 tokens
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when requested
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.token_ids) <= self.num_proposed + 1:
+            raise ValueError(f"a speculative step commits 1..{self.num_proposed + 1} tokens, "
+                             f"got {len(self.token_ids)}")
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+@dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request_id -> token, for sample=True requests
+    sampled: dict[str, int]  # request_id -> token, for sample=True requests without `spec`
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # when sampling_params.logprobs is not None
+    # Requests scheduled with num_spec_tokens > 0: what the step committed (replaces sampled).
+    spec: dict[str, SpecResult] = field(default_factory=dict)

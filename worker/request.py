@@ -40,6 +40,40 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # top-n (token_id, logprob)
 
 
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding of one request so far (cumulative).
+
+    num_drafts: verification steps that had at least one draft token; num_proposed: draft
+    tokens proposed; num_accepted: of which the target accepted. Each such step commits
+    num_accepted + 1 tokens (the target's own token follows the accepted drafts).
+    """
+
+    num_drafts: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_accepted <= self.num_proposed or self.num_drafts < 0 \
+                or self.num_drafts > self.num_proposed:
+            raise ValueError(f"inconsistent speculative counts: {self}")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when none were proposed)."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verification step (0..K); tokens per step = 1 + this."""
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"num_drafts": self.num_drafts, "num_proposed": self.num_proposed,
+                "num_accepted": self.num_accepted, "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_accepted_length": round(self.mean_accepted_length, 4)}
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request: only what is new since the last output."""
@@ -53,6 +87,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids, when requested
+    spec_decode: SpecDecodeStats | None = None  # cumulative, when the engine speculates
 
 
 class Request:
@@ -82,6 +117,7 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes of this request's full token blocks, filled by the block manager.
         self.block_hashes: list[bytes] = []
+        self.spec_stats = SpecDecodeStats()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
@@ -119,6 +155,23 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def record_spec_step(self, num_proposed: int, num_accepted: int) -> None:
+        """A verification step with num_proposed draft tokens, num_accepted of them accepted."""
+        if num_proposed:
+            st = self.spec_stats
+            self.spec_stats = SpecDecodeStats(st.num_drafts + 1, st.num_proposed + num_proposed,
+                                              st.num_accepted + num_accepted)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop generated tokens after the first num_output_tokens (a stop inside a run of
+        accepted speculative tokens); only for a request that finishes right away."""
+        assert 0 < num_output_tokens <= self.num_output_tokens, (self, num_output_tokens)
+        drop = self.num_output_tokens - num_output_tokens
+        if drop:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop:]
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
 
     def preempt(self) -> None:
         """Lost its KV blocks: waits again and recomputes everything on resume."""

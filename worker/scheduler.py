@@ -6,6 +6,13 @@ prompt larger than the leftover budget is computed in chunks over several steps 
 prefill); only the chunk that reaches the last known token samples. Decoding is the same
 rule with one token to catch up.
 
+Speculative decoding (num_speculative_tokens = K > 0): a running request with exactly one
+token to catch up (decoding) is scheduled with up to K draft tokens after it — fewer near
+max_model_len, max_tokens or the end of the step's budget — and the budget and its blocks
+count 1 + K tokens. If the blocks for the drafts are not free, it decodes without them
+before anything is preempted. After the step its computed tokens advance by the chunk plus
+the accepted drafts; blocks beyond its committed tokens (rejected drafts' KV) are freed.
+
 Order within a step:
   1. Running requests, oldest arrival first. When blocks run out, the newest running
      request is preempted (blocks freed, num_computed_tokens reset, put back at the front
@@ -36,8 +43,11 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, num_speculative_tokens: int = 0) -> None:
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.config = config
+        self.num_speculative_tokens = num_speculative_tokens
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -73,13 +83,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        chunks: list[tuple[Request, int]] = []
+        chunks: list[tuple[Request, int, int]] = []  # (request, tokens to compute, draft tokens)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
+            num_spec = self._num_spec_tokens(request, budget)
+            if num_spec and self.block_manager.allocate_slots(request, 1 + num_spec):
+                chunks.append((request, 1, num_spec))
+                budget -= 1 + num_spec
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -87,14 +103,24 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                chunks.append((request, num_new))
+                chunks.append((request, num_new, 0))
                 budget -= num_new
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, chunks)
         return self._build_output(chunks)
 
-    def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int]]) -> int:
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """Draft tokens for a decoding request: at most K, the budget left after its own
+        token, the positions left before max_model_len, and the tokens left before
+        max_tokens beyond the one the step commits anyway."""
+        if not self.num_speculative_tokens or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        return max(0, min(self.num_speculative_tokens, budget - 1,
+                          self.config.max_model_len - request.num_tokens,
+                          request.max_output_tokens - request.num_output_tokens - 1))
+
+    def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int, int]]) -> int:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
         for request in self._waiting_in_admission_order():
@@ -110,7 +136,7 @@ class Scheduler:
             self.prefix_cache_hits += num_cached
             request.start_running(num_cached)
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
-            chunks.append((request, num_new))
+            chunks.append((request, num_new, 0))
             budget -= num_new
         return budget
 
@@ -124,13 +150,13 @@ class Scheduler:
             (hits if num_cached > 0 else misses).append(request)
         return hits + misses
 
-    def _build_output(self, chunks: list[tuple[Request, int]]) -> SchedulerOutput:
+    def _build_output(self, chunks: list[tuple[Request, int, int]]) -> SchedulerOutput:
         scheduled = []
-        for request, num_new in chunks:
+        for request, num_new, num_spec in chunks:
             start = request.num_computed_tokens
             end = start + num_new
             blocks = self.block_manager.block_table(request.request_id)
-            assert len(blocks) == self.block_manager.num_blocks_for(end), (request, blocks)
+            assert len(blocks) == self.block_manager.num_blocks_for(end + num_spec), (request, blocks)
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.all_token_ids[start:end],
@@ -140,22 +166,38 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
+                num_spec_tokens=num_spec,
             ))
         finished: set[str] = set()
         if scheduled:  # runners are never handed an empty batch; finished ids wait for work
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(scheduled=scheduled,
-                               num_batched_tokens=sum(n for _, n in chunks),
+                               num_batched_tokens=sum(n + k for _, n, k in chunks),
                                finished_request_ids=finished)
 
-    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
-        """Record the computed KV and the sampled tokens; returns the requests that got a token
-        (stop conditions are the engine's to check)."""
+    def update_from_output(self, out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[tuple[Request, int]]:
+        """Record the computed KV and the sampled tokens; returns the requests that got tokens,
+        with how many (stop conditions are the engine's to check)."""
         sampled = []
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished while the step ran
+            spec = runner_out.spec.get(sched.request_id) if sched.num_spec_tokens else None
+            if spec is not None:
+                if spec.num_proposed > sched.num_spec_tokens:
+                    raise RuntimeError(f"request {sched.request_id!r}: {spec.num_proposed} draft tokens "
+                                       f"verified, {sched.num_spec_tokens} scheduled")
+                # The chunk's KV and the accepted drafts' KV are valid; the last token is new.
+                for token in spec.token_ids:
+                    request.append_output_token(token)
+                request.advance(sched.num_tokens + spec.num_accepted)
+                request.record_spec_step(spec.num_proposed, spec.num_accepted)
+                self.block_manager.trim(request, request.num_tokens)
+                self.block_manager.cache_full_blocks(request)
+                sampled.append((request, len(spec.token_ids)))
+                continue
             request.advance(sched.num_tokens)
             self.block_manager.cache_full_blocks(request)
             if sched.sample:
@@ -164,7 +206,7 @@ class Scheduler:
                     raise RuntimeError(f"the model runner sampled no token for request "
                                        f"{sched.request_id!r}, which was scheduled with sample=True")
                 request.append_output_token(token)
-                sampled.append(request)
+                sampled.append((request, 1))
         return sampled
 
     # -- state changes -------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Draft-model proposals: a second ModelRunner with its own KV cache.
+
+The draft's KV cache has as many blocks as the target's and uses the target's block
+tables, so it needs no allocator of its own. It mirrors the target: every chunk the target
+computes in a step (prefill chunks included) the draft computes too, at the same
+positions, so wherever the target's KV is valid the draft's is as well — after
+preemption, and in blocks handed out by the prefix cache. A decoding request with room for
+k drafts then gets k draft forward passes: the first is that mirrored chunk (its last
+token's logits give d_1), each further one feeds the previous draft token. Draft KV of
+rejected drafts lies beyond the request's committed tokens and is rewritten when those
+positions are computed again. One case is caught up lazily: when all k drafts are
+accepted the draft never computed d_k, so the next step feeds it again before the new token.
+(Should such a request leave right after that step, a block later served from the prefix
+cache lacks the draft's KV of that one position: proposals get worse there, outputs never
+change — the target verifies everything.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from resident.worker.layers.sampler import SamplingRow
+from resident.worker.model_runner import ModelRunner
+from resident.worker.outputs import ScheduledRequest
+from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, processed_probs
+
+#: Seeded requests draw draft samples from a generator of their own, seeded with seed ^ this.
+DRAFT_SEED_SALT = 0x5EED_D4AF
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [len(token_ids), V] draft distribution per token; None = one-hot
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, seed: int | None = None) -> None:
+        self.runner = runner
+        self._valid: dict[str, int] = {}  # leading positions whose draft KV matches the committed tokens
+        self._base: dict[str, int] = {}  # position of the first draft token of the current step
+        self._generators: dict[str, torch.Generator] = {}
+        self._shared = torch.Generator(device=runner.device)
+        if seed is not None:
+            self._shared.manual_seed(seed)
+        else:
+            self._shared.seed()
+
+    def drop_requests(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self._valid.pop(rid, None)
+            self._base.pop(rid, None)
+            self._generators.pop(rid, None)
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.sampling_params.seed
+        if seed is None:
+            return None
+        g = self._generators.get(s.request_id)
+        if g is None:
+            g = torch.Generator(device=self.runner.device)
+            g.manual_seed(seed ^ DRAFT_SEED_SALT)
+            self._generators[s.request_id] = g
+        return g
+
+    def propose(self, scheduled: list[ScheduledRequest]) -> dict[str, Proposal]:
+        """Mirror every chunk in the draft's KV cache; propose up to num_spec_tokens tokens
+        for each decoding request that has room for them."""
+        chunks, num_logits = [], []
+        for s in scheduled:
+            end = s.start_pos + len(s.token_ids)
+            valid = self._valid.get(s.request_id)
+            start = s.start_pos if valid is None else min(valid, s.start_pos)
+            tokens = s.token_ids
+            if start < s.start_pos:   # the all-accepted catch-up (see the module doc)
+                tokens = _all_tokens(s)[start:s.start_pos] + list(s.token_ids)
+            spec = s.num_spec_tokens > 0
+            chunks.append(ScheduledRequest(s.request_id, tokens, start, s.block_table, spec, s.sampling_params,
+                                           s.prompt_token_ids, s.output_token_ids))
+            num_logits.append(1 if spec else 0)
+            self._valid[s.request_id] = end
+        logits = self.runner.forward_logits(chunks, num_logits)
+        active = [s for s in scheduled if s.num_spec_tokens > 0]
+        drafts: dict[str, list[int]] = {s.request_id: [] for s in active}
+        probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in active}
+        for j in range(max((s.num_spec_tokens for s in active), default=0)):
+            if j > 0:
+                active = [s for s in active if s.num_spec_tokens > j]
+                chunks = [ScheduledRequest(s.request_id, [drafts[s.request_id][-1]],
+                                           s.start_pos + len(s.token_ids) + j - 1, s.block_table, True,
+                                           s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                          for s in active]
+                logits = self.runner.forward_logits(chunks, [1] * len(chunks))
+            self._sample(logits, active, drafts, probs)
+        out = {}
+        for s in scheduled:
+            if s.num_spec_tokens > 0:
+                rid = s.request_id
+                end = s.start_pos + len(s.token_ids)
+                self._base[rid] = end
+                self._valid[rid] = end + len(drafts[rid]) - 1
+                p = probs[rid]
+                out[rid] = Proposal(drafts[rid], torch.stack(p) if p and len(p) == len(drafts[rid]) else None)
+        return out
+
+    def _sample(self, logits: torch.Tensor, active: list[ScheduledRequest], drafts: dict[str, list[int]],
+                probs: dict[str, list[torch.Tensor]]) -> None:
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids,
+                            list(s.output_token_ids) + drafts[s.request_id], self._generator(s)) for s in active]
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature <= 0.0]
+        sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            for i, t in zip(greedy, greedy_tokens(logits[idx], [rows[i] for i in greedy]).tolist()):
+                drafts[active[i].request_id].append(t)
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            q = processed_probs(logits[idx], [rows[i] for i in sampled])
+            noise = exponential_noise([rows[i].generator for i in sampled], q.shape[1], q.device, self._shared)
+            for n, (i, t) in enumerate(zip(sampled, (q / noise).argmax(dim=-1).tolist())):
+                rid = active[i].request_id
+                drafts[rid].append(t)
+                probs[rid].append(q[n])
+
+    def on_verified(self, request_id: str, num_accepted: int) -> None:
+        """The target accepted num_accepted of this step's drafts: draft KV beyond the
+        committed tokens is stale."""
+        base = self._base.pop(request_id, None)
+        if base is not None and request_id in self._valid:
+            self._valid[request_id] = min(self._valid[request_id], base + num_accepted)
+
+
+def _all_tokens(s: ScheduledRequest) -> list[int]:
+    return list(s.prompt_token_ids) + list(s.output_token_ids)

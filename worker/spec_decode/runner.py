@@ -1,0 +1,214 @@
+"""SpecDecodeRunner: the engine's runner when it speculates.
+
+Each step: the proposer (draft model or prompt lookup) proposes up to `num_spec_tokens`
+tokens for every decoding request the scheduler left room for; the target computes the
+whole batch in one forward pass — each such request's chunk extended by its drafts, with
+logits at every draft position and one after — and the rejection sampler (rejection.py)
+decides what is committed. Other chunks (prefill, and decodes without room for drafts)
+sample as the plain runner does. Requests scheduled with room for drafts are answered in
+`ModelRunnerOutput.spec`, even when the proposer found nothing to propose.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from resident.worker.layers.sampler import SamplingRow
+from resident.worker.model_runner import ModelRunner
+from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SpecResult
+from resident.worker.request import TokenLogprob
+from resident.worker.spec_decode.draft import DraftProposer, Proposal
+from resident.worker.spec_decode.ngram import NgramProposer
+from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, processed_probs, raw_logprobs
+from resident.worker.spec_decode.rejection import greedy_verify, rejection_sample
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecodeRunner:
+    def __init__(self, target: ModelRunner, proposer: DraftProposer | NgramProposer, seed: int | None = None) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.draft_runner: ModelRunner | None = proposer.runner if isinstance(proposer, DraftProposer) else None
+        if self.draft_runner is not None:
+            dv, tv = self.draft_runner.model_config.vocab_size, target.model_config.vocab_size
+            if dv != tv:
+                raise ValueError(f"the draft model's vocabulary ({dv} tokens) differs from the target's ({tv}); "
+                                 "use a draft built for the same tokenizer")
+            if self.draft_runner.num_blocks != target.num_blocks or self.draft_runner.block_size != target.block_size:
+                raise ValueError("the draft's KV cache must have the target's blocks (same count and block size)")
+        self._shared = torch.Generator(device=target.device)
+        if seed is not None:
+            self._shared.manual_seed(seed)
+        else:
+            self._shared.seed()
+
+    # -- delegated to both runners --------------------------------------------------------
+    @property
+    def model_config(self) -> Any:
+        return self.target.model_config
+
+    @property
+    def kv_cache(self) -> Any:
+        return self.target.kv_cache
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.target.kv_cache_bytes + (self.draft_runner.kv_cache_bytes if self.draft_runner else 0)
+
+    def _runners(self) -> list[ModelRunner]:
+        return [self.target] + ([self.draft_runner] if self.draft_runner is not None else [])
+
+    def warmup(self) -> None:
+        for r in self._runners():
+            r.warmup()
+
+    def capture_graphs(self) -> float:
+        return sum(r.capture_graphs() for r in self._runners())
+
+    def map_kv_blocks(self, num_blocks: int) -> None:
+        for r in self._runners():
+            r.map_kv_blocks(num_blocks)
+
+    def grow_kv_cache(self, num_blocks: int) -> None:
+        for r in self._runners():
+            r.grow_kv_cache(num_blocks)
+
+    def close(self) -> None:
+        for r in self._runners():
+            r.close()
+
+    def logits(self, out: SchedulerOutput) -> torch.Tensor:
+        return self.target.logits(out)
+
+    # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        guard = (torch.cuda.device(self.target.device) if self.target.device.type == "cuda"
+                 else contextlib.nullcontext())
+        with guard:
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.target.drop_requests(out.finished_request_ids)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.drop_requests(out.finished_request_ids)
+        if not out.scheduled:
+            return ModelRunnerOutput(sampled={})
+        proposals = self._propose(out.scheduled)
+        batch, num_logits = [], []
+        for s in out.scheduled:
+            drafts = proposals[s.request_id].token_ids if s.num_spec_tokens else []
+            batch.append(dataclasses.replace(s, token_ids=list(s.token_ids) + drafts) if drafts else s)
+            num_logits.append(1 + len(drafts) if s.num_spec_tokens else int(s.sample))
+        logits = self.target.forward_logits(batch, num_logits)
+        plain, plain_rows, spec, spec_rows = [], [], [], []
+        row = 0
+        for s, n in zip(out.scheduled, num_logits):
+            if s.num_spec_tokens:
+                spec.append(s)
+                spec_rows.append((row, n))
+            elif n:
+                plain.append(s)
+                plain_rows.append(row)
+            row += n
+        result = ModelRunnerOutput(sampled={})
+        if plain:
+            idx = torch.tensor(plain_rows, device=logits.device)
+            result = self.target.sample(logits.index_select(0, idx), plain)
+        if spec:
+            result.spec = self._verify(logits, spec, spec_rows, proposals)
+        return result
+
+    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, Proposal]:
+        if isinstance(self.proposer, DraftProposer):
+            return self.proposer.propose(scheduled)
+        return {s.request_id: Proposal(self.proposer.propose(list(s.prompt_token_ids) + list(s.output_token_ids),
+                                                             s.num_spec_tokens), None)
+                for s in scheduled if s.num_spec_tokens}
+
+    def _verify(self, logits: torch.Tensor, spec: list[ScheduledRequest], spec_rows: list[tuple[int, int]],
+                proposals: dict[str, Proposal]) -> dict[str, SpecResult]:
+        """Committed tokens (and their logprobs) of each request scheduled with drafts."""
+        committed: dict[str, list[int]] = {}
+        greedy = [i for i, s in enumerate(spec) if s.sampling_params.temperature <= 0.0]
+        sampled = [i for i, s in enumerate(spec) if s.sampling_params.temperature > 0.0]
+        if greedy:
+            rows, idx = [], []
+            for i in greedy:
+                s, (start, n) = spec[i], spec_rows[i]
+                rows.extend(self._rows(s, proposals[s.request_id].token_ids))
+                idx.extend(range(start, start + n))
+            argmax = greedy_tokens(logits[torch.tensor(idx, device=logits.device)], rows).tolist()
+            at = 0
+            for i in greedy:
+                s, n = spec[i], spec_rows[i][1]
+                committed[s.request_id] = greedy_verify(proposals[s.request_id].token_ids, argmax[at:at + n])
+                at += n
+        if sampled:
+            committed.update(self._rejection_sample(logits, [spec[i] for i in sampled],
+                                                    [spec_rows[i] for i in sampled], proposals))
+        out = {}
+        for s, (start, _) in zip(spec, spec_rows):
+            rid = s.request_id
+            tokens = committed[rid]
+            num_proposed = len(proposals[rid].token_ids)
+            lps: list[TokenLogprob] = []
+            if s.sampling_params.logprobs is not None:
+                rows = logits[start:start + len(tokens)]
+                lps = raw_logprobs(rows, tokens, [s.sampling_params.logprobs] * len(tokens))
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.on_verified(rid, len(tokens) - 1)
+            out[rid] = SpecResult(num_proposed=num_proposed, token_ids=tokens, logprobs=lps)
+        return out
+
+    def _rows(self, s: ScheduledRequest, drafts: list[int]) -> list[SamplingRow]:
+        """Sampling rows for the positions of s's drafts and the one after: penalties count
+        the drafts before each position as generated."""
+        g = self.target.generator(s)
+        out = list(s.output_token_ids)
+        return [SamplingRow(s.sampling_params, s.prompt_token_ids, out + drafts[:j], g) for j in range(len(drafts) + 1)]
+
+    def _rejection_sample(self, logits: torch.Tensor, spec: list[ScheduledRequest], spec_rows: list[tuple[int, int]],
+                          proposals: dict[str, Proposal]) -> dict[str, list[int]]:
+        dev = logits.device
+        vocab = logits.shape[1]
+        k = max(n for _, n in spec_rows) - 1
+        b = len(spec)
+        rows, idx = [], []
+        for s, (start, n) in zip(spec, spec_rows):
+            rows.extend(self._rows(s, proposals[s.request_id].token_ids))
+            idx.extend(range(start, start + n))
+        p_flat = processed_probs(logits[torch.tensor(idx, device=dev)], rows)
+        target_probs = torch.zeros(b, k + 1, vocab, dtype=torch.float32, device=dev)
+        draft_tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
+        draft_probs = torch.zeros(b, k, vocab, dtype=torch.float32, device=dev)
+        one_hot = False
+        uniforms = torch.empty(b, k, dtype=torch.float32, device=dev)
+        at = 0
+        for i, (s, (_, n)) in enumerate(zip(spec, spec_rows)):
+            prop = proposals[s.request_id]
+            target_probs[i, :n] = p_flat[at:at + n]
+            at += n
+            if n > 1:
+                draft_tokens[i, :n - 1] = torch.tensor(prop.token_ids, device=dev)
+                if prop.probs is not None:
+                    draft_probs[i, :n - 1] = prop.probs.to(dev)
+                else:
+                    one_hot = True
+            if k:
+                g = self.target.generator(s)
+                uniforms[i] = torch.rand(k, generator=g if g is not None else self._shared, device=dev)
+        if one_hot:   # prompt lookup: q is one-hot at each draft
+            draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float32)
+        num_drafts = torch.tensor([n - 1 for _, n in spec_rows], dtype=torch.int64, device=dev)
+        noise = exponential_noise([self.target.generator(s) for s in spec], vocab, dev, self._shared)
+        num_accepted, final = rejection_sample(target_probs, draft_probs, draft_tokens, num_drafts, uniforms, noise)
+        out = {}
+        for s, a, t in zip(spec, num_accepted.tolist(), final.tolist()):
+            out[s.request_id] = proposals[s.request_id].token_ids[:a] + [t]
+        return out
