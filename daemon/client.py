@@ -83,6 +83,12 @@ class AttachedModel:
     attach_s: float
     slabs: list[Any] = field(default_factory=list, repr=False)  # uint8 tensors owning the mappings
     table: Any = field(default=None, repr=False)  # the validated TensorTable (for sampled checksum checks)
+    mapping: Any = field(default=None, repr=False)  # the memory.SlabMapping (detach/re-map at the same addresses)
+    #: A paired draft (speculative decoding): its tensors (stored names, without the "draft."
+    #: prefix they carry in `table`) and its config.json; None when the model has no draft.
+    draft_tensors: dict[str, Any] | None = None
+    draft_config: dict | None = None
+    tp_rank: int = 0  # the tensor-parallel rank whose shard `tensors` are (0 when unsharded)
 
 
 class Client:
@@ -203,38 +209,51 @@ class Client:
 
     # --- calls ----------------------------------------------------------------------
     def load(self, model: str, name: str = "", dtype: str = "auto", quantization: str = "none",
-             revision: str = "") -> Iterator[pb.LoadProgress]:
-        """Stream the daemon's progress; the last message has done=True and the model's info."""
+             revision: str = "", *, draft: str = "", tensor_parallel_size: int = 1,
+             devices: tuple[str, ...] | list[str] = ()) -> Iterator[pb.LoadProgress]:
+        """Stream the daemon's progress; the last message has done=True and the model's info.
+        `draft` pairs a speculative-decoding draft; `tensor_parallel_size` > 1 holds one shard
+        per rank, rank r's on `devices[r]`."""
         request = pb.LoadRequest(model=model, name=name, dtype=dtype, quantization=quantization,
-                                 revision=revision, tensor_parallel_size=1)
+                                 revision=revision, tensor_parallel_size=tensor_parallel_size,
+                                 draft_model=draft, devices=list(devices))
         try:
             yield from self._stub.Load(request, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _map_rpc_error(e, self.socket_path) from None
 
-    def attach(self, model: str, expected_key: str = "", *, verify_checksums: bool = False) -> AttachedModel:
-        """Lease `model` (a name or key) and map its weights zero-copy."""
+    def attach(self, model: str, expected_key: str = "", *, verify_checksums: bool = False,
+               into: Any = None, tp_rank: int = 0) -> AttachedModel:
+        """Lease `model` (a name or key) and map its weights zero-copy; with `into` (an
+        unmapped `SlabMapping` of the same slabs), map them at that mapping's addresses.
+        A tensor-parallel model: rank `tp_rank`'s shard only; a paired one: target and draft."""
         from resident.daemon.memory import SlabDesc, backend_class
+        from resident.daemon.pairing import split_draft
         from resident.daemon.tensor_table import TensorTable, crc32_of
 
         start = time.perf_counter()
         reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
-                                                      protocol_major=PROTOCOL_MAJOR))
+                                                      protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank))
         self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
                 raise StaleModel(f"stale model key: daemon returned {reply.model.key}, expected {expected_key}")
             fds = self._fetch_fds(reply.lease_id, len(reply.slabs))
-            slabs = []
+            descs = [SlabDesc(index=info.index, nbytes=info.nbytes, backend=info.backend, device=info.device,
+                              device_uuid=info.device_uuid, ipc_handle=bytes(info.ipc_handle))
+                     for info in sorted(reply.slabs, key=lambda s: s.index)]
             try:
-                for info in sorted(reply.slabs, key=lambda s: s.index):
-                    desc = SlabDesc(index=info.index, nbytes=info.nbytes, backend=info.backend,
-                                    device=info.device, device_uuid=info.device_uuid,
-                                    ipc_handle=bytes(info.ipc_handle))
-                    slabs.append(backend_class(desc.backend).import_slab(desc, fds.get(info.index)))
+                if len({d.backend for d in descs}) != 1:
+                    raise DaemonError(f"the daemon described slabs of backends {sorted({d.backend for d in descs})}")
+                if into is not None:
+                    into.remap(descs, [fds.get(d.index) for d in descs])
+                    mapping = into
+                else:
+                    mapping = backend_class(descs[0].backend).map_slabs(descs, [fds.get(d.index) for d in descs])
             finally:
                 for fd in fds.values():
                     os.close(fd)
+            slabs = mapping.tensors
             if [s.index for s in sorted(reply.slabs, key=lambda s: s.index)] != list(range(len(slabs))):
                 raise DaemonError("the daemon described slabs with non-contiguous indices")
             table = TensorTable.from_proto(reply.tensors)
@@ -244,14 +263,21 @@ class Client:
                     if entry.crc32 and crc32_of(tensors[entry.name]) != entry.crc32:
                         raise DaemonError(f"tensor {entry.name}: checksum mismatch (memory corrupted?)")
         except BaseException:
+            if into is not None and into.mapped:
+                into.unmap()   # nothing stays half-attached
             try:
                 self.release(reply.lease_id)
             except DaemonError:
                 pass
             raise
+        draft_tensors = draft_config = None
+        if reply.model.draft_key:
+            tensors, draft_tensors = split_draft(tensors)
+            draft_config = json.loads(reply.model.draft_config_json or "{}")
         return AttachedModel(lease_id=reply.lease_id, info=reply.model, tensors=tensors,
                              config=json.loads(reply.model.config_json or "{}"),
-                             attach_s=time.perf_counter() - start, slabs=slabs, table=table)
+                             attach_s=time.perf_counter() - start, slabs=slabs, table=table, mapping=mapping,
+                             draft_tensors=draft_tensors, draft_config=draft_config, tp_rank=reply.tp_rank)
 
     def _fetch_fds(self, lease_id: str, num_slabs: int) -> dict[int, int]:
         reply, fds = self._fd_call(fpb.FdRequest(fetch_fds=fpb.FetchFds(lease_id=lease_id)), want_fds=True)

@@ -9,18 +9,31 @@ client that writes into its tensors gets private copies of the touched pages onl
 
 The memory lives as long as any fd or mapping of it does, so slabs survive the daemon when
 their fds are parked elsewhere (systemd's fd store, a successor daemon).
+
+Client mappings are `HostRegion`s: address ranges this module maps with mmap(2) through
+ctypes, because a snapshot must unmap a slab while tensors still point into it and map it
+again at the same address later — Python's mmap object refuses to close while a tensor
+views it, and cannot map at a fixed address. `unmap()` replaces the pages with an anonymous
+PROT_NONE MAP_NORESERVE placeholder (the range stays reserved: nothing else is mapped there,
+and a stray access faults instead of reading garbage); `remap()` maps the memfd
+MAP_PRIVATE|MAP_FIXED over the placeholder. The worker's CPU KV cache lives in an anonymous
+`HostRegion` for the same reason.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import warnings
+import weakref
+from typing import Any
 
 import torch
 
-from resident.daemon.memory.base import MemoryBackend, Slab, SlabDesc
+from resident.daemon.memory.base import MemoryBackend, Slab, SlabDesc, SlabMapping
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +47,91 @@ REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
 
 class SlabSealError(RuntimeError):
     pass
+
+
+# Linux mmap(2) flags the mmap module does not export.
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_PROT_NONE = 0
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _mmap(addr: int | None, nbytes: int, prot: int, flags: int, fd: int, what: str) -> int:
+    got = _libc().mmap(addr, nbytes, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED or (addr is not None and got != addr):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {what} ({nbytes} bytes{f' at 0x{addr:x}' if addr else ''}) failed: "
+                           f"{os.strerror(err)}")
+    return int(got)
+
+
+def _munmap(addr: int, nbytes: int) -> None:
+    if _libc().munmap(addr, nbytes) != 0:
+        log.warning("munmap(0x%x, %d) failed: %s", addr, nbytes, os.strerror(ctypes.get_errno()))
+
+
+class HostRegion:
+    """One address range of this process, mapped and re-mapped here (see the module doc).
+
+    Maps `fd` copy-on-write (MAP_PRIVATE, read-write), or anonymous zeroed memory when `fd`
+    is None. `tensor()` is a uint8 tensor over the range that keeps the region alive; the
+    range is unmapped for good only when the region and every tensor over it are gone.
+    """
+
+    def __init__(self, nbytes: int, fd: int | None = None, what: str = "host region") -> None:
+        if nbytes <= 0 or nbytes % PAGE_BYTES:
+            raise ValueError(f"{what}: size must be a positive multiple of {PAGE_BYTES}, got {nbytes}")
+        self.nbytes = nbytes
+        self.what = what
+        self.address = _mmap(None, nbytes, *self._prot_flags(fd), -1 if fd is None else fd, what)
+        self._mapped = True
+        self._finalizer = weakref.finalize(self, _munmap, self.address, nbytes)
+        self._finalizer.atexit = False   # tensors may still be read while the interpreter exits
+
+    @staticmethod
+    def _prot_flags(fd: int | None) -> tuple[int, int]:
+        flags = mmap.MAP_PRIVATE | (mmap.MAP_ANONYMOUS if fd is None else 0)
+        return mmap.PROT_READ | mmap.PROT_WRITE, flags
+
+    @property
+    def mapped(self) -> bool:
+        return self._mapped
+
+    def tensor(self) -> torch.Tensor:
+        array = (ctypes.c_uint8 * self.nbytes).from_address(self.address)
+        array._region = self   # the tensor keeps the array, the array keeps the mapping
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def unmap(self) -> None:
+        """Replace the pages with a PROT_NONE placeholder; the addresses stay reserved."""
+        if not self._mapped:
+            return
+        _mmap(self.address, self.nbytes, _PROT_NONE,
+              mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, f"{self.what} placeholder")
+        self._mapped = False
+
+    def remap(self, fd: int | None = None) -> None:
+        """Map `fd` (copy-on-write), or fresh zeroed memory, over the placeholder."""
+        if self._mapped:
+            raise RuntimeError(f"{self.what} at 0x{self.address:x} is mapped; unmap() it first")
+        prot, flags = self._prot_flags(fd)
+        try:
+            _mmap(self.address, self.nbytes, prot, flags | _MAP_FIXED, -1 if fd is None else fd, self.what)
+        except OSError:
+            self._mapped = True   # a failed MAP_FIXED may leave a hole: put the placeholder back
+            self.unmap()
+            raise
+        self._mapped = True
 
 
 def _uint8_over(mm: mmap.mmap) -> torch.Tensor:
@@ -188,6 +286,56 @@ class HostShmBackend(MemoryBackend):
         """Map a received sealed memfd copy-on-write; refuse anything not sealed against writes."""
         if fd is None:
             raise ValueError(f"slab {desc.index}: host_shm slabs arrive as file descriptors, none was received")
-        _check_sealed(desc, fd, REQUIRED_SEALS)
-        mm = mmap.mmap(fd, desc.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return _uint8_over(mm)
+        return cls.map_slabs([desc], [fd]).tensors[0]
+
+    @classmethod
+    def map_slabs(cls, descs: list[SlabDesc], fds: list[int | None]) -> HostShmMapping:
+        return HostShmMapping(descs, fds)
+
+
+def _checked_fd(desc: SlabDesc, fd: int | None) -> int:
+    if desc.backend != HostShmBackend.name:
+        raise ValueError(f"slab {desc.index} belongs to backend {desc.backend!r}, not 'host_shm'")
+    if fd is None:
+        raise ValueError(f"slab {desc.index}: host_shm slabs arrive as file descriptors, none was received")
+    if desc.nbytes % PAGE_BYTES:
+        raise ValueError(f"slab {desc.index}: {desc.nbytes} bytes is not a whole number of pages")
+    _check_sealed(desc, fd, REQUIRED_SEALS)
+    return fd
+
+
+class HostShmMapping(SlabMapping):
+    """A model's sealed memfd slabs, each mapped copy-on-write in its own `HostRegion`."""
+
+    backend = "host_shm"
+
+    def __init__(self, descs: list[SlabDesc], fds: list[int | None]) -> None:
+        if len(descs) != len(fds):
+            raise ValueError(f"host_shm: {len(descs)} slab descriptors but {len(fds)} fds")
+        self.descs = list(descs)
+        self.regions = [HostRegion(d.nbytes, _checked_fd(d, fd), f"host_shm slab {d.index}")
+                        for d, fd in zip(descs, fds)]
+        self.tensors = [r.tensor() for r in self.regions]
+
+    @property
+    def mapped(self) -> bool:
+        return all(r.mapped for r in self.regions)
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(r.address, r.nbytes) for r in self.regions]
+
+    def unmap(self) -> None:
+        for r in self.regions:
+            r.unmap()
+
+    def remap(self, descs: list[SlabDesc], fds: list[int | None]) -> None:
+        self.check_same(descs)
+        if len(fds) != len(descs):
+            raise ValueError(f"host_shm: {len(descs)} slab descriptors but {len(fds)} fds")
+        checked = [_checked_fd(d, fd) for d, fd in zip(descs, fds)]
+        try:
+            for region, fd in zip(self.regions, checked):
+                region.remap(fd)
+        except BaseException:
+            self.unmap()
+            raise
