@@ -9,6 +9,11 @@ Exported names (all prefixed `resident_`):
 - `prompt_tokens_total`, `generation_tokens_total` (counters)
 - `worker_startup_phase_seconds{phase}`: import, weights, verify, tokenizer, kv_alloc,
   warmup, total (process start to ready) — the names `resident demo`/`bench restart` read.
+- speculative decoding (only when the worker speculates): `worker_spec_drafts_total`
+  (verification steps with draft tokens), `worker_spec_proposed_tokens_total`,
+  `worker_spec_accepted_tokens_total` (counters), `worker_spec_acceptance_rate` (accepted /
+  proposed) and `worker_spec_mean_accepted_length` (accepted per verification step; tokens
+  per step = 1 + this) (gauges, over the worker's life).
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ class ServerMetrics:
         self.info = Gauge("resident_worker_info", "Constant 1, labelled with what this worker serves.",
                           ["model", "weights_source"], registry=r)
         self._model_name = model_name
+        self._spec: tuple[Counter, Counter, Counter, Gauge, Gauge] | None = None
+        self._spec_totals = (0, 0, 0)
 
     def set_startup_phases(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():
@@ -64,6 +71,27 @@ class ServerMetrics:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
+
+    def observe_spec(self, num_drafts: int, num_proposed: int, num_accepted: int) -> None:
+        """Speculative decoding totals so far (the engine's cumulative counts)."""
+        if self._spec is None:
+            r = self.registry
+            self._spec = (
+                Counter("resident_worker_spec_drafts", "Verification steps with draft tokens.", registry=r),
+                Counter("resident_worker_spec_proposed_tokens", "Draft tokens proposed.", registry=r),
+                Counter("resident_worker_spec_accepted_tokens", "Draft tokens accepted by the target.", registry=r),
+                Gauge("resident_worker_spec_acceptance_rate", "Accepted / proposed draft tokens.", registry=r),
+                Gauge("resident_worker_spec_mean_accepted_length",
+                      "Draft tokens accepted per verification step (tokens per step = 1 + this).", registry=r),
+            )
+        drafts, proposed, accepted, rate, length = self._spec
+        new = (num_drafts, num_proposed, num_accepted)
+        for counter, now, before in zip((drafts, proposed, accepted), new, self._spec_totals):
+            if now > before:
+                counter.inc(now - before)
+        self._spec_totals = new
+        rate.set(num_accepted / num_proposed if num_proposed else 0.0)
+        length.set(num_accepted / num_drafts if num_drafts else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

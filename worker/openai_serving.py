@@ -54,6 +54,7 @@ class _Choice:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     last_token_at: float | None = None
+    spec_decode: Any = None  # request.SpecDecodeStats, when the engine speculates
 
 
 def sse(payload: dict | str) -> bytes:
@@ -178,6 +179,8 @@ class OpenAIServing:
             choice.last_token_at = now
             self.metrics.generation_tokens.inc(n)
         choice.num_output_tokens = out.num_output_tokens
+        if getattr(out, "spec_decode", None) is not None:
+            choice.spec_decode = out.spec_decode
         if out.finished:
             choice.finish_reason = out.finish_reason
             self.metrics.e2e.observe(now - prep.arrival)
@@ -186,7 +189,16 @@ class OpenAIServing:
     def _usage(self, prep: Prepared, choices: list[_Choice]) -> dict:
         prompt = sum(len(p) for p in prep.prompts)
         completion = sum(c.num_output_tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        specs = [c.spec_decode for c in choices if c.spec_decode is not None]
+        if specs:   # speculative decoding, summed over the choices (see request.SpecDecodeStats)
+            from resident.worker.request import SpecDecodeStats
+
+            usage["speculative_decoding"] = SpecDecodeStats(
+                sum(x.num_drafts for x in specs), sum(x.num_proposed for x in specs),
+                sum(x.num_accepted for x in specs)).as_dict()
+        return usage
 
     async def run(self, prep: Prepared) -> dict:
         """Non-streaming: the whole response body."""
