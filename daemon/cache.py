@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,12 @@ def estimate_nbytes(plan: Any, backend: Any) -> int:
     Used to evict before loading; the exact size is checked again after the load."""
     from resident.daemon.loader import pack
 
+    if plan.tensor_parallel_size > 1:
+        from resident.daemon.shard_fill import shard_shapes
+
+        sizes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shard_shapes(plan))]
+        _, slab_sizes = pack(sizes, backend.alignment, backend.slab_size_limit())
+        return sum(slab_sizes) * plan.tensor_parallel_size
     _, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
     return sum(slab_sizes)
 
@@ -91,6 +98,8 @@ class WeightCache:
         #: Called (no arguments) after models or leases changed: the fd store re-publishes.
         self.on_change: Callable[[], None] | None = None
         self._handing_over = threading.Event()
+        #: The tensor-parallel rank each lease of a sharded model attached (its fds are that rank's slabs).
+        self._lease_ranks: dict[str, int] = {}
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -168,20 +177,29 @@ class WeightCache:
         if model is None:
             raise NotFound(f"lease {lease_id}: model {lease.key} was unloaded (--force); attach again")
         pairs = []
-        for slab in model.loaded.slabs:
+        for local, slab in enumerate(self.rank_slabs(model, self._lease_ranks.get(lease_id, 0))):
             fd = slab.export_fd()
             if fd is not None:
-                pairs.append((slab.desc.index, fd))
+                pairs.append((local, fd))
         return pairs
+
+    @staticmethod
+    def rank_slabs(model: ResidentModel, tp_rank: int) -> list[Any]:
+        """The slabs an attach of `tp_rank` receives, in the order of their reply indices 0..k-1."""
+        loaded = model.loaded
+        if loaded.tensor_parallel_size == 1:
+            return list(loaded.slabs)
+        return [s for i, s in enumerate(loaded.slabs) if loaded.rank_of_slab(i) == tp_rank]
 
     # --- load -----------------------------------------------------------------------
     def load(self, spec: Any, progress: Callable[[Any], None] | None = None) -> LoadResult:
         """Load `spec` (a loader.LoadSpec) unless its exact key is already resident."""
-        from resident.daemon import loader
+        from resident.daemon import loader, placement
 
         start = time.monotonic()
         try:
             plan = loader.plan_load(spec)  # validates everything and computes the key; reads no data
+            placement.resolve_devices(spec.devices, plan.tensor_parallel_size, self.backend)
         except Exception as e:  # noqa: BLE001 - mapped to a DaemonError naming the problem
             raise _as_daemon_error(e, spec.model) from None
         key = plan.key
@@ -231,8 +249,9 @@ class WeightCache:
 
     # --- leases ---------------------------------------------------------------------
     def attach(self, token: str, model: str, expected_key: str = "",
-               protocol_major: int = 0, lease_id: str = "") -> tuple[Lease, ResidentModel]:
-        """Lease `model`. `lease_id` re-opens a lease carried over from the previous daemon."""
+               protocol_major: int = 0, lease_id: str = "", tp_rank: int = 0) -> tuple[Lease, ResidentModel]:
+        """Lease `model` (rank `tp_rank`'s shard of a sharded one). `lease_id` re-opens a lease
+        carried over from the previous daemon."""
         if protocol_major and protocol_major != PROTOCOL_MAJOR:
             raise ProtocolMismatch(
                 f"protocol mismatch: this daemon speaks resident protocol {PROTOCOL_MAJOR}, the client "
@@ -243,7 +262,19 @@ class WeightCache:
         self.sessions.get(token)
         with self._state_lock:
             found = self.registry.resolve(model, expected_key)
+            size = found.loaded.tensor_parallel_size
+            if not 0 <= tp_rank < size:
+                raise InvalidArgument(
+                    f"tp_rank {tp_rank} does not exist: {found.name} is resident as "
+                    + (f"{size} tensor-parallel shards (ranks 0..{size - 1})" if size > 1 else
+                       "one unsharded model (rank 0 only)")
+                    + "; attach a rank below the tensor-parallel size, or load the model with "
+                    f"`resident preload load {found.loaded.source} --tensor-parallel-size N`")
             lease = self.sessions.add_lease(token, found.key, lease_id)
+            live = {held.lease_id for held in self.sessions.all_leases()}
+            self._lease_ranks = {k: v for k, v in self._lease_ranks.items() if k in live}
+            if tp_rank:
+                self._lease_ranks[lease.lease_id] = tp_rank
             self.registry.touch(found, attach=True)
         self.num_attaches += 1
         self.observer.on_attach(found)

@@ -15,21 +15,22 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from resident.daemon import checksum, layout, quant
+from resident.daemon import checksum, layout, pairing, placement, quant, sharding
 from resident.daemon.memory.base import MemoryBackend, Slab
-from resident.daemon.model_key import compute_key, file_identity
+from resident.daemon.model_key import compute_key, file_identity, pair_key, sharded_key
 from resident.daemon.safetensors_io import CheckpointError, SafetensorsHeader, TensorInfo, read_header
 from resident.daemon.source import ModelSource, index_weight_map, resolve_model
 from resident.daemon.staging import StagingConfig
 from resident.daemon.tensor_reader import fill_slabs
-from resident.daemon.tensor_table import TensorEntry, TensorTable, contiguous_strides, dtype_name
+from resident.daemon.tensor_table import TensorEntry, TensorTable, contiguous_strides, dtype_name, rank_name
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,27 @@ class LoadedModel:
     bytes_read: int
     load_s: float
     checksum: str = "crc32"  # algorithm of the entries' checksums (checksum.algorithm_for(slab device))
+    #: Sharded models: entries are named `rank<r>.<name>` (tensor_table.rank_name) and
+    #: `slab_ranks[i]` is the rank of slab i; () means every slab belongs to rank 0.
+    tensor_parallel_size: int = 1
+    devices: tuple[str, ...] = ()  # the device of each rank's slabs
+    slab_ranks: tuple[int, ...] = ()
+    #: A paired draft (its tensors are `draft.<name>` entries of `table`): its own key, folder, config.
+    draft_key: str = ""
+    draft_source: str = ""
+    draft_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.slab_ranks and len(self.slab_ranks) != len(self.slabs):
+            raise ValueError(f"{self.name}: {len(self.slab_ranks)} slab ranks for {len(self.slabs)} slabs")
+        if any(not 0 <= r < self.tensor_parallel_size for r in self.slab_ranks):
+            raise ValueError(f"{self.name}: slab ranks {self.slab_ranks} outside tensor-parallel size "
+                             f"{self.tensor_parallel_size}")
+        if self.draft_key and self.tensor_parallel_size > 1:
+            raise ValueError(f"{self.name}: a paired draft with tensor parallelism is not supported")
+
+    def rank_of_slab(self, index: int) -> int:
+        return self.slab_ranks[index] if self.slab_ranks else 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,9 @@ class LoadPlan:
     key: str
     tensors: list[StoredTensor]
     stats: dict[str, tuple[int, int]] = field(default_factory=dict)
+    own_key: str = ""  # the checkpoint's own key (before pairing or sharding); "" = `key`
+    draft: LoadPlan | None = None  # a paired draft's own plan (its tensors are also in `tensors`, renamed)
+    tensor_parallel_size: int = 1
 
     @property
     def bytes_to_read(self) -> int:
@@ -148,18 +173,40 @@ def key_for(spec: LoadSpec) -> tuple[str, ModelSource]:
 
 
 def plan_load(spec: LoadSpec) -> LoadPlan:
-    """Resolve, validate every header, check layout and shapes, compute the key."""
-    source = resolve_model(spec.model, spec.revision, spec.hub_cache)
+    """Resolve, validate every header, check layout and shapes, compute the key — for the
+    model, its paired draft (vocabulary compatibility included) and its sharding."""
+    own = _plan_one(spec.model, spec.revision, spec.hub_cache, spec.dtype, spec.quantization)
+    n = spec.tensor_parallel_size
+    if spec.draft is not None:
+        if n > 1:
+            raise ValueError(f"a draft model cannot be paired with a tensor-parallel target yet (--draft with "
+                             f"--tensor-parallel-size {n}); load the target with tensor-parallel size 1, or "
+                             "without --draft")
+        draft = _plan_one(spec.draft, None, spec.hub_cache, spec.dtype, spec.quantization)
+        pairing.check_vocab_compatible(own.source.folder, own.source.config, spec.model,
+                                       draft.source.folder, draft.source.config, spec.draft)
+        tensors = own.tensors + [replace(t, name=pairing.draft_name(t.name)) for t in draft.tensors]
+        headers = list({str(h.path): h for h in own.headers + draft.headers}.values())
+        return LoadPlan(own.source, headers, own.dtype, own.quantization, pair_key(own.key, draft.key), tensors,
+                        {**own.stats, **draft.stats}, own_key=own.key, draft=draft)
+    if n > 1:
+        sharding.check_shardable(own.source.config, n)
+        return replace(own, key=sharded_key(own.key, n), own_key=own.key, tensor_parallel_size=n)
+    return own
+
+
+def _plan_one(model: str, revision: str | None, hub_cache: str | None, dtype: str, quantization: str) -> LoadPlan:
+    source = resolve_model(model, revision, hub_cache)
     stats = {str(p): file_identity(p) for p in source.files}
     headers = [read_header(p) for p in source.files]
     where = _locate_tensors(source, headers)
     names = set(where)
     fused = layout.plan(source.config, names)
     layout.check_shapes(source.config, {n: where[n].info.shape for n in names})
-    dtype = _resolve_dtype(spec.dtype, [where[s] for f in fused for s in f.sources])
-    tensors = _storage_plan(fused, where, torch_dtype_of(dtype), spec.quantization)
-    key = compute_key(source, headers, dtype, spec.quantization)
-    return LoadPlan(source, headers, dtype, spec.quantization, key, tensors, stats)
+    dtype = _resolve_dtype(dtype, [where[s] for f in fused for s in f.sources])
+    tensors = _storage_plan(fused, where, torch_dtype_of(dtype), quantization)
+    key = compute_key(source, headers, dtype, quantization)
+    return LoadPlan(source, headers, dtype, quantization, key, tensors, stats)
 
 
 def torch_dtype_of(name: str) -> torch.dtype:
@@ -261,24 +308,73 @@ def load(
     device: str | None = None,
     staging: StagingConfig | None = None,
     staged: bool | None = None,
+    ranks: tuple[int, ...] | None = None,
 ) -> LoadedModel:
     """Load `spec` into slabs of `backend`; see the module docstring for the order of work.
 
     `num_threads` reader threads (default: min(8, CPUs) for host slabs, min(16, CPUs) for
     GPU slabs); `staging` sizes the GPU pipeline (pinned buffers, streams); `staged=True`
     sends host slabs through that pipeline too (how it is tested without a GPU; the
-    checksums are then wsum32)."""
+    checksums are then wsum32). `device` places every slab there (instead of spec.devices).
+    A sharded spec loads the shards of `ranks` (default: all), rank r's on its device."""
     t0 = time.monotonic()
     emit = _Progress(progress, t0)
     plan = plan_load(spec)
+    n = plan.tensor_parallel_size
+    devices = (device,) * n if device is not None else placement.resolve_devices(spec.devices, n, backend)
     total = plan.bytes_to_read
     emit("validate", 0, total, force=True)
+    if n == 1:
+        # Unchanged for unsharded models: the default device unless one was named.
+        where = device if device is not None or spec.devices else None
+        entries, slabs, staged = _load_whole(plan, backend, emit, total, where, num_threads, staging, staged)
+        slab_ranks: tuple[int, ...] = ()
+        loaded_devices = (slabs[0].desc.device,)
+    else:
+        ranks = tuple(range(n)) if ranks is None else tuple(ranks)
+        if not ranks or any(not 0 <= r < n for r in ranks):
+            raise ValueError(f"ranks {ranks} are not ranks of tensor-parallel size {n}")
+        entries, slabs, slab_ranks = _load_sharded(plan, backend, emit, total, devices, ranks, num_threads)
+        staged = slabs[0].desc.device not in ("", "cpu")
+        loaded_devices = tuple(next(s.desc.device for s, r in zip(slabs, slab_ranks) if r == rank)
+                               if rank in ranks else "" for rank in range(n))
+    table = TensorTable(entries)
+    table.validate([s.desc.nbytes for s in slabs])
+    load_s = time.monotonic() - t0
+    emit("done", total, total, force=True)
+    nbytes = sum(s.desc.nbytes for s in slabs)
+    log.info(
+        "loaded %s (%s, %s, %s%s%s): %d tensors, %.2f GB read, %.2f GB resident in %d slab(s), %.2f s (%.2f GB/s)",
+        spec.display_name, plan.source.display, plan.dtype, plan.quantization,
+        f", draft {plan.draft.source.display}" if plan.draft else "", f", TP={n} on {','.join(devices)}" if n > 1 else "",
+        len(entries), total / 1e9, nbytes / 1e9, len(slabs), load_s, total / 1e9 / max(load_s, 1e-9),
+    )
+    draft = plan.draft
+    return LoadedModel(
+        key=plan.key, name=spec.display_name, source=str(plan.source.folder), dtype=plan.dtype,
+        quantization=plan.quantization, layout=layout.LAYOUT, config=plan.source.config, table=table,
+        slabs=slabs, content_checksum=content_checksum(entries), nbytes=nbytes, bytes_read=total, load_s=load_s,
+        checksum=checksum.WSUM32 if staged else checksum.CRC32, tensor_parallel_size=n, devices=loaded_devices,
+        slab_ranks=slab_ranks, draft_key=draft.key if draft else "", draft_source=str(draft.source.folder) if draft else "",
+        draft_config=dict(draft.source.config) if draft else None,
+    )
 
+
+def _allocate(backend: MemoryBackend, sizes: list[int], first_index: int, device: str | None,
+              slabs: list[Slab]) -> None:
+    """Append slabs of `sizes` (indices from `first_index`) to `slabs` (so the caller frees them on failure)."""
+    for i, n in enumerate(sizes):
+        index = first_index + i
+        slabs.append(backend.allocate(n, index) if device is None else backend.allocate(n, index, device))
+
+
+def _load_whole(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: int, device: str | None,
+                num_threads: int | None, staging: StagingConfig | None,
+                staged: bool | None) -> tuple[list[TensorEntry], list[Slab], bool]:
     places, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
     slabs: list[Slab] = []
     try:
-        for i, n in enumerate(slab_sizes):
-            slabs.append(backend.allocate(n, i) if device is None else backend.allocate(n, i, device))
+        _allocate(backend, slab_sizes, 0, device, slabs)
         on_gpu = slabs[0].desc.device not in ("", "cpu")
         staged = on_gpu if staged is None else staged
         threads = num_threads or min(16 if staged else 8, os.cpu_count() or 1)
@@ -291,7 +387,6 @@ def load(
         for s in slabs:
             s.close()
         raise
-
     entries = [
         TensorEntry(
             name=t.name, dtype=dtype_name(t.dtype), shape=t.shape, strides=contiguous_strides(t.shape),
@@ -299,22 +394,49 @@ def load(
         )
         for t, (slab, off), crc in zip(plan.tensors, places, crcs)
     ]
-    table = TensorTable(entries)
-    table.validate([s.desc.nbytes for s in slabs])
-    load_s = time.monotonic() - t0
-    emit("done", total, total, force=True)
-    nbytes = sum(s.desc.nbytes for s in slabs)
-    log.info(
-        "loaded %s (%s, %s, %s): %d tensors, %.2f GB read, %.2f GB resident in %d slab(s), %.2f s (%.2f GB/s)",
-        spec.display_name, plan.source.display, plan.dtype, plan.quantization, len(entries), total / 1e9,
-        nbytes / 1e9, len(slabs), load_s, total / 1e9 / max(load_s, 1e-9),
-    )
-    return LoadedModel(
-        key=plan.key, name=spec.display_name, source=str(plan.source.folder), dtype=plan.dtype,
-        quantization=plan.quantization, layout=layout.LAYOUT, config=plan.source.config, table=table,
-        slabs=slabs, content_checksum=content_checksum(entries), nbytes=nbytes, bytes_read=total, load_s=load_s,
-        checksum=checksum.WSUM32 if staged else checksum.CRC32,
-    )
+    return entries, slabs, staged
+
+
+def _load_sharded(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: int, devices: tuple[str, ...],
+                  ranks: tuple[int, ...], num_threads: int | None) -> tuple[list[TensorEntry], list[Slab], tuple[int, ...]]:
+    """Each rank's shard in its own slabs on its device; slab indices run over all ranks."""
+    from resident.daemon.shard_fill import fill_shards, shard_shapes
+
+    shapes = shard_shapes(plan)
+    sizes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shapes)]
+    local, slab_sizes = pack(sizes, backend.alignment, backend.slab_size_limit())
+    slabs: list[Slab] = []
+    slab_ranks: list[int] = []
+    places: dict[int, list[tuple[int, int]]] = {}
+    views: dict[int, list] = {}
+    try:
+        for r in ranks:
+            base = len(slabs)
+            _allocate(backend, slab_sizes, base, devices[r], slabs)
+            slab_ranks += [r] * len(slab_sizes)
+            places[r] = [(base + slab, off) for slab, off in local]
+            views[r] = [s.writable() for s in slabs[base:]]
+        threads = num_threads or min(8, os.cpu_count() or 1)
+        sums = fill_shards(plan, ranks, {r: local for r in ranks}, views, emit, total, threads)
+        views.clear()  # writable views must be gone before sealing
+        emit("pack", total, total, force=True)
+        for s in slabs:
+            s.seal()
+        _check_unchanged(plan)
+    except BaseException:
+        views.clear()
+        for s in slabs:
+            s.close()
+        raise
+    entries = [
+        TensorEntry(
+            name=rank_name(r, t.name), dtype=dtype_name(t.dtype), shape=shape, strides=contiguous_strides(shape),
+            slab=slab, offset=off, nbytes=nbytes, crc32=crc,
+        )
+        for r in ranks
+        for t, shape, nbytes, (slab, off), crc in zip(plan.tensors, shapes, sizes, places[r], sums[r])
+    ]
+    return entries, slabs, tuple(slab_ranks)
 
 
 def content_checksum(entries: list[TensorEntry]) -> str:

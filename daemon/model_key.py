@@ -48,3 +48,31 @@ def compute_key(source: ModelSource, headers: list[SafetensorsHeader], dtype: st
             _update(h, "stat", f"{size}:{mtime_ns}".encode())
         _update(h, "header", header.raw)
     return h.hexdigest()
+
+
+#: Version of the tensor-parallel sharding rules (daemon/sharding.py) inside a TP model's key.
+SHARDING_VERSION = 1
+
+
+def pair_key(target_key: str, draft_key: str) -> str:
+    """The key of a target resident together with its speculative-decoding draft: changes
+    when either model changes (their own keys) or when the pairing's recipe does."""
+    h = hashlib.sha256()
+    _update(h, "key_version", str(KEY_VERSION).encode())
+    _update(h, "pair", b"target+draft/1")
+    _update(h, "target", target_key.encode())
+    _update(h, "draft", draft_key.encode())
+    return h.hexdigest()
+
+
+def sharded_key(key: str, tensor_parallel_size: int) -> str:
+    """The key of model `key` stored as `tensor_parallel_size` per-rank shards (the key of an
+    unsharded model is `key` itself, so TP=1 keys never change)."""
+    if tensor_parallel_size == 1:
+        return key
+    h = hashlib.sha256()
+    _update(h, "key_version", str(KEY_VERSION).encode())
+    _update(h, "sharding", str(SHARDING_VERSION).encode())
+    _update(h, "tensor_parallel_size", str(tensor_parallel_size).encode())
+    _update(h, "model", key.encode())
+    return h.hexdigest()

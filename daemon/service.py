@@ -72,7 +72,34 @@ def model_info(m: ResidentModel, cache: WeightCache) -> pb.ModelInfo:
         nbytes=m.nbytes, num_tensors=len(loaded.table.entries), backend=m.backend, loaded_at=m.loaded_at,
         last_used_at=m.last_used_at, leases=leases, config_json=json.dumps(loaded.config),
         version=m.version, latest=m.latest, num_attaches=m.num_attaches,
+        tensor_parallel_size=loaded.tensor_parallel_size, devices=_devices(loaded),
+        draft_key=loaded.draft_key, draft_source=loaded.draft_source,
+        draft_config_json=json.dumps(loaded.draft_config) if loaded.draft_config is not None else "",
     )
+
+
+def _devices(loaded: Any) -> list[str]:
+    if loaded.devices:
+        return list(loaded.devices)
+    return [loaded.slabs[0].desc.device] if loaded.slabs else []
+
+
+def _slab_info(desc: Any, index: int) -> pb.SlabInfo:
+    return pb.SlabInfo(index=index, nbytes=desc.nbytes, backend=desc.backend, device=desc.device,
+                       device_uuid=desc.device_uuid, ipc_handle=desc.ipc_handle)
+
+
+def attach_parts(m: ResidentModel, tp_rank: int) -> tuple[list[pb.SlabInfo], list]:
+    """The slabs and tensor entries an attach of `tp_rank` receives: everything for an unsharded
+    model; for a sharded one, that rank's slabs numbered 0..k-1 and its tensors under their
+    stored names (tensor_table.select_rank)."""
+    loaded = m.loaded
+    if loaded.tensor_parallel_size == 1:
+        return [_slab_info(s.desc, s.desc.index) for s in loaded.slabs], loaded.table.to_proto()
+    from resident.daemon.tensor_table import select_rank
+
+    table, indices = select_rank(loaded.table, [loaded.rank_of_slab(i) for i in range(len(loaded.slabs))], tp_rank)
+    return [_slab_info(loaded.slabs[g].desc, i) for i, g in enumerate(indices)], table.to_proto()
 
 
 class WeightCacheService(pb_grpc.WeightCacheServicer):
@@ -134,13 +161,12 @@ class WeightCacheService(pb_grpc.WeightCacheServicer):
 
         if not request.model:
             raise InvalidArgument("Load needs a model: a local folder or a hub id such as 'org/name'")
-        if request.tensor_parallel_size > 1:
-            raise InvalidArgument(f"tensor_parallel_size {request.tensor_parallel_size} is not supported "
-                                  "by this daemon yet; load with tensor_parallel_size 1")
         try:
             return LoadSpec(model=request.model, name=request.name, dtype=request.dtype or "auto",
                             quantization=request.quantization or "none", revision=request.revision or None,
-                            hub_cache=self.cache.config.hub_cache)
+                            hub_cache=self.cache.config.hub_cache, draft=request.draft_model or None,
+                            tensor_parallel_size=request.tensor_parallel_size or 1,
+                            devices=tuple(request.devices))
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
 
@@ -152,12 +178,11 @@ class WeightCacheService(pb_grpc.WeightCacheServicer):
                            "started without the previous daemon's state); load the model again and restart the "
                            "worker, or keep serving from the mapped weights")
         lease, m = self.cache.attach(self._token(context), request.model, request.expected_key,
-                                     request.protocol_major, request.lease_id if request.reattach else "")
-        slabs = [pb.SlabInfo(index=s.desc.index, nbytes=s.desc.nbytes, backend=s.desc.backend,
-                             device=s.desc.device, device_uuid=s.desc.device_uuid, ipc_handle=s.desc.ipc_handle)
-                 for s in m.loaded.slabs]
+                                     request.protocol_major, request.lease_id if request.reattach else "",
+                                     tp_rank=request.tp_rank)
+        slabs, tensors = attach_parts(m, request.tp_rank)
         reply = pb.AttachResponse(lease_id=lease.lease_id, model=model_info(m, self.cache), slabs=slabs,
-                                  tensors=m.loaded.table.to_proto(), protocol_major=PROTOCOL_MAJOR)
+                                  tensors=tensors, protocol_major=PROTOCOL_MAJOR, tp_rank=request.tp_rank)
         self.metrics.attach_latency.observe(time.perf_counter() - start)
         return reply
 

@@ -2,7 +2,9 @@
 
 A JSON document (format `resident-daemon-state`, versioned) describing every resident
 model — name, version, key, source, dtype, quantization, layout, config, content checksum,
-tensor table (with CRC-32s), slab descriptors and the fd name of each slab — plus the
+tensor table (with CRC-32s), slab descriptors (with each slab's tensor-parallel rank) and
+the fd name of each slab, the tensor-parallel size and devices, a paired draft's key,
+folder and config — plus the
 leases to carry over, the per-name version counters and the load counters. It is written
 into a memfd sealed like the slabs (no writes, no resizing, no new seals), so whoever
 holds it — a successor daemon, systemd's fd store — reads exactly what was written.
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "resident-daemon-state"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1  # 1: tensor-parallel shards (slab ranks, devices) and paired drafts
 #: The fd name of the state memfd (in a hand-over; the fd store alternates STATE_NAMES).
 STATE_NAME = "state"
 #: A state of this many bytes or more is refused (a sanity bound: tables are ~1 KB per tensor).
@@ -91,8 +93,11 @@ def _model_doc(m: Any) -> dict[str, Any]:
         "tensors": [[e.name, e.dtype, list(e.shape), list(e.strides), e.slab, e.offset, e.nbytes, e.crc32]
                     for e in loaded.table.entries],
         "slabs": [{"index": s.desc.index, "nbytes": s.desc.nbytes, "backend": s.desc.backend,
-                   "device": s.desc.device, "device_uuid": s.desc.device_uuid,
-                   "fd_name": slab_fd_name(m.key, s.desc.index)} for s in loaded.slabs],
+                   "device": s.desc.device, "device_uuid": s.desc.device_uuid, "rank": loaded.rank_of_slab(i),
+                   "fd_name": slab_fd_name(m.key, s.desc.index)} for i, s in enumerate(loaded.slabs)],
+        "tensor_parallel_size": loaded.tensor_parallel_size, "devices": list(loaded.devices),
+        "draft": ({"key": loaded.draft_key, "source": loaded.draft_source, "config": loaded.draft_config}
+                  if loaded.draft_key else None),
     }
 
 
@@ -219,11 +224,17 @@ def adopt_models(doc: StateDoc, fds: Mapping[str, int], backend: Any) -> tuple[l
                                  for t in md["tensors"]])
             table.validate([s.desc.nbytes for s in slabs])
             _check_sample(md["name"], table, slabs)
+            size = int(md.get("tensor_parallel_size", 1))
+            ranks = tuple(int(sd.get("rank", 0)) for sd in sorted(md["slabs"], key=lambda s: s["index"]))
+            draft = md.get("draft") or {}
             loaded = LoadedModel(
                 key=md["key"], name=md["name"], source=md["source"], dtype=md["dtype"],
                 quantization=md["quantization"], layout=md["layout"], config=dict(md["config"]), table=table,
                 slabs=slabs, content_checksum=md["content_checksum"], nbytes=int(md["nbytes"]), bytes_read=0,
-                load_s=float(md.get("load_s", 0.0)))
+                load_s=float(md.get("load_s", 0.0)), tensor_parallel_size=size,
+                devices=tuple(md.get("devices") or ()), slab_ranks=ranks if size > 1 else (),
+                draft_key=str(draft.get("key", "")), draft_source=str(draft.get("source", "")),
+                draft_config=dict(draft["config"]) if draft.get("config") is not None else None)
         except Exception as e:  # noqa: BLE001 - one bad model must not block the others
             for s in slabs:
                 s.close()

@@ -161,3 +161,27 @@ class TensorTable:
             )
             for p in entries
         ])
+
+
+# --- tensor-parallel shards ------------------------------------------------------------------
+#: A sharded model's table names rank r's tensors `rank<r>.<stored name>`; an attach of rank r
+#: sees its own tensors under their stored names, in its own slabs numbered from 0.
+def rank_name(rank: int, name: str) -> str:
+    return f"rank{rank}.{name}"
+
+
+def select_rank(table: TensorTable, slab_ranks: tuple[int, ...] | list[int], rank: int) -> tuple[TensorTable, list[int]]:
+    """Rank `rank`'s part of a sharded table: (its entries with the rank prefix removed and
+    slab indices renumbered 0..k-1, the global indices of those k slabs in order)."""
+    slabs = [i for i, r in enumerate(slab_ranks) if r == rank]
+    local = {g: i for i, g in enumerate(slabs)}
+    prefix = rank_name(rank, "")
+    entries = []
+    for e in table.entries:
+        if not e.name.startswith(prefix):
+            continue
+        if e.slab not in local:
+            raise TensorTableError(f"{e.name}: slab {e.slab} does not belong to rank {rank}")
+        entries.append(TensorEntry(name=e.name[len(prefix):], dtype=e.dtype, shape=e.shape, strides=e.strides,
+                                   slab=local[e.slab], offset=e.offset, nbytes=e.nbytes, crc32=e.crc32))
+    return TensorTable(entries), slabs

@@ -1,0 +1,94 @@
+"""Filling tensor-parallel shards: each checkpoint tensor is read once, fused, cast or
+quantized in host memory, cut into every rank's shard (`sharding.shard_tensor`) and written
+into that rank's slabs — host memory, or the rank's GPU.
+
+fp8 weights are quantized whole (one per-tensor scale of the full fused weight, replicated
+to every rank), then split, so a rank's shard dequantizes exactly like the same rows of the
+unsharded model. Checksums follow the slab's device (CRC-32 on the host, wsum32 on a GPU).
+A few tensors are in flight at once, bounded by `_BUDGET_BYTES` of host memory.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+import torch
+
+from resident.daemon import sharding
+from resident.daemon.tensor_reader import _load_tensor
+from resident.daemon.tensor_table import crc32_of
+
+if TYPE_CHECKING:
+    from resident.daemon.loader import LoadPlan
+
+#: Host memory the readers may hold in full tensors at once (at least one always proceeds).
+_BUDGET_BYTES = 2 << 30
+
+
+def shard_shapes(plan: LoadPlan) -> list[tuple[int, ...]]:
+    """Every rank's shape of each stored tensor, in plan order."""
+    cfg, n = plan.source.config, plan.tensor_parallel_size
+    return [sharding.shard_shape(t.name, t.shape, cfg, n) for t in plan.tensors]
+
+
+def fill_shards(
+    plan: LoadPlan, ranks: Sequence[int], places: dict[int, list[tuple[int, int]]],
+    views: dict[int, list[torch.Tensor]], emit: Callable[..., None], total: int, num_threads: int,
+) -> dict[int, list[int]]:
+    """Write rank r's shard of every stored tensor at `places[r][i]` (slab index within
+    `views[r]`, byte offset) for each r in `ranks`; returns each rank's checksums in plan order."""
+    cfg, n = plan.source.config, plan.tensor_parallel_size
+    sums = {r: [0] * len(plan.tensors) for r in ranks}
+    fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
+
+    def one(i: int) -> int:
+        t = plan.tensors[i]
+        host = torch.empty(t.nbytes, dtype=torch.uint8)
+        scale = torch.empty(4, dtype=torch.uint8) if t.quantize else None
+        _, _, nread = _load_tensor(t, host, scale, fds)
+        # One-byte dtypes (fp8) are cut as raw bytes: every shard op is a row/column slice.
+        full = host.view(t.shape) if t.dtype.itemsize == 1 else host.view(t.dtype).view(t.shape)
+        for r in ranks:
+            part = sharding.shard_tensor(t.name, full, cfg, r, n).reshape(-1).view(torch.uint8)
+            slab, off = places[r][i]
+            dst = views[r][slab][off : off + part.numel()]
+            dst.copy_(part)
+            sums[r][i] = crc32_of(dst)
+            if scale is not None:
+                ss, so = places[r][i + 1]
+                sdst = views[r][ss][so : so + 4]
+                sdst.copy_(scale)
+                sums[r][i + 1] = crc32_of(sdst)
+        return nread
+
+    done = 0
+    pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="resident-shard")
+    try:
+        pending: dict[Future, int] = {}
+        in_flight = 0
+        for i, t in enumerate(plan.tensors):
+            if t.is_scale:
+                continue  # written together with its weight
+            while pending and (in_flight + t.nbytes > _BUDGET_BYTES or len(pending) >= 2 * num_threads):
+                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    in_flight -= pending.pop(fut)
+                    done += fut.result()
+                emit("read", done, total)
+            pending[pool.submit(one, i)] = t.nbytes
+            in_flight += t.nbytes
+        for fut in list(pending):
+            done += fut.result()
+            emit("read", done, total)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for fd in fds.values():
+            os.close(fd)
+    for r in ranks:
+        device = views[r][0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    emit("read", total, total, force=True)
+    return sums
