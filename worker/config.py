@@ -11,7 +11,7 @@ attention applies them exactly (keys with position > query position - window), s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from resident.daemon.layout import ARCHITECTURES, check_architecture
 
@@ -111,6 +111,9 @@ class ModelConfig:
     #: the checkpoint's own dtype name as config.json states it (informational: the model
     #: computes in the dtype of the weights it is given).
     dtype: str = "float32"
+    #: > 1: a rank-local config (`for_tp`): heads, kv heads and intermediate size are this
+    #: rank's share; vocab_size stays the full vocabulary.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -136,6 +139,9 @@ class ModelConfig:
             )
         if any(w is not None and w <= 0 for w in self.sliding_windows):
             raise ModelConfigError(f"sliding windows must be > 0, got {self.sliding_windows}")
+        if self.tensor_parallel_size < 1 or self.vocab_size % self.tensor_parallel_size:
+            raise ModelConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must be >= 1 and divide "
+                                   f"vocab_size {self.vocab_size}")
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ModelConfigError(f"dtype must be a dtype name, got {self.dtype!r}")
 
@@ -146,6 +152,33 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def for_tp(self, size: int) -> "ModelConfig":
+        """The rank-local config of a tensor-parallel group of `size` ranks: heads, kv heads
+        and intermediate size divided (what each rank computes and caches); vocab_size stays
+        the full vocabulary (each rank holds vocab_size / size rows of the embedding and
+        lm_head, `vocab_shard_size`)."""
+        if self.tensor_parallel_size != 1:
+            raise ModelConfigError(f"for_tp({size}) of a config that is already rank-local "
+                                   f"(tensor_parallel_size {self.tensor_parallel_size})")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ModelConfigError(f"tensor-parallel size must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return self
+        for field, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                             ("intermediate_size", self.intermediate_size), ("vocab_size", self.vocab_size)):
+            if value % size:
+                raise ModelConfigError(
+                    f"--tensor-parallel-size {size} does not divide the model's {field} ({value}); use a size "
+                    f"that divides its heads ({self.num_heads}), kv heads ({self.num_kv_heads}), "
+                    f"intermediate size ({self.intermediate_size}) and vocabulary ({self.vocab_size})")
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=self.num_kv_heads // size,
+                       intermediate_size=self.intermediate_size // size, tensor_parallel_size=size)
+
+    @property
+    def vocab_shard_size(self) -> int:
+        """Rows of the embedding and lm_head this rank holds (vocab-parallel)."""
+        return self.vocab_size // self.tensor_parallel_size
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":

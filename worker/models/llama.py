@@ -10,6 +10,14 @@ non-quantized tensors; fp8 linears quantize their activations on the fly.
 Norms, rotary + KV-cache write, SiLU-and-mul, paged attention and the fp8 GEMM run through
 one `Kernels` backend (`worker/kernels`): Triton on a GPU, the PyTorch reference layers on
 CPU (and as the fallback). The rotary cos/sin table covers `max_position` positions.
+
+Tensor parallelism (`parallel` = this rank's `worker.distributed.ParallelGroup`, weights
+sharded by `resident.daemon.sharding`, `config` rank-local from `ModelConfig.for_tp`): the
+rank computes its heads and its slice of the MLP; o_proj and down_proj are row-parallel,
+so their partial sums are all-reduced (o_proj's bias, whole on every rank, is added once
+after the all-reduce); the embedding is vocab-parallel (rows outside this rank's range
+give zeros, then all-reduce) and so is lm_head (local logits all-gathered to the full
+vocabulary). With `parallel` None or of size 1 nothing of this runs.
 """
 from __future__ import annotations
 
@@ -38,12 +46,13 @@ class WeightsError(ValueError):
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Stored (fused) tensor names and shapes this decoder needs, quantization aside."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    vocab = config.vocab_shard_size
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.embed_tokens.weight": (vocab, h),
         "model.norm.weight": (h,),
     }
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes["lm_head.weight"] = (vocab, h)
     for i in range(config.num_layers):
         p = layer_prefix(i)
         a, m = f"{p}.self_attn", f"{p}.mlp"
@@ -92,7 +101,7 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> t
 
 class LlamaDecoderLayer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], index: int,
-                 rope_table: torch.Tensor, kernels: Kernels) -> None:
+                 rope_table: torch.Tensor, kernels: Kernels, parallel: Any = None) -> None:
         p = layer_prefix(index)
         a, m = f"{p}.self_attn", f"{p}.mlp"
         self.eps = config.rms_norm_eps
@@ -105,7 +114,16 @@ class LlamaDecoderLayer:
         self.input_layernorm = weights[f"{p}.input_layernorm.weight"]
         self.post_attention_layernorm = weights[f"{p}.post_attention_layernorm.weight"]
         self.qkv_proj = make_linear(weights, f"{a}.qkv_proj", kernels=kernels)
-        self.o_proj = make_linear(weights, f"{a}.o_proj", kernels=kernels)
+        self.parallel = parallel
+        self.o_bias = None
+        if parallel is None:
+            self.o_proj = make_linear(weights, f"{a}.o_proj", kernels=kernels)
+        else:
+            # The bias is added once, after the partial sums are reduced.
+            self.o_bias = weights.get(f"{a}.o_proj.bias")
+            o_weights = {k: v for k, v in weights.items()
+                         if k in (f"{a}.o_proj.weight", f"{a}.o_proj.weight_scale")}
+            self.o_proj = make_linear(o_weights, f"{a}.o_proj", kernels=kernels)
         self.q_norm = weights[f"{a}.q_norm.weight"] if config.qk_norm else None
         self.k_norm = weights[f"{a}.k_norm.weight"] if config.qk_norm else None
         self.gate_up_proj = make_linear(weights, f"{m}.gate_up_proj", kernels=kernels)
@@ -124,7 +142,12 @@ class LlamaDecoderLayer:
             q, k = kern.rms_norm(q, self.q_norm, self.eps), kern.rms_norm(k, self.k_norm, self.eps)
         q = kern.rotary_kv_write(positions, q, k, v, self.rope_table, kv_cache, meta.slot_mapping)
         out = kern.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        if self.parallel is not None:
+            out = self.parallel.all_reduce(out)
+            if self.o_bias is not None:
+                out = out + self.o_bias
+        return out
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +160,8 @@ class LlamaDecoderLayer:
         hidden = self.attention(positions, hidden, meta, kv_cache)
         hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
         hidden = self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden)))
+        if self.parallel is not None:
+            hidden = self.parallel.all_reduce(hidden)
         return hidden, residual
 
 
@@ -149,7 +174,13 @@ class LlamaForCausalLM:
         (default max_position_embeddings; the runner passes max(that, max_model_len));
         `parallel`: the tensor-parallel group (None: TP=1)."""
         self.config = config
-        self.parallel = parallel
+        tp = parallel.size if parallel is not None else 1
+        if tp != config.tensor_parallel_size:
+            raise ValueError(f"a tensor-parallel group of {tp} rank(s) needs the rank-local config "
+                             f"ModelConfig.for_tp({tp}); got one for {config.tensor_parallel_size}")
+        #: None at TP=1: the single-GPU path runs no collective and no masking.
+        self.parallel = parallel if tp > 1 else None
+        self.vocab_start = parallel.rank * config.vocab_shard_size if self.parallel is not None else 0
         self.dtype = check_weights(config, weights)
         self.device = weights["model.embed_tokens.weight"].device
         self.kernels = kernels if kernels is not None else get_kernels(self.device)
@@ -157,7 +188,7 @@ class LlamaForCausalLM:
         self.rope_table = build_cos_sin_cache(compute_inv_freq(config.rope, config.head_dim, self.device),
                                               positions, self.dtype)
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels)
+        self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels, self.parallel)
                        for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
         self.eps = config.rms_norm_eps
@@ -170,7 +201,7 @@ class LlamaForCausalLM:
                 kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, attn_metadata, kv_cache)
@@ -179,6 +210,19 @@ class LlamaForCausalLM:
 
     __call__ = forward
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H]; vocab-parallel under TP (each rank looks up its own range)."""
+        if self.parallel is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.config.vocab_shard_size)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
+        return self.parallel.all_reduce(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, H]."""
-        return F.linear(hidden, self.lm_head).to(torch.float32)
+        """float32 logits [N, vocab] for hidden states [N, H] (the full vocabulary on every rank)."""
+        logits = F.linear(hidden, self.lm_head)
+        if self.parallel is not None:
+            logits = self.parallel.all_gather(logits, dim=-1)
+        return logits.to(torch.float32)

@@ -1,0 +1,210 @@
+"""Tensor parallelism on CPU (gloo, two processes) against TP=1 on the same float32 weights.
+
+The test process is rank 0 of a real group (`TPGroup` spawns rank 1 with
+`python -m resident.worker.tp_executor`); each rank opens only its own shard. Through the
+ModelRunner (paged KV cache, chunked prefill, batched decode):
+- teacher-forced logits over prompt + 48 tokens within 1e-3 of TP=1, and greedy tokens equal
+  wherever TP=1's top-2 margin exceeds 1e-3 (Llama with q/k/v and o biases, Qwen2, Qwen3 with
+  q/k norms and tied embeddings);
+- free greedy generation through `execute` equal to TP=1 up to TP=1's first near-tie;
+- each rank holds about half the weights; unsplittable configs fail before anything starts.
+End to end: `resident serve --tensor-parallel-size 2` answers over HTTP with TP=1's greedy
+completion, and exits with a clear error when a child rank dies.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from serve_helpers import http, servable_tiny_model, start_serve, stop_serve
+from weights_util import fused_weights_from_hf_folder
+
+from resident.daemon.loader import LoadSpec
+from resident.worker.config import ModelConfig, ModelConfigError
+from resident.worker.engine_config import EngineConfig
+from resident.worker.entrypoint import ServeConfig
+from resident.worker.model_runner import ModelRunner
+from resident.worker.outputs import ScheduledRequest, SchedulerOutput
+from resident.worker.sampling_params import SamplingParams
+from resident.worker.tp_executor import RANK_DIED_EXIT, TPGroup, rank_devices
+
+LOGIT_TOL = 1e-3
+MARGIN = 1e-3
+BLOCK = 8
+NUM_FORCED = 48
+CHUNK = 20          # prefill chunk: positions cross block and chunk boundaries
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_FORCED)
+
+ARCHS = {
+    "llama": {"attention_bias": True},   # q/k/v bias split per rank, o_proj bias added once
+    "qwen2": {},                          # q/k/v bias
+    "qwen3": {},                          # q/k norm, tied embeddings
+}
+
+
+def engine_config() -> EngineConfig:
+    return EngineConfig(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+                        max_model_len=128)
+
+
+def forced_logits(runner, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced logits of every position of each sequence, all sequences in one batch
+    per step, prefilled in chunks of CHUNK tokens."""
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    tables = [list(range(i * 16, i * 16 + 16))[::-1] for i in range(len(seqs))]   # shuffled-looking blocks
+    start = 0
+    while start < max(len(s) for s in seqs):
+        sched = []
+        for i, s in enumerate(seqs):
+            if start < len(s):
+                chunk = s[start:start + CHUNK]
+                sched.append(ScheduledRequest(f"r{i}", chunk, start, tables[i][:-(-(start + len(chunk)) // BLOCK)],
+                                              False, GREEDY, s, []))
+        logits = runner.logits(SchedulerOutput(sched, sum(len(x.token_ids) for x in sched), set()))
+        pos = 0
+        for x in sched:
+            i = int(x.request_id[1:])
+            out[i].append(logits[pos:pos + len(x.token_ids)])
+            pos += len(x.token_ids)
+        start += CHUNK
+    return [torch.cat(o) for o in out]
+
+
+def generate(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy generation of n tokens for each prompt, batched, through `execute`."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    tables = [list(range(32 + i * 16, 48 + i * 16)) for i in range(len(prompts))]
+    sched = [ScheduledRequest(f"g{i}", p, 0, tables[i][:-(-len(p) // BLOCK)], True, GREEDY, p, [])
+             for i, p in enumerate(prompts)]
+    for _ in range(n):
+        res = runner.execute(SchedulerOutput(sched, sum(len(s.token_ids) for s in sched), set()))
+        nxt = []
+        for i, s in enumerate(sched):
+            tok = res.sampled[s.request_id]
+            outs[i].append(tok)
+            pos = s.start_pos + len(s.token_ids)
+            nxt.append(ScheduledRequest(s.request_id, [tok], pos, tables[i][:-(-(pos + 1) // BLOCK)], True, GREEDY,
+                                        prompts[i], list(outs[i])))
+        sched = nxt
+    return outs
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tp2_matches_tp1_on_the_same_weights(tiny_model, arch):
+    path = tiny_model(arch, **ARCHS[arch])
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (13, 30)]
+    seqs = [p + [rng.randrange(256) for _ in range(NUM_FORCED)] for p in prompts]
+
+    full = fused_weights_from_hf_folder(path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tp1 = ModelRunner(cfg, engine_config(), full)
+    want_logits = forced_logits(tp1, seqs)
+    want_tokens = generate(tp1, prompts, 24)
+    tp1.close()
+
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        assert group.model_config.num_heads == cfg.num_heads // 2
+        assert group.model_config.num_kv_heads == cfg.num_kv_heads // 2
+        # This rank holds its shard only: half of every split tensor, the small norms whole.
+        assert 0.45 * nbytes(full) < nbytes(store.tensors) < 0.55 * nbytes(full)
+        runner = group.build_runner(store.tensors, engine_config=engine_config())
+        assert runner.kv_cache.tensors[0].shape[3] == cfg.num_kv_heads // 2   # this rank's kv heads only
+        got_logits = forced_logits(runner, seqs)
+        got_tokens = generate(runner, prompts, 24)
+        runner.close()
+    finally:
+        group.close()
+
+    for want, got in zip(want_logits, got_logits):
+        assert got.shape == want.shape == (len(want), cfg.vocab_size)
+        assert (got - want).abs().max().item() < LOGIT_TOL
+        clear = top2_margin(want) > MARGIN
+        assert clear.float().mean() > 0.9
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    num_compared = 0
+    for want, got, p in zip(want_tokens, got_tokens, prompts):
+        n = len(want)   # up to TP=1's first near-tie
+        m = top2_margin(forced_logits(ModelRunner(cfg, engine_config(), full), [p + want])[0])[len(p) - 1:]
+        ties = (m[:n] <= MARGIN).nonzero()
+        if len(ties):
+            n = int(ties[0])
+        assert got[:n] == want[:n]
+        num_compared += n
+    assert num_compared >= 16
+
+
+def test_unsplittable_model_fails_before_any_rank_starts(tiny_model):
+    path = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ModelConfigError, match=r"--tensor-parallel-size 3 does not divide the model's "
+                                               r"num_attention_heads \(4\)"):
+        TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with pytest.raises(ModelConfigError, match="num_key_value_heads"):
+        ModelConfig.from_hf(dict(json.loads((path / "config.json").read_text()),
+                                 num_attention_heads=8, num_key_value_heads=1)).for_tp(2)
+    with pytest.raises(ModelConfigError, match="intermediate_size"):
+        ModelConfig.from_hf(dict(json.loads((path / "config.json").read_text()),
+                                 intermediate_size=129)).for_tp(2)
+    assert cfg.for_tp(1) is cfg
+    with pytest.raises(ModelConfigError, match="already rank-local"):
+        cfg.for_tp(2).for_tp(2)
+
+
+def test_more_ranks_than_gpus_is_refused():
+    assert rank_devices(torch.device("cpu"), 3) == ["cpu"] * 3
+    visible = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"--tensor-parallel-size {visible + 1} needs {visible + 1} GPUs"):
+        rank_devices(torch.device("cuda", 0), visible + 1)
+
+
+def completion(base: str, prompt: str) -> str:
+    status, body = http(base, "POST", "/v1/completions",
+                        {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def test_serve_tp2_over_http_equals_tp1_and_dies_with_a_rank(tmp_path):
+    model = servable_tiny_model(tmp_path / "m", "qwen2")
+    prompts = ["hello world", "tensor parallel ranks"]
+    args = ("--preload", "off", "--device", "cpu", "--max-model-len", "128", "--cpu-threads", "1")
+    tp1 = start_serve(model, tmp_path / "tp1.log", *args)
+    try:
+        want = [completion(tp1.base_url, p) for p in prompts]
+    finally:
+        stop_serve(tp1)
+    log = tmp_path / "tp2.log"
+    tp2 = start_serve(model, log, *args, "--tensor-parallel-size", "2")
+    try:
+        assert [completion(tp2.base_url, p) for p in prompts] == want
+        child = int(re.search(r"children pids (\d+)", log.read_text()).group(1))
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while tp2.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tp2.proc.poll() == RANK_DIED_EXIT
+        assert re.search(r"tensor-parallel rank 1 \(pid \d+\) exited", log.read_text())
+    finally:
+        stop_serve(tp2)

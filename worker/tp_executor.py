@@ -1,0 +1,343 @@
+"""Tensor-parallel ranks of `resident serve --tensor-parallel-size N`.
+
+Rank 0 is the serving process (scheduler, API server, sampling that counts). It checks the
+model can be split N ways, opens a rendezvous store, spawns ranks 1..N-1 as child processes
+(`python -m resident.worker.tp_executor SPEC`), and forms the group with them
+(`worker.distributed.ParallelGroup`: NCCL on GPUs, one device per rank, `cuda:r` counted
+from rank 0's device; gloo on CPU). Every rank opens only its own shard of the weights and
+builds the same ModelRunner over it with the rank-local config (`ModelConfig.for_tp`), so
+each rank's KV cache holds only its kv heads.
+
+From then on rank 0 drives the children through one command stream (`broadcast_object`):
+rank 0's `TPRunner` forwards every runner method that runs a forward pass — `execute`
+(the step's SchedulerOutput), `logits`, `warmup`, `capture_graphs`, `profile_peak_bytes`,
+`close` — to the other ranks before running it itself, so all ranks issue the same
+collectives in the same order. The children's sampled tokens are discarded (they sample on
+their own GPU while rank 0 does, which costs no step time). The KV cache is allocated in
+full at start under TP (no background growth: it would need a second command stream).
+
+Lifetimes: a child watches a pipe whose write end only rank 0 holds and exits when it
+closes (rank 0 died, however). Rank 0 watches its children: if one exits while the group
+serves, rank 0 logs which rank died and exits at once (the group cannot compute without
+it; waiting would hang in a collective). An error raised by a command on a child (e.g. a
+batch both ranks reject before any collective) is logged and the child keeps serving, as
+rank 0 does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resident.daemon.loader import LoadSpec
+from resident.worker.config import ModelConfig
+from resident.worker.distributed import ParallelConfig, ParallelGroup, backend_for, open_store_master
+from resident.worker.weight_store import WeightStore, open_store
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of rank 0 when a child rank died under it.
+RANK_DIED_EXIT = 3
+
+
+def rank_devices(device: torch.device, size: int) -> list[str]:
+    """The device of every rank: the CPU for all, or `size` consecutive GPUs from rank 0's."""
+    if device.type != "cuda":
+        return ["cpu"] * size
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs from cuda:{first} (one per rank), but "
+                         f"this process sees {count} (cuda:0..cuda:{count - 1}); lower --tensor-parallel-size, "
+                         "pick an earlier --device, or adjust CUDA_VISIBLE_DEVICES")
+    return [f"cuda:{first + r}" for r in range(size)]
+
+
+def check_tp_config(spec: LoadSpec, size: int) -> ModelConfig:
+    """The rank-local config of `spec`'s model, read from its config.json before any weights;
+    raises ValueError naming the field `size` does not divide."""
+    from resident.daemon.source import resolve_model
+
+    source = resolve_model(spec.model, revision=spec.revision, hub_cache=spec.hub_cache)
+    config = json.loads((Path(source.folder) / "config.json").read_text())
+    return ModelConfig.from_hf(config).for_tp(size)
+
+
+class ShardedStore(WeightStore):
+    """Rank `rank`'s shard cut from a store of the full model (copied into this process's
+    memory, the full store closed): for daemons and local loads that do not shard yet.
+    `table` stays the full model's; the full store's checksums are verified before cutting."""
+
+    def __init__(self, full: WeightStore, rank: int, size: int, verify_sample: int) -> None:
+        from resident.daemon.sharding import shard_tensor
+
+        try:
+            self._num_verified = full.verify(verify_sample)
+            self.config = dict(full.config)
+            self.tensors = {n: shard_tensor(n, t, self.config, rank, size).clone() for n, t in full.tensors.items()}
+            self.table, self.model_key, self.model_dir = full.table, full.model_key, full.model_dir
+            self.source = full.source
+            self.bytes_read_from_disk = full.bytes_read_from_disk
+        finally:
+            full.close()
+        logger.info("rank %d/%d: cut its shard from the full model (%s): %.1f MB", rank, size, self.source,
+                    sum(t.numel() * t.element_size() for t in self.tensors.values()) / 1e6)
+
+    def verify(self, sample: int = 16) -> int:
+        return self._num_verified
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, device: str, rank: int, size: int,
+                    verify_sample: int = 16) -> WeightStore:
+    """Rank `rank`'s weights (see ShardedStore)."""
+    full = open_store(spec, preload, socket_path, client_name=f"resident-serve-tp{rank}", device=device)
+    return ShardedStore(full, rank, size, verify_sample)
+
+
+class TPRunner:
+    """Rank 0's ModelRunner of a TP group: forward-running methods go to every rank."""
+
+    def __init__(self, group: ParallelGroup, runner: Any) -> None:
+        self.group = group
+        self.runner = runner
+
+    def _all(self, method: str, *args: Any) -> Any:
+        self.group.broadcast_object(("call", method, args))
+        return getattr(self.runner, method)(*args)
+
+    def execute(self, out: Any) -> Any:
+        return self._all("execute", out)
+
+    def logits(self, out: Any) -> torch.Tensor:
+        return self._all("logits", out)
+
+    def warmup(self) -> None:
+        self._all("warmup")
+
+    def capture_graphs(self) -> float:
+        return self._all("capture_graphs")
+
+    def profile_peak_bytes(self) -> int:
+        return self._all("profile_peak_bytes")
+
+    def close(self) -> None:
+        self._all("close")
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else (kv_cache, num_blocks, model_config, ...) is rank 0's own.
+        if name in ("map_kv_blocks", "grow_kv_cache"):
+            raise AttributeError(f"{name}: the KV cache of a tensor-parallel group does not grow after start")
+        return getattr(self.runner, name)
+
+
+def _build_runner(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                  device: str, kwargs: dict) -> Any:
+    from resident.worker.model_runner import ModelRunner
+
+    return ModelRunner(model_config, kwargs.pop("engine_config"), weights, device=device, parallel=group, **kwargs)
+
+
+def _plan_gpu_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                 device: str, kw: dict) -> Any:
+    """`gpu_memory.plan_gpu_kv_cache` for one rank of the group (its probe forward runs the
+    group's collectives); every rank gets the smallest rank's block count."""
+    from resident.worker import gpu_memory as gm
+    from resident.worker.engine_config import EngineConfig
+
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    free, total = gm.gpu_memory_info(dev.index)
+    bs, max_len, seqs = kw["block_size"], kw["max_model_len"], kw["max_num_seqs"]
+    per_seq = -(-max_len // bs)
+    probe_tokens = max(1, min(kw["max_num_batched_tokens"], max_len - 1)) + 1
+    probe_config = EngineConfig(block_size=bs, num_kv_blocks=max(per_seq, -(-probe_tokens // bs)),
+                                max_num_seqs=seqs, max_num_batched_tokens=kw["max_num_batched_tokens"],
+                                max_model_len=max_len, enable_prefix_caching=False)
+    probe = _build_runner(group, model_config, weights, device,
+                          {"engine_config": probe_config, "cuda_graphs": kw["cuda_graphs"]})
+    try:
+        headroom = probe.profile_peak_bytes()
+    finally:
+        probe.close()
+        del probe
+    budget = gm.GpuMemoryBudget(total_bytes=total, used_bytes=total - free, utilization=kw["utilization"],
+                                headroom_bytes=headroom)
+    itemsize = weights["model.embed_tokens.weight"].element_size()
+    layout = gm.KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                         head_dim=model_config.head_dim, block_size=bs, itemsize=itemsize,
+                         granularity=gm.vmm_granularity(dev.index), max_num_blocks=per_seq * seqs + 1)
+    blocks = kw["num_kv_blocks"] or gm.kv_blocks_for_budget(budget, layout, per_seq)
+    blocks = group.all_min(min(blocks, per_seq * seqs))
+    logger.info("rank %d: KV cache of %d blocks (smallest rank's): %s", group.rank, blocks, budget.describe())
+    return gm.GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=blocks, budget=budget)
+
+
+def _serve_commands(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                    device: str) -> None:
+    """A child rank's loop: run what rank 0 broadcasts until "stop"."""
+    runner = None
+    try:
+        while True:
+            cmd = group.broadcast_object()
+            kind = cmd[0]
+            if kind == "stop":
+                return
+            if kind == "plan":
+                _plan_gpu_kv(group, model_config, weights, device, cmd[1])
+            elif kind == "build":
+                runner = _build_runner(group, model_config, weights, device, dict(cmd[1]))
+            elif kind == "call":
+                try:
+                    getattr(runner, cmd[1])(*cmd[2])
+                except Exception as e:  # noqa: BLE001 - rank 0 raises the same error to its caller
+                    logger.error("rank %d: %s failed: %s", group.rank, cmd[1], e)
+            else:
+                raise ValueError(f"unknown tensor-parallel command {kind!r}")
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """What a child rank needs, passed as JSON on its command line."""
+
+    rank: int
+    size: int
+    store_port: int
+    device: str
+    spec: dict
+    preload: str
+    socket: str | None
+    verify_sample: int
+    cpu_threads: int | None
+    parent_fd: int = -1   # read end of rank 0's lifeline pipe
+
+
+class TPGroup:
+    """Rank 0's handle on the group: spawn, weights, KV plan, runner, shutdown."""
+
+    def __init__(self, config: Any, spec: LoadSpec, device: torch.device) -> None:
+        size = config.tensor_parallel_size
+        self.model_config = check_tp_config(spec, size)
+        self.devices = rank_devices(device, size)
+        self.config, self.spec = config, spec
+        self._stopping = threading.Event()
+        self._procs: list[subprocess.Popen] = []
+        self._store = open_store_master(size)
+        read_fd, self._lifeline = os.pipe()
+        try:
+            for r in range(1, size):
+                launch = RankLaunch(rank=r, size=size, store_port=self._store.port, device=self.devices[r],
+                                    spec=dataclasses.asdict(spec), preload=config.preload, socket=config.socket,
+                                    verify_sample=config.verify_sample, cpu_threads=config.cpu_threads,
+                                    parent_fd=read_fd)
+                cmd = [sys.executable, "-m", "resident.worker.tp_executor", json.dumps(dataclasses.asdict(launch))]
+                self._procs.append(subprocess.Popen(cmd, pass_fds=(read_fd,)))
+        finally:
+            os.close(read_fd)
+        for r, p in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(r, p), name=f"tp-rank{r}-watch", daemon=True).start()
+        logger.info("tensor parallel: %d ranks on %s (children pids %s)", size, ", ".join(self.devices),
+                    ", ".join(str(p.pid) for p in self._procs))
+        self.group = ParallelGroup(ParallelConfig(0, size, backend_for(device), store_port=self._store.port),
+                                   store=self._store)
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._stopping.is_set():
+            return
+        logger.error("tensor-parallel rank %d (pid %d) exited with status %s: the group cannot compute without "
+                     "it; resident serve exits (restart it; see rank %d's log above for why)", rank, proc.pid,
+                     code, rank)
+        logging.shutdown()
+        os._exit(RANK_DIED_EXIT)
+
+    def open_store(self) -> WeightStore:
+        c = self.config
+        return open_rank_store(self.spec, c.preload, c.socket, self.devices[0], 0, self.group.size, c.verify_sample)
+
+    def plan_gpu_kv_cache(self, weights: Mapping[str, torch.Tensor], **kw: Any) -> Any:
+        """Like gpu_memory.plan_gpu_kv_cache (same keywords), for every rank at once; the
+        headroom is always measured (its cache is keyed for one GPU's worker)."""
+        kw.pop("headroom_cache", None)
+        self.group.broadcast_object(("plan", kw))
+        return _plan_gpu_kv(self.group, self.model_config, weights, self.devices[0], kw)
+
+    def build_runner(self, weights: Mapping[str, torch.Tensor], **kwargs: Any) -> TPRunner:
+        """ModelRunner(model_config, weights, parallel=group, **kwargs) on every rank;
+        kwargs: engine_config, cuda_graphs, max_num_kv_blocks, kernel_backend."""
+        self.group.broadcast_object(("build", kwargs))
+        return TPRunner(self.group, _build_runner(self.group, self.model_config, weights, self.devices[0],
+                                                  dict(kwargs)))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the children (after the runner's own close) and leave the group."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            self.group.broadcast_object(("stop",))
+        except Exception as e:  # noqa: BLE001 - a child already gone: the lifeline ends the rest
+            logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+        os.close(self._lifeline)
+        for p in self._procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("tensor-parallel rank pid %d did not stop in %.0f s: killing it", p.pid, timeout_s)
+                p.kill()
+                p.wait()
+        self.group.close()
+
+
+def _watch_parent(fd: int) -> None:
+    while os.read(fd, 1):
+        pass
+    os._exit(RANK_DIED_EXIT)   # rank 0 is gone: nothing left to serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A child rank: join the group, open this rank's shard, serve rank 0's commands."""
+    args = argv if argv is not None else sys.argv[1:]
+    launch = RankLaunch(**json.loads(args[0]))
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s tp-rank{launch.rank} %(levelname)s %(name)s: %(message)s")
+    if launch.parent_fd >= 0:
+        threading.Thread(target=_watch_parent, args=(launch.parent_fd,), name="lifeline", daemon=True).start()
+    if launch.cpu_threads:
+        torch.set_num_threads(launch.cpu_threads)
+    from resident.worker.device import resolve_device, weights_on
+
+    device = resolve_device(launch.device)
+    spec = LoadSpec(**{k: tuple(v) if k == "devices" else v for k, v in launch.spec.items()})
+    group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
+                                         store_port=launch.store_port))
+    store = None
+    try:
+        model_config = check_tp_config(spec, launch.size)
+        store = open_rank_store(spec, launch.preload, launch.socket, str(device), launch.rank, launch.size,
+                                launch.verify_sample)
+        _serve_commands(group, model_config, weights_on(store.tensors, device), str(device))
+    finally:
+        if store is not None:
+            store.close()
+        group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
