@@ -2,7 +2,9 @@
 
 Exactly the reference's steps: quantize the activations per tensor on the fly
 (`quantize_fp8_per_tensor_dynamic`: scale_a = max(amax|x| / 448, 1e-12), x_q = clamp(x /
-scale_a) as float8_e4m3fn), then one fp8 GEMM with float32 accumulation, scaled by
+scale_a) as float8_e4m3fn — on a GPU by the fused Triton kernels of `fp8_quant`, bit-identical
+to the reference's eager ops and one or two launches instead of six; on CPU by the
+reference itself), then one fp8 GEMM with float32 accumulation, scaled by
 scale_a * scale_w, bias added, output in the activation dtype. `_scaled_mm` wants a
 row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-major
 [N, K] weight, no copy), K and N multiples of 16, and scales as float32 tensors of one
@@ -15,6 +17,7 @@ import logging
 
 import torch
 
+from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import FP8_DTYPE, fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    x_q, scale_a = quantize_fp8_per_tensor_dynamic(x2)
+    if x2.is_cuda and x2.numel() > 0:
+        x_q, scale_a = quantize_fp8_per_tensor(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    else:
+        x_q, scale_a = quantize_fp8_per_tensor_dynamic(x2)
     scale_w = weight_scale.reshape(())
     if x2.shape[0] == 0 or not scaled_mm_supports(k_in, n_out):
         logger.debug("fp8 linear %dx%d: shape not supported by _scaled_mm, using the reference math", n_out, k_in)

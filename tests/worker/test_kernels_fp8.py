@@ -1,0 +1,255 @@
+"""The fused fp8 activation quantization (worker/kernels/fp8_quant.py) against its reference.
+
+The reference is `layers.linear.quantize_fp8_per_tensor_dynamic`; the kernel must give the
+same scale and the same quantized bytes, bit for bit, on both of its paths (one program for
+small inputs, amax-with-atomics + quantize for large ones). In Triton's CPU interpreter
+(a subprocess, as in test_kernels.py) the kernels write their float32 output — the clamped
+x / scale before the fp8 cast, since the interpreter's own fp8 cast rounds wrongly — and
+the test casts it with torch; on a GPU they write fp8 and the bytes are compared directly,
+and the Triton backend's fp8 linear must equal the reference quantization + `_scaled_mm`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, quantize_fp8_per_tensor_dynamic  # noqa: E402
+
+# (M, K): decode rows of Llama-like widths (scaled down for the interpreter), odd sizes, prefill-ish.
+SHAPES = [(1, 64), (1, 1000), (3, 100), (4, 4096), (17, 300), (64, 96), (130, 257)]
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _input(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 3
+    x[m // 2, k // 3] = 57.0          # one outlier sets the scale, as in real activations
+    return x.to(dtype)
+
+
+def _expect_equal_quantization(x: torch.Tensor, out_f32: torch.Tensor, scale: torch.Tensor) -> None:
+    want_q, want_scale = quantize_fp8_per_tensor_dynamic(x)
+    assert scale.dtype == torch.float32 and scale.dim() == 0
+    assert torch.equal(scale, want_scale), f"scale {scale.item()!r} != reference {want_scale.item()!r}"
+    want_pre = (x.to(torch.float32) / want_scale).clamp(-FP8_MAX, FP8_MAX)
+    assert torch.equal(out_f32, want_pre), f"max diff {(out_f32 - want_pre).abs().max().item()}"
+    assert torch.equal(out_f32.to(FP8_DTYPE).view(torch.uint8), want_q.view(torch.uint8))
+
+
+# --- cases run in Triton's interpreter (subprocess) --------------------------------------------
+def _matches(dtype: torch.dtype, small: bool) -> None:
+    from resident.worker.kernels.fp8_quant import quantize_fp8_into
+
+    for m, k in SHAPES:
+        x = _input(m, k, dtype, seed=m * 1000 + k)
+        out = torch.full((m, k), float("nan"))
+        scale = quantize_fp8_into(x, out, small=small)
+        _expect_equal_quantization(x, out, scale)
+
+
+def _strided_rows() -> None:
+    from resident.worker.kernels.fp8_quant import quantize_fp8_into
+
+    base = _input(6, 160, torch.float32)
+    x = base[:, 16:144]                  # rows 160 apart, last dim contiguous (a split of a fused output)
+    for small in (True, False):
+        out = torch.empty(6, 128)
+        _expect_equal_quantization(x, out, quantize_fp8_into(x, out, small=small))
+
+
+def _zeros_and_saturation() -> None:
+    from resident.worker.kernels.fp8_quant import quantize_fp8_into
+
+    for small in (True, False):
+        zeros = torch.zeros(5, 70)
+        out = torch.empty(5, 70)
+        scale = quantize_fp8_into(zeros, out, small=small)
+        assert scale.item() == pytest.approx(FP8_MIN_SCALE) and not out.any()
+        _expect_equal_quantization(zeros, out, scale)
+        edge = torch.tensor([[448.0, -448.0, 1e-30, -3.5, 447.99]] * 3)
+        out = torch.empty(3, 5)
+        _expect_equal_quantization(edge, out, quantize_fp8_into(edge, out, small=small))
+
+
+def _auto_path_choice() -> None:
+    from resident.worker.kernels.fp8_quant import SMALL_MAX_NUMEL, quantize_fp8_into
+
+    for m, k in ((1, SMALL_MAX_NUMEL), (2, SMALL_MAX_NUMEL // 2 + 8)):   # at the limit, just past it
+        x = _input(m, k, torch.float16, seed=k)
+        out = torch.empty(m, k)
+        _expect_equal_quantization(x, out, quantize_fp8_into(x, out))
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    cases: dict[str, Callable[[], None]] = {}
+    for dname, dtype in DTYPES.items():
+        for small in (True, False):
+            cases[f"{'one_program' if small else 'two_kernels'}[{dname}]"] = (
+                lambda dtype=dtype, small=small: _matches(dtype, small))
+    cases["strided_rows"] = _strided_rows
+    cases["zeros_and_saturation"] = _zeros_and_saturation
+    cases["auto_path_choice"] = _auto_path_choice
+    return cases
+
+
+def _run_cases(out_path: str) -> None:
+    from test_kernels import _install_interpreter_numpy_shim
+
+    _install_interpreter_numpy_shim()
+    results = {}
+    for name, fn in _cases().items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported back to the pytest test of this case
+            results[name] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tmp_path_factory) -> dict[str, str]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: the Triton kernels cannot be tested (pip install triton)")
+    out = tmp_path_factory.mktemp("fp8quant") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"the interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_fused_quantization_matches_reference_in_interpreter(case: str, interpreted_results: dict[str, str]) -> None:
+    result = interpreted_results.get(case, "case did not run")
+    assert result == "ok", f"{case}:\n{result}"
+
+
+# --- in-process: argument checks (before any launch), and builds for Hopper --------------------
+def test_quantize_rejects_bad_arguments_naming_the_fix() -> None:
+    from resident.worker.kernels.fp8_quant import quantize_fp8_into
+
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="same shape"):
+        quantize_fp8_into(x, torch.empty(4, 16))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quantize_fp8_into(x, torch.empty(4, 32, dtype=torch.float16))
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        quantize_fp8_into(x.to(torch.int32), torch.empty(4, 32))
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        quantize_fp8_into(torch.randn(32, 4).t(), torch.empty(4, 32))
+    with pytest.raises(ValueError, match="empty"):
+        quantize_fp8_into(torch.randn(0, 32), torch.empty(0, 32))
+
+
+_BUILDS = {
+    "one_program": ("_quantize_small_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+                    {"BLOCK_K": 2048, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
+    "absmax": ("_absmax_kernel", {"x_ptr": "*bf16", "amax_ptr": "*fp32"}, {"BLOCK_M": 4, "BLOCK_K": 2048}),
+    "quantize": ("_quantize_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                      "amax_ptr": "*fp32"},
+                 {"BLOCK_M": 4, "BLOCK_K": 2048, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
+}
+
+
+@pytest.mark.parametrize("build", sorted(_BUILDS))
+def test_kernel_compiles_for_hopper_with_exact_division(build: str) -> None:
+    """Built for sm_90 by triton's own ptxas (no GPU needed): the quantizing kernels must use
+    IEEE division (div.rn, not the approximate div.full) or the bytes would differ from torch's."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from resident.worker.kernels import fp8_quant
+
+    name, pointers, constexprs = _BUILDS[build]
+    fn = getattr(fp8_quant, name)
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e).lower():
+            pytest.skip(f"this triton has no bundled ptxas: {e}")
+        raise
+    assert compiled.asm.get("cubin")
+    ptx = compiled.asm["ptx"]
+    assert "div.full" not in ptx
+    if build != "absmax":
+        assert "div.rn.f32" in ptx
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+GPU_SHAPES = [(1, 4096), (1, 14336), (4, 4096), (64, 4096), (64, 14336), (2048, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_fused_quantization_is_bit_identical(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
+
+    x = _input(*shape, dtype, seed=shape[0]).cuda()
+    got_q, got_scale = quantize_fp8_per_tensor(x)
+    want_q, want_scale = quantize_fp8_per_tensor_dynamic(x)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_gpu_fp8_linear_uses_the_fused_quantization_and_equals_the_eager_path(tokens: int, monkeypatch) -> None:
+    from resident.worker.kernels import fp8
+    from resident.worker.kernels.dispatch import get_kernels
+
+    g = torch.Generator().manual_seed(tokens)
+    w = 0.05 * torch.randn(1024, 4096, generator=g)
+    ws = (w.abs().amax() / FP8_MAX).to(torch.float32)
+    w_q, ws = (w / ws).to(FP8_DTYPE).cuda(), ws.cuda()
+    x = torch.randn(tokens, 4096, generator=g).to(torch.bfloat16).cuda()
+    calls = []
+    real = fp8.quantize_fp8_per_tensor
+    monkeypatch.setattr(fp8, "quantize_fp8_per_tensor", lambda t: calls.append(t.shape) or real(t))
+    got = get_kernels("cuda", "triton").fp8_linear(x, w_q, ws)
+    assert calls == [(tokens, 4096)]
+    x_q, sa = quantize_fp8_per_tensor_dynamic(x)
+    want = torch._scaled_mm(x_q, w_q.t(), scale_a=sa, scale_b=ws, out_dtype=torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_linear_replays_in_a_cuda_graph() -> None:
+    from resident.worker.kernels.dispatch import get_kernels
+
+    k = get_kernels("cuda", "triton")
+    w_q = (0.05 * torch.randn(512, 4096)).div(0.05 * 4 / FP8_MAX).to(FP8_DTYPE).cuda()
+    ws = torch.tensor(0.05 * 4 / FP8_MAX, dtype=torch.float32).cuda()
+    for m in (1, 64):                    # both quantization paths
+        static_x = torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda")
+        k.fp8_linear(static_x, w_q, ws)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = k.fp8_linear(static_x, w_q, ws)
+        for scale in (0.5, 30.0):        # a different amax each replay: the scale is recomputed in the graph
+            static_x.copy_(torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda") * scale)
+            graph.replay()
+            assert torch.equal(static_out, k.fp8_linear(static_x.clone(), w_q, ws))
+
+
+if __name__ == "__main__":
+    _run_cases(sys.argv[1])
