@@ -145,17 +145,31 @@ def _model_arg(model: str) -> str:
 @click.option("--dtype", default="auto", show_default=True, help="auto | bfloat16 | float16 | float32.")
 @click.option("--name", default="", help="Name to list the model under (default: MODEL).")
 @click.option("--revision", default="", help="Hub revision (branch, tag or commit) for a hub id.")
+@click.option("--draft", default="", metavar="DRAFT",
+              help="A draft model for speculative decoding, held and attached together with MODEL "
+                   "(same vocabulary required).")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=click.IntRange(min=1), default=1,
+              show_default=True, help="Hold one shard per tensor-parallel rank.")
+@click.option("--devices", default="", metavar="DEV[,DEV...]",
+              help="Device of each rank's shard, e.g. cuda:0,cuda:1 (default: the daemon's GPU for one "
+                   "rank, cuda:0..N-1 for N ranks).")
 @click.option("--json", "as_json", is_flag=True, help="Print the resident model's info as JSON.")
 @report_daemon_errors
 def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name: str, revision: str,
-         as_json: bool) -> None:
+         draft: str, tensor_parallel_size: int, devices: str, as_json: bool) -> None:
     """Load MODEL (a local HF folder, or a hub id from the local HF cache) into the daemon."""
     model = _model_arg(model)
+    draft = _model_arg(draft) if draft else ""
+    device_list = [d.strip() for d in devices.split(",") if d.strip()]
+    if device_list and len(device_list) != tensor_parallel_size:
+        raise click.BadParameter(f"{len(device_list)} device(s) for --tensor-parallel-size {tensor_parallel_size}; "
+                                 "give one device per rank", param_hint="--devices")
     final = None
     bytes_read = 0
     label = name or os.path.basename(model.rstrip("/")) or model
     with connect(daemon) as client, LoadProgressBar(label) as bar:
-        for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision):
+        for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision,
+                                 draft=draft, tensor_parallel_size=tensor_parallel_size, devices=device_list):
             if event.done:
                 final = event
             else:
@@ -167,13 +181,30 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
     if as_json:
         echo_json(message_to_dict(info))
         return
-    what = f"{info.name} v{info.version} (key {info.key[:12]}, {info.dtype}, {info.quantization})"
+    what = f"{info.name} v{info.version} (key {info.key[:12]}, {info.dtype}, {info.quantization}{_extras(info)})"
     if final.already_resident:
         click.echo(f"{what}: already resident, {format_bytes(info.nbytes)}, nothing read")
     else:
         read = bytes_read or info.nbytes
         click.echo(f"loaded {what}: read {format_bytes(read)} in {final.elapsed_s:.2f} s "
                    f"({gb_per_s(read, final.elapsed_s):.2f} GB/s), {format_bytes(info.nbytes)} resident")
+
+
+def _extras(info) -> str:
+    """", TP=2 on cuda:0,cuda:1" / ", draft DIR": what sets a model apart besides dtype and quantization."""
+    text = ""
+    if info.tensor_parallel_size > 1:
+        text += f", TP={info.tensor_parallel_size} on {','.join(info.devices)}"
+    elif info.devices and info.devices[0] != "cpu":
+        text += f", on {info.devices[0]}"
+    if info.draft_key:
+        text += f", draft {os.path.basename(info.draft_source.rstrip('/')) or info.draft_source}"
+    return text
+
+
+def _placement(info) -> str:
+    tp = max(1, info.tensor_parallel_size)
+    return f"{tp}:{','.join(info.devices) or '-'}"
 
 
 def _lease_pids(info) -> str:
@@ -195,9 +226,12 @@ def list_models(daemon: DaemonAddress, as_json: bool) -> None:
         click.echo("no models resident")
         return
     rows = [(m.name, f"v{m.version}" + ("" if m.latest else " (old)"), m.key[:12], m.dtype,
-             m.quantization, format_bytes(m.nbytes), _lease_pids(m), format_age(m.last_used_at))
+             m.quantization, _placement(m), format_bytes(m.nbytes),
+             (os.path.basename(m.draft_source.rstrip("/")) or m.draft_source) if m.draft_key else "-",
+             _lease_pids(m), format_age(m.last_used_at))
             for m in models]
-    click.echo(format_table(("NAME", "VERSION", "KEY", "DTYPE", "QUANT", "SIZE", "LEASE PIDS", "USED"), rows))
+    click.echo(format_table(("NAME", "VERSION", "KEY", "DTYPE", "QUANT", "TP:DEVICES", "SIZE", "DRAFT",
+                             "LEASE PIDS", "USED"), rows))
 
 
 @preload.command()
@@ -223,7 +257,7 @@ def status(daemon: DaemonAddress, as_json: bool) -> None:
     click.echo(f"models      {len(st.models)}")
     for m in st.models:
         click.echo(f"  {m.name} v{m.version}{' (latest)' if m.latest else ''}  key {m.key[:12]}  "
-                   f"{m.dtype}/{m.quantization}  {format_bytes(m.nbytes)}  attaches {m.num_attaches}")
+                   f"{m.dtype}/{m.quantization}{_extras(m)}  {format_bytes(m.nbytes)}  attaches {m.num_attaches}")
         for lease in m.leases:
             who = f" {lease.client_name}" if lease.client_name else ""
             waiting = "  (awaiting re-attach)" if lease.awaiting_reattach else ""

@@ -15,18 +15,21 @@ tensor table and the same tensors. `open_store` picks one according to `--preloa
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import os
 import random
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from resident.daemon.errors import DaemonError, DaemonUnavailable, NotFound, PermissionDenied
 from resident.daemon.loader import LoadSpec, key_for
+from resident.daemon.pairing import DRAFT_PREFIX, split_draft
 from resident.daemon.tensor_table import TensorTable, crc32_of
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,16 @@ class ChecksumMismatch(WeightStoreError):
     pass
 
 
+@dataclass(frozen=True)
+class DraftWeights:
+    """A speculative-decoding draft held (and attached) together with its target."""
+
+    tensors: Mapping[str, torch.Tensor]   # stored names, without the table's "draft." prefix
+    config: dict
+    model_dir: str                        # the draft's checkpoint folder (tokenizer files)
+    model_key: str                        # the draft's own model key
+
+
 class WeightStore(abc.ABC):
     """The weights of one model variant, in the engine's layout."""
 
@@ -53,7 +66,9 @@ class WeightStore(abc.ABC):
     source: str               # "daemon" | "local"
     model_dir: str            # the resolved checkpoint folder (tokenizer files live here)
     bytes_read_from_disk: int
-    table: TensorTable
+    table: TensorTable        # every entry: the target's, and a paired draft's as "draft.<name>"
+    draft: DraftWeights | None = None   # the paired draft (spec.draft), else None
+    tp_rank: int = 0          # the tensor-parallel rank whose shard `tensors` are
 
     def verify(self, sample: int = 16) -> int:
         """Recompute CRC-32s of `sample` tensors (always including the smallest and largest
@@ -68,7 +83,8 @@ class WeightStore(abc.ABC):
             extra = max(0, sample - len(extremes))
             chosen = list({e.name: e for e in extremes}.values()) + random.sample(rest, min(extra, len(rest)))
         for e in chosen:
-            got = crc32_of(self.tensors[e.name])
+            draft = self.draft is not None and e.name.startswith(DRAFT_PREFIX)
+            got = crc32_of(self.draft.tensors[e.name[len(DRAFT_PREFIX):]] if draft else self.tensors[e.name])
             if got != e.crc32:
                 raise ChecksumMismatch(
                     f"tensor {e.name} of model {self.model_key[:16]} ({self.source}) has CRC-32 {got:08x}, "
@@ -88,10 +104,13 @@ class LocalStore(WeightStore):
 
     source = "local"
 
-    def __init__(self, spec: LoadSpec, device: str = "cpu") -> None:
+    def __init__(self, spec: LoadSpec, device: str = "cpu", tp_rank: int = 0) -> None:
         from resident.daemon.loader import load
         from resident.daemon.memory import get_backend
+        from resident.daemon.tensor_table import select_rank
 
+        if not 0 <= tp_rank < spec.tensor_parallel_size:
+            raise WeightStoreError(f"tp_rank {tp_rank} is outside tensor-parallel size {spec.tensor_parallel_size}")
         self._slabs: list[Any] = []
         if device.startswith("cuda"):
             try:
@@ -101,7 +120,9 @@ class LocalStore(WeightStore):
                 device = "cpu"
         if not device.startswith("cuda"):
             backend = get_backend("host_shm")
-        loaded = load(spec, backend)
+        sharded = spec.tensor_parallel_size > 1
+        # A tensor-parallel rank loads only its own shard, onto this process's device.
+        loaded = load(spec, backend, ranks=(tp_rank,), device=device) if sharded else load(spec, backend)
         if device.startswith("cuda"):
             self._slabs = list(loaded.slabs)   # kept (and closed) by this store
             slabs = [s.readable() for s in loaded.slabs]
@@ -112,8 +133,11 @@ class LocalStore(WeightStore):
             finally:
                 for s in loaded.slabs:
                     s.close()
-        self.table = loaded.table
-        self.tensors = self.table.views(slabs)
+        self.table = select_rank(loaded.table, loaded.slab_ranks, tp_rank)[0] if sharded else loaded.table
+        self.tensors, draft = split_draft(self.table.views(slabs))
+        self.tp_rank = tp_rank
+        if loaded.draft_key:
+            self.draft = DraftWeights(draft, dict(loaded.draft_config or {}), loaded.draft_source, loaded.draft_key)
         self.config = dict(loaded.config)
         self.model_key = loaded.key
         self.model_dir = loaded.source
@@ -123,6 +147,7 @@ class LocalStore(WeightStore):
 
     def close(self) -> None:
         self.tensors = {}
+        self.draft = None
         for s in self._slabs:
             s.close()
         self._slabs = []
@@ -143,8 +168,8 @@ class RemoteStore(WeightStore):
 
     source = "daemon"
 
-    def __init__(self, client: Any, model_key: str, model_dir: str) -> None:
-        attached = client.attach(model_key, expected_key=model_key)
+    def __init__(self, client: Any, model_key: str, model_dir: str, tp_rank: int = 0) -> None:
+        attached = client.attach(model_key, expected_key=model_key, tp_rank=tp_rank)
         self._client = client
         self._closing = threading.Event()
         self._swap = threading.Lock()
@@ -152,6 +177,10 @@ class RemoteStore(WeightStore):
         self.lease_id = attached.lease_id
         self.table = attached.table
         self.tensors = attached.tensors
+        self.tp_rank = tp_rank
+        if attached.draft_tensors is not None:
+            self.draft = DraftWeights(attached.draft_tensors, dict(attached.draft_config or {}),
+                                      attached.info.draft_source, attached.info.draft_key)
         self.config = dict(attached.config)
         self.model_key = model_key
         self.model_dir = model_dir
@@ -231,7 +260,8 @@ def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
     t0 = time.monotonic()
     last = 0.0
     for p in client.load(spec.model, name=spec.name, dtype=spec.dtype, quantization=spec.quantization,
-                         revision=spec.revision or ""):
+                         revision=spec.revision or "", draft=spec.draft or "",
+                         tensor_parallel_size=spec.tensor_parallel_size, devices=spec.devices):
         now = time.monotonic()
         if p.done or now - last > 1.0:
             last = now
@@ -243,22 +273,24 @@ def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
 
 def _absolute(spec: LoadSpec) -> LoadSpec:
     """The daemon resolves paths itself: hand it an absolute folder."""
-    if os.path.isdir(spec.model) and not os.path.isabs(spec.model):
-        return LoadSpec(model=os.path.abspath(spec.model), name=spec.name, dtype=spec.dtype,
-                        quantization=spec.quantization, revision=spec.revision, hub_cache=spec.hub_cache)
-    return spec
+    def absolute(model: str) -> str:
+        return os.path.abspath(model) if os.path.isdir(model) and not os.path.isabs(model) else model
+
+    return dataclasses.replace(spec, model=absolute(spec.model),
+                               draft=absolute(spec.draft) if spec.draft is not None else None)
 
 
 def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = None,
-               client_name: str = "resident-serve", device: str = "cpu") -> WeightStore:
+               client_name: str = "resident-serve", device: str = "cpu", tp_rank: int = 0) -> WeightStore:
     """The weights for `spec`, from the daemon or loaded here (onto `device`), per `preload`
-    (see module doc)."""
+    (see module doc): with `spec.draft`, the target and its draft (`store.draft`); with
+    `spec.tensor_parallel_size` > 1, rank `tp_rank`'s shard only."""
     if preload not in PRELOAD_MODES:
         raise ValueError(f"unknown preload mode {preload!r}; valid: {', '.join(PRELOAD_MODES)}")
     spec = _absolute(spec)
     if preload == "off":
         logger.info("--preload off: loading %s in-process", spec.display_name)
-        return LocalStore(spec, device)
+        return LocalStore(spec, device, tp_rank)
     key, source = key_for(spec)
     from resident.daemon.client import Client
 
@@ -272,23 +304,23 @@ def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = 
                 "or serve with --preload auto|off") from None
         logger.info("no preload daemon (%s): loading %s in-process; the next restart would be faster "
                     "with `resident preload start`", e, spec.display_name)
-        return LocalStore(spec, device)
+        return LocalStore(spec, device, tp_rank)
     try:
-        return _from_daemon(client, spec, key, str(source.folder), preload, device)
+        return _from_daemon(client, spec, key, str(source.folder), preload, device, tp_rank)
     except BaseException:
         client.close()
         raise
 
 
 def _from_daemon(client: Any, spec: LoadSpec, key: str, model_dir: str, preload: str,
-                 device: str = "cpu") -> WeightStore:
+                 device: str = "cpu", tp_rank: int = 0) -> WeightStore:
     try:
-        return RemoteStore(client, key, model_dir)
+        return RemoteStore(client, key, model_dir, tp_rank)
     except NotFound:
         logger.info("the daemon does not hold %s (key %s): asking it to load it", spec.display_name, key[:16])
     try:
         _load_into_daemon(client, spec)
-        return RemoteStore(client, key, model_dir)
+        return RemoteStore(client, key, model_dir, tp_rank)
     except PermissionDenied as e:
         if preload == "require":
             raise WeightStoreError(
@@ -305,4 +337,4 @@ def _from_daemon(client: Any, spec: LoadSpec, key: str, model_dir: str, preload:
         logger.warning("the daemon loaded %s under a different key (%s): loading in-process",
                        spec.display_name, e)
     client.close()
-    return LocalStore(spec, device)
+    return LocalStore(spec, device, tp_rank)
