@@ -15,6 +15,7 @@ _COMMANDS = {
     "prepare-model": "resident.cli.prepare:prepare_model",
     "demo": "resident.cli.demo:demo",
     "rollout": "resident.cli.rollout:rollout",
+    "snapshot": "resident.cli.snapshot:snapshot",
 }
 _HELP = {
     "preload": "Run and manage the preload daemon that keeps weights resident.",
@@ -23,6 +24,7 @@ _HELP = {
     "prepare-model": "Prepare the default model (SmolLM2-135M-Instruct) as an HF folder.",
     "demo": "Daemon + engine + a real request + a worker restart, on the default model.",
     "rollout": "Rolling restart of the replicas serving a port, without failing requests.",
+    "snapshot": "Freeze a worker with CRIU and thaw it in seconds (doctor, install-criu, create, restore).",
 }
 
 

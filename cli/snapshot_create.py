@@ -1,0 +1,169 @@
+"""`resident snapshot create`: freeze one running TP=1 worker into a snapshot directory.
+
+Order: find the worker and its admin socket; refuse what CRIU cannot carry (stdout/stderr
+pipes) before touching it; POST /snapshot/prepare (the worker quiesces, records the canary,
+detaches weights and KV keeping their address ranges, closes its daemon connections); on GPU,
+lock + checkpoint its CUDA state; `criu dump --leave-running` into DIR.tmp/images; prove from
+the images that none of the detached ranges' pages are in them; write the manifest; rename
+DIR.tmp -> DIR. Then either stop the worker (SIGKILL to its tree) or resume it (CUDA restore +
+unlock, POST /snapshot/resume). Any failure resumes the worker and removes DIR.tmp.
+
+The dump always leaves the tree running so that a failed check can still resume it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from resident.cli.snapshot_doctor import privileges
+from resident.cli.snapshot_manifest import IMAGES, Manifest, address_ranges, gpu_facts, versions, write_manifest
+from resident.cli.snapshot_worker import AdminClient, daemon_socket_of, find_admin, listening_tcp
+from resident.worker import criu, criu_images
+from resident.worker.criu import find_criu, format_version
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CreateConfig:
+    pid: int
+    output: Path
+    port: int = 0                    # the port asked for (--url); 0: the worker's only listening port
+    leave_running: bool = False
+    prepare_timeout_s: float = 120.0
+    resume_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.pid <= 0:
+            raise ValueError(f"pid must be positive, got {self.pid}")
+        if not self.output.is_absolute():
+            raise ValueError(f"output must be an absolute path, got {self.output}")
+
+
+@dataclass
+class CreateResult:
+    manifest: Manifest
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+def _refuse_pipes(pid: int) -> None:
+    targets = criu.fd_targets(pid)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if targets.get(fd, "").startswith("pipe:"):
+            raise SnapshotError(f"the worker's {name} is a pipe, which CRIU cannot bring back connected: start "
+                                f"`resident serve` with stdout and stderr redirected to a file (e.g. "
+                                "`>> worker.log 2>&1`, or StandardOutput=append:... under systemd)")
+
+
+def _pick_port(pid: int, asked: int) -> tuple[str, int]:
+    listening = listening_tcp(pid)
+    if asked:
+        for host, port in listening:
+            if port == asked:
+                return host, port
+        raise SnapshotError(f"pid {pid} does not listen on port {asked} (it listens on {listening})")
+    if len(listening) != 1:
+        raise SnapshotError(f"pid {pid} listens on {listening or 'no TCP port'}; pass --url to name the port")
+    return listening[0]
+
+
+def _stop_tree(pids: list[int]) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 30
+    while any(criu.pid_state(p) not in (None, "Z") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def create_snapshot(config: CreateConfig) -> CreateResult:
+    priv = privileges()
+    if not priv.ok:
+        raise SnapshotError(f"no privileges for a snapshot: {priv.detail}; {priv.fix}")
+    found = find_criu()
+    if found.binary is None:
+        raise SnapshotError(f"no usable CRIU: {found.reason()}")
+    if criu.pid_state(config.pid) in (None, "Z"):
+        raise SnapshotError(f"no running process with pid {config.pid}")
+    if config.output.exists():
+        raise SnapshotError(f"{config.output} already exists; remove it or choose another --output")
+    _refuse_pipes(config.pid)
+    host, port = _pick_port(config.pid, config.port)
+    admin = find_admin(config.pid)
+    state = admin.state()
+    if state != "serving":
+        raise SnapshotError(f"the worker is {state!r}, not serving; a snapshot starts from a serving worker")
+    options = criu.options_for(config.pid)
+    tree = criu.process_tree(config.pid)
+    daemon_socket = daemon_socket_of(config.pid)
+
+    tmp = config.output.with_name(config.output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    timings: dict[str, float] = {}
+    t = time.monotonic()
+    reply = admin.prepare(config.prepare_timeout_s)
+    timings["prepare"] = time.monotonic() - t
+    worker = dict(reply.get("manifest", {}))
+    device = str(worker.get("device", "cpu"))
+    cuda = None
+    try:
+        if device.startswith("cuda"):
+            from resident.worker.cuda_checkpoint import CudaCheckpoint
+
+            cuda = CudaCheckpoint(config.pid)
+            timings["cuda_checkpoint"] = cuda.lock_and_checkpoint()
+        images = tmp / IMAGES
+        images.mkdir(parents=True)
+        result = criu.dump(found.binary, config.pid, images, options, tmp / "dump.log", leave_running=True)
+        timings["criu_dump"] = result.seconds
+        ranges = address_ranges(worker.get("addresses"))
+        leaked = criu_images.dumped_bytes_in(images, ranges)
+        if leaked:
+            raise SnapshotError(f"the image holds {leaked} bytes of the worker's detached weight/KV ranges: the "
+                                "worker did not detach them; refusing a snapshot that would carry its weights")
+        manifest = Manifest(
+            model_key=str(worker.get("model_key", "")), device=device, pid=config.pid, tree_pids=tuple(tree),
+            host=host, port=port, admin_socket=admin.path, daemon_socket=str(worker.get("daemon_socket") or daemon_socket),
+            kernel=os.uname().release, versions=versions(), criu_version=format_version(found.binary.version),
+            criu_options=options, address_ranges=tuple(ranges), image_bytes=criu_images.image_bytes(images),
+            canary=worker.get("canary"),
+            gpu=gpu_facts(str(worker.get("device_uuid", ""))) if cuda is not None else {},
+            worker=worker, created_at=time.time())
+        write_manifest(tmp, manifest)
+        os.rename(tmp, config.output)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        logger.error("snapshot failed (%s); resuming the worker", e)
+        try:
+            _resume(admin, cuda, config.resume_timeout_s)
+        except Exception as resume_error:  # report both; the first is the cause
+            raise SnapshotError(f"{e}; resuming the worker afterwards failed too: {resume_error}") from e
+        raise
+    if config.leave_running:
+        timings.update(_resume(admin, cuda, config.resume_timeout_s))
+    else:
+        _stop_tree(tree)
+    return CreateResult(manifest, timings)
+
+
+def _resume(admin: AdminClient, cuda: object, timeout_s: float) -> dict[str, float]:
+    timings: dict[str, float] = {}
+    if cuda is not None:
+        timings["cuda_restore"] = cuda.restore_and_unlock()  # type: ignore[attr-defined]
+    reply = admin.resume(load_if_missing=False, timeout_s=timeout_s)
+    timings.update({k: float(v) for k, v in reply.items() if k.endswith("_s") and isinstance(v, (int, float))})
+    return timings
+
+
+__all__ = ["CreateConfig", "CreateResult", "SnapshotError", "create_snapshot"]
