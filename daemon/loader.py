@@ -325,8 +325,8 @@ def load(
     total = plan.bytes_to_read
     emit("validate", 0, total, force=True)
     if n == 1:
-        # Unchanged for unsharded models: the default device unless one was named.
-        where = device if device is not None or spec.devices else None
+        # Unchanged for unsharded models: the backend's default device unless one was named.
+        where = devices[0] if device is not None or spec.devices else None
         entries, slabs, staged = _load_whole(plan, backend, emit, total, where, num_threads, staging, staged)
         slab_ranks: tuple[int, ...] = ()
         loaded_devices = (slabs[0].desc.device,)

@@ -91,6 +91,7 @@ class ServeConfig:
     notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
     process_start_time: float | None = None   # unix time the process started (None: now)
     kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
+    admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -124,6 +125,9 @@ class ServeConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
+            raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
+                             "(107 bytes); choose a shorter path")
 
     @property
     def model_name(self) -> str:
@@ -193,6 +197,8 @@ class _Worker:
     runner: Any = None
     kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
     kv_block_bytes: int = 0       # one block, all layers, keys and values
+    llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
+    kv_growth: Any = None         # the background KV growth thread, while it runs (GPU)
 
 
 def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
@@ -301,7 +307,9 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                           trust_request_chat_template=config.trust_request_chat_template)
     async_engine = AsyncEngine(engine, on_step=on_step)
     serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
-    return _Worker(store, async_engine, serving, runner, kv_target_blocks, block_bytes)
+    worker = _Worker(store, async_engine, serving, runner, kv_target_blocks, block_bytes)
+    worker.llm_engine = engine
+    return worker
 
 
 def _log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],
@@ -398,6 +406,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    admin = await _start_admin(config, state, stop)
 
     build = _in_thread(_build, config, startup, metrics)
     stopper = asyncio.ensure_future(stop.wait())
@@ -405,6 +414,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     if not build.done():
         logger.info("stopped during start-up")
         await runner.cleanup()
+        await _stop_admin(admin)
         return 0
     try:
         worker: _Worker = build.result()
@@ -414,6 +424,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
         expected = isinstance(e, (ValueError, RuntimeError, OSError))  # they explain themselves
         logger.error("resident serve could not start: %s", e, exc_info=not expected)
         await runner.cleanup()
+        await _stop_admin(admin)
         return 1
 
     worker.engine.start()
@@ -423,9 +434,14 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     state.ready = True
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
     sd_notify(config.notify_socket, "READY=1")
-    growth = _start_kv_growth(worker, metrics)
+    growth = worker.kv_growth = _start_kv_growth(worker, metrics)
+    if admin is not None:
+        from resident.worker.snapshot_control import SnapshotControl
+
+        admin.snapshot = SnapshotControl(state, worker, config)
 
     await stopper
+    await _stop_admin(admin)
     logger.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
     sd_notify(config.notify_socket, "STOPPING=1")
     state.draining = True
@@ -441,6 +457,32 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     worker.store.close()
     logger.info("stopped")
     return 0
+
+
+async def _start_admin(config: ServeConfig, state: ServerState, stop: asyncio.Event) -> Any:
+    """The worker's admin socket (admin.py: /ready, /drain, snapshot routes); None, with a
+    warning, when the default path cannot be bound (an explicit --admin-socket must work)."""
+    from resident.worker.admin import AdminServer, ServeControl
+    from resident.worker.snapshot_control import admin_socket_for_pid
+
+    path = os.path.abspath(config.admin_socket or admin_socket_for_pid(os.getpid()))
+    admin = AdminServer(ServeControl(state, stop.set), path)
+    try:
+        await admin.start()
+    except OSError as e:
+        if config.admin_socket:
+            raise OSError(e.errno, f"cannot bind the admin socket --admin-socket {path}: {e.strerror}; choose "
+                                   "a writable path") from None
+        logger.warning("no admin socket (snapshots unavailable): cannot bind %s: %s; set $RESIDENT_RUNTIME_DIR "
+                       "or --admin-socket", path, e)
+        return None
+    logger.info("admin socket: %s", path)
+    return admin
+
+
+async def _stop_admin(admin: Any) -> None:
+    if admin is not None:
+        await admin.stop()
 
 
 def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConfig, _Startup] | None:
