@@ -92,6 +92,10 @@ logger = logging.getLogger(__name__)
 @click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
               help="The supervisor's control socket [default: $RESIDENT_RUNTIME_DIR or /run/resident or "
                    "$XDG_RUNTIME_DIR/resident, then engine-PORT.ctl].")
+@click.option("--admin-socket", type=click.Path(dir_okay=False), default=None,
+              help="This worker's admin Unix socket (/ready, /drain, snapshot prepare/resume) [default: "
+                   "$RESIDENT_RUNTIME_DIR or /run/resident or $XDG_RUNTIME_DIR/resident or /tmp/resident-UID, "
+                   "then worker-PID.sock]. Replicas of a supervisor keep their own.")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
@@ -99,7 +103,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
           data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
-          drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None) -> None:
+          drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
+          admin_socket: str | None) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
 
@@ -119,7 +124,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs,
-            notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time())
+            notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),
+            admin_socket=os.path.abspath(admin_socket) if admin_socket else None)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if data_parallel_size is None and not standby_replicas and not launcher:

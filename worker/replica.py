@@ -208,6 +208,9 @@ class Replica:
         self.ready_s = self.startup.phases["total"]
         self.metrics.set_startup_phases(self.startup.phases)
         self.server_state.ready = True
+        from resident.worker.snapshot_control import SnapshotControl
+
+        admin.snapshot = SnapshotControl(self.server_state, self.worker, self.config)
         if self.options.standby:
             self.state = ReplicaState.STANDBY
         else:
