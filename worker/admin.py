@@ -13,12 +13,26 @@ Routes:
 - `POST /drain`: stop accepting, hand connections back (see graceful.py), finish in-flight
   requests, exit 0. Answers 202 at once; the supervisor watches the process exit.
 - `GET /status`: the replica's state as JSON.
+
+Every `resident serve` process has one (a single worker too: `ServeControl`, at
+`--admin-socket`, default `snapshot_control.admin_socket_for_pid(pid)`). Snapshot routes,
+answered once the worker is built (409 before; see snapshot_control.py):
+- `POST /snapshot/prepare` `{"timeout_s": float}`: quiesce, record the canary, detach from
+  the daemon; 200 `{"state": "detached", "manifest": {...}, "timings": {...}}`.
+- `POST /snapshot/resume` `{"load_if_missing": bool}`: re-attach at the same addresses,
+  replay the canary, serve again; 200 `{"state": "serving", "reattach_s", "kv_s", "canary_s"}`.
+- `GET /snapshot/state`: `{"state": "serving"|"preparing"|"detached"|"resuming"|"failed", ...}`.
+Errors: `{"error": message, "state": ...}` with 400 (bad body), 409 (not possible now or
+for this worker; the daemon no longer holds the model), 503 (no daemon), 500 (failed).
+/ready answers 503 while a snapshot step runs and while detached.
 """
 from __future__ import annotations
 
 import enum
 import logging
 import os
+import json
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -47,12 +61,48 @@ class ReplicaControl(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-class AdminServer:
-    """Serves `control` on the Unix socket `path` (mode 0600, replaced if stale)."""
+class ServeControl:
+    """`ReplicaControl` for a single `resident serve` process (no supervisor, never standby):
+    its state follows the HTTP server's; /drain stops it as SIGTERM does."""
 
-    def __init__(self, control: ReplicaControl, path: str) -> None:
+    def __init__(self, server_state: Any, stop: Callable[[], None]) -> None:
+        self.server_state = server_state
+        self._stop = stop
+
+    @property
+    def state(self) -> ReplicaState:
+        s = self.server_state
+        if s.failed is not None:
+            return ReplicaState.FAILED
+        if s.draining:
+            return ReplicaState.DRAINING
+        return ReplicaState.SERVING if s.ready else ReplicaState.STARTING
+
+    @property
+    def alive(self) -> bool:
+        return self.server_state.alive
+
+    async def promote(self) -> float:
+        raise RuntimeError("a single worker is never a standby")
+
+    def request_drain(self, reason: str) -> None:
+        logger.info("stop requested (%s)", reason)
+        self._stop()
+
+    def status(self) -> dict[str, Any]:
+        s = self.server_state
+        return {"pid": os.getpid(), "state": self.state.value, "num_http_in_flight": s.num_http_in_flight,
+                "paused": s.paused}
+
+
+class AdminServer:
+    """Serves `control` on the Unix socket `path` (mode 0600, replaced if stale); the snapshot
+    routes once `snapshot` (a snapshot_control.SnapshotControl) is set."""
+
+    def __init__(self, control: ReplicaControl, path: str, snapshot: Any = None) -> None:
         self.control = control
         self.path = path
+        self.snapshot = snapshot
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -62,6 +112,9 @@ class AdminServer:
         app.router.add_get("/status", self.status)
         app.router.add_post("/promote", self.promote)
         app.router.add_post("/drain", self.drain)
+        app.router.add_post("/snapshot/prepare", self.snapshot_prepare)
+        app.router.add_post("/snapshot/resume", self.snapshot_resume)
+        app.router.add_get("/snapshot/state", self.snapshot_state)
         return app
 
     async def start(self) -> None:
@@ -89,12 +142,18 @@ class AdminServer:
 
     async def ready(self, request: web.Request) -> web.Response:
         state = self.control.state
+        if self.snapshot is not None and self.snapshot.state.value != "serving":
+            return web.json_response({"state": state.value, "snapshot": self.snapshot.state.value,
+                                      "accepting": False}, status=503)
         if state in (ReplicaState.SERVING, ReplicaState.STANDBY) and self.control.alive:
             return web.json_response({"state": state.value, "accepting": state is ReplicaState.SERVING})
         return web.json_response({"state": state.value, "accepting": False}, status=503)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.control.status())
+        status = self.control.status()
+        if self.snapshot is not None:
+            status["snapshot"] = self.snapshot.state.value
+        return web.json_response(status)
 
     async def promote(self, request: web.Request) -> web.Response:
         if self.control.state is not ReplicaState.STANDBY:
@@ -107,5 +166,41 @@ class AdminServer:
         self.control.request_drain("asked on the admin socket")
         return web.json_response({"state": self.control.state.value}, status=202)
 
+    # --- snapshot (snapshot_control.py) ---------------------------------------------------
+    async def snapshot_state(self, request: web.Request) -> web.Response:
+        if self.snapshot is None:
+            return web.json_response({"state": "starting", "error": "the worker is still starting"})
+        return web.json_response(self.snapshot.status())
 
-__all__ = ["AdminServer", "ReplicaControl", "ReplicaState"]
+    async def snapshot_prepare(self, request: web.Request) -> web.Response:
+        return await self._snapshot_call(request, "timeout_s", (int, float), 30.0,
+                                         lambda v: self.snapshot.prepare(float(v)))
+
+    async def snapshot_resume(self, request: web.Request) -> web.Response:
+        return await self._snapshot_call(request, "load_if_missing", (bool,), False,
+                                         lambda v: self.snapshot.resume(bool(v)))
+
+    async def _snapshot_call(self, request: web.Request, key: str, types: tuple[type, ...], default: Any,
+                             call: Callable[[Any], Any]) -> web.Response:
+        from resident.worker.snapshot_control import SnapshotError
+
+        if self.snapshot is None:
+            return web.json_response({"error": "the worker is still starting (or failed to start); retry once "
+                                               "/ready answers 200", "state": self.control.state.value}, status=409)
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return web.json_response({"error": f"the request body is not valid JSON: {e}"}, status=400)
+        value = body.get(key, default) if isinstance(body, dict) else None
+        if not isinstance(body, dict) or not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            return web.json_response({"error": f"expected a JSON object with an optional {key!r} "
+                                               f"({'/'.join(t.__name__ for t in types)}), got {raw[:200]!r}"},
+                                     status=400)
+        try:
+            return web.json_response(await call(value))
+        except SnapshotError as e:
+            return web.json_response({**self.snapshot.status(), "error": str(e)}, status=e.status)
+
+
+__all__ = ["AdminServer", "ReplicaControl", "ReplicaState", "ServeControl"]

@@ -41,6 +41,7 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     failed: str | None = None          # start-up failed: /health turns 500
+    paused: str | None = None          # why new requests get 503 for now (snapshot); /ready 503 meanwhile
     num_http_in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -111,6 +112,8 @@ class ApiServer:
             return web.json_response({"status": "draining"}, status=503)
         if not self.state.ready:
             return web.json_response({"status": "starting"}, status=503)
+        if self.state.paused:
+            return web.json_response({"status": "paused", "reason": self.state.paused}, status=503)
         return web.json_response({"status": "ready"})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -138,7 +141,12 @@ class ApiServer:
         if not self.state.ready or self.state.serving is None:
             raise RequestError("the model is still loading; retry once /ready answers 200",
                                status=503, type="service_unavailable")
+        self._check_paused()
         return self.state.serving
+
+    def _check_paused(self) -> None:
+        if self.state.paused:
+            raise RequestError(self.state.paused, status=503, type="service_unavailable")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
@@ -153,6 +161,9 @@ class ApiServer:
     async def _respond(self, request: web.Request, serving: OpenAIServing, prep: Prepared) -> web.StreamResponse:
         self.state.num_http_in_flight += 1
         try:
+            # Checked again in the same loop step as the count: a request that read its body
+            # while a snapshot began never reaches the engine (the snapshot waits for the count).
+            self._check_paused()
             if not prep.request.stream:
                 return web.json_response(await serving.run(prep))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

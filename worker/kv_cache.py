@@ -4,12 +4,16 @@ Index 0 holds keys, 1 values; token slot s of the cache is block s // block_size
 s % block_size. The block manager decides which blocks a sequence owns; this module only
 sizes and allocates the memory.
 
-On CPU each layer is one zeroed torch tensor. On a GPU the cache lives in its own VMM
+On CPU the whole cache is one anonymous mapping this process manages itself
+(`host_shm.HostRegion`: zeroed by the kernel, each layer a view of it), so that it too can be
+`unmap()`ped (a PROT_NONE placeholder keeps the addresses) and `remap()`ped zeroed at the same
+addresses. On a GPU the cache lives in its own VMM
 address range (`gpu_memory.VmmRange`): each layer's keys and each layer's values own a
 segment of the reservation with room for `max_num_blocks`, so a layer's tensor is
 `[2, num_blocks, ...]` with the value half one segment after the key half (stride(0) is
 the segment, not num_blocks * block; each half is contiguous). That is what lets the cache
 `grow()` in place and be `unmap()`ped and `remap()`ped at the same addresses (snapshot).
+After a remap the cache holds zeros: the caller must forget its prefix cache.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 from resident.worker.config import ModelConfig
 
 if TYPE_CHECKING:
+    from resident.daemon.memory.host_shm import HostRegion
     from resident.worker.gpu_memory import KVLayout, VmmRange
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ class KVCache:
     mapped_num_blocks: int = 0
     #: Seconds of the allocation's parts: "reserve", "map_zero" (VMM only).
     alloc_s: dict[str, float] = field(default_factory=dict)
+    host: HostRegion | None = None      # the CPU mapping, when the cache owns one
 
     def __post_init__(self) -> None:
         self.mapped_num_blocks = max(self.mapped_num_blocks, self.num_blocks)
@@ -75,18 +81,10 @@ class KVCache:
         if device.type == "cuda":
             return cls._allocate_vmm(model_config, num_blocks, block_size, dtype, device,
                                      max(num_blocks, max_num_blocks or num_blocks))
-        shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        total = bytes_per_block(model_config, dtype, block_size) * num_blocks
-        try:
-            # Zeroed: a freshly allocated block must never contribute NaN/Inf garbage.
-            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]
-        except RuntimeError as e:
-            raise MemoryError(
-                f"cannot allocate the KV cache ({num_blocks} blocks x {block_size} tokens = {total / 2**20:.1f} MiB "
-                f"on {device}): {e}; lower num_kv_blocks"
-            ) from e
-        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size, total / 2**20, device)
-        return cls(tensors, num_blocks, block_size)
+        host, tensors = _host_tensors(model_config, num_blocks, block_size, dtype)
+        logger.info("KV cache: %d blocks x %d tokens, %.1f MiB at 0x%x on %s", num_blocks, block_size,
+                    host.nbytes / 2**20, host.address, device)
+        return cls(tensors, num_blocks, block_size, host=host)
 
     @classmethod
     def _allocate_vmm(cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -151,12 +149,15 @@ class KVCache:
             raise ValueError(f"grow({num_blocks}): the cache already holds {self.num_blocks} blocks")
         dtype = self.tensors[0].dtype
         if self.memory is None:
-            grown = []
-            for t in self.tensors:
-                g = torch.zeros((2, num_blocks, *t.shape[2:]), dtype=dtype, device=t.device)
+            t0 = self.tensors[0]
+            if self.host is not None:
+                host, grown = _host_tensors_like(self.tensors, num_blocks)
+            else:
+                host, grown = None, [torch.zeros((2, num_blocks, *t0.shape[2:]), dtype=dtype, device=t0.device)
+                                     for _ in self.tensors]
+            for g, t in zip(grown, self.tensors):
                 g[:, :self.num_blocks].copy_(t)
-                grown.append(g)
-            self.tensors = grown
+            self.tensors, self.host = grown, host
             self.num_blocks = self.mapped_num_blocks = num_blocks
             logger.info("KV cache grown to %d blocks (%.1f MiB)", num_blocks, self.nbytes / 2**20)
             return
@@ -166,12 +167,33 @@ class KVCache:
         self.num_blocks = num_blocks
         logger.info("KV cache grown to %d blocks (%.1f MiB mapped)", num_blocks, memory.mapped_bytes / 2**20)
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """(start address, bytes) of the address range(s) the cache occupies (what a snapshot keeps)."""
+        if self.memory is not None:
+            return [(self.memory.ptr, self.memory.reserved_bytes)]
+        if self.host is not None:
+            return [(self.host.address, self.host.nbytes)]
+        return [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+
+    @property
+    def is_mapped(self) -> bool:
+        if self.memory is not None:
+            return self.memory.is_mapped
+        return self.host is None or self.host.mapped
+
     def unmap(self) -> None:
-        """Release the physical memory, keeping the addresses (contents are lost)."""
+        """Release the memory, keeping the addresses (contents are lost; nothing may touch the
+        tensors until `remap`)."""
+        if self.host is not None:
+            self.host.unmap()
+            return
         self._vmm()[0].unmap()
 
     def remap(self) -> None:
         """Map zeroed memory back at the same addresses; tensors and captured graphs stay valid."""
+        if self.host is not None:
+            self.host.remap()
+            return
         self._vmm()[0].remap(zero=True)
 
     def close(self) -> None:
@@ -179,6 +201,35 @@ class KVCache:
             self.tensors = []
             self.memory.close()
             self.memory = None
+
+
+def _host_tensors(model_config: ModelConfig, num_blocks: int, block_size: int,
+                  dtype: torch.dtype) -> tuple[HostRegion, list[torch.Tensor]]:
+    """One zeroed anonymous mapping holding every layer's `[2, num_blocks, block_size, H, D]`."""
+    return _host_layers(model_config.num_layers, (2, num_blocks, block_size, model_config.num_kv_heads,
+                                                  model_config.head_dim), dtype)
+
+
+def _host_tensors_like(tensors: list[torch.Tensor], num_blocks: int) -> tuple[HostRegion, list[torch.Tensor]]:
+    return _host_layers(len(tensors), (2, num_blocks, *tensors[0].shape[2:]), tensors[0].dtype)
+
+
+def _host_layers(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[HostRegion, list[torch.Tensor]]:
+    from resident.daemon.memory.host_shm import PAGE_BYTES, HostRegion
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = itemsize
+    for n in shape:
+        per_layer *= n
+    total = max(PAGE_BYTES, -(-per_layer * num_layers // PAGE_BYTES) * PAGE_BYTES)
+    try:
+        # Anonymous memory is zeroed: a fresh block never contributes NaN/Inf garbage.
+        host = HostRegion(total, what="KV cache")
+    except OSError as e:
+        raise MemoryError(f"cannot allocate the KV cache ({shape[1]} blocks x {shape[2]} tokens x {num_layers} layers "
+                          f"= {total / 2**20:.1f} MiB): {e}; lower num_kv_blocks or --kv-cache-memory") from e
+    base = host.tensor()
+    return host, [base[i * per_layer:(i + 1) * per_layer].view(dtype).view(shape) for i in range(num_layers)]
 
 
 def _segment_views(memory: VmmRange, layout: KVLayout, num_blocks: int, dtype: torch.dtype) -> list[torch.Tensor]:

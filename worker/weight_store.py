@@ -188,9 +188,47 @@ class RemoteStore(WeightStore):
         self.attach_s = attached.attach_s
         self.num_tensors = len(attached.tensors)
         self.backend = attached.info.backend
+        self.mapping = attached.mapping   # memory.SlabMapping: detach()/attach_again() re-map it in place
         logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
                     attached.attach_s, attached.lease_id)
-        threading.Thread(target=self._watch, name="daemon-lease-watch", daemon=True).start()
+        self._start_watch()
+
+    def _start_watch(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name="daemon-lease-watch", daemon=True)
+        self._watcher.start()
+
+    def detach(self) -> None:
+        """Snapshot: unmap the weights (their addresses stay reserved; the tensors must not be
+        touched until `attach_again`), stop watching the session, end the lease and close
+        the daemon connection. Raises memory.RemapUnsupported (nothing changed) for weights
+        that cannot be re-mapped at the same address."""
+        self.mapping.unmap()
+        with self._swap:
+            self._closing.set()
+            client = self._client
+        try:
+            client.release(self.lease_id)
+        except DaemonError as e:  # the lease ends with the connection anyway
+            logger.info("release of lease %s: %s", self.lease_id, e)
+        finally:
+            client.close()
+        self._watcher.join()
+
+    def attach_again(self, client: Any) -> None:
+        """After `detach`: lease the same model key on `client` and map its slabs at the
+        addresses they had, then watch the new session. On failure nothing stays mapped."""
+        attached = client.attach(self.model_key, expected_key=self.model_key, into=self.mapping,
+                                 tp_rank=self.tp_rank)
+        if attached.table != self.table:   # same key, so never expected: refuse rather than serve garbage
+            self.mapping.unmap()
+            client.release(attached.lease_id)
+            raise WeightStoreError(f"the daemon's tensor table for {self.model_key[:16]} differs from the one "
+                                   "this worker was built with; restart the worker")
+        with self._swap:
+            self._client, self.lease_id = client, attached.lease_id
+            self._closing = threading.Event()
+        self.attach_s = attached.attach_s
+        self._start_watch()
 
     @property
     def client(self) -> Any:
@@ -245,6 +283,8 @@ class RemoteStore(WeightStore):
 
     def close(self) -> None:
         self.tensors = {}
+        if self.mapping is not None and not self.mapping.mapped:
+            return   # detached (snapshot): the lease and the session ended already
         with self._swap:
             self._closing.set()
             client = self._client
