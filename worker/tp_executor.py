@@ -73,38 +73,23 @@ def check_tp_config(spec: LoadSpec, size: int) -> ModelConfig:
     return ModelConfig.from_hf(config).for_tp(size)
 
 
-class ShardedStore(WeightStore):
-    """Rank `rank`'s shard cut from a store of the full model (copied into this process's
-    memory, the full store closed): for daemons and local loads that do not shard yet.
-    `table` stays the full model's; the full store's checksums are verified before cutting."""
-
-    def __init__(self, full: WeightStore, rank: int, size: int, verify_sample: int) -> None:
-        from resident.daemon.sharding import shard_tensor
-
-        try:
-            self._num_verified = full.verify(verify_sample)
-            self.config = dict(full.config)
-            self.tensors = {n: shard_tensor(n, t, self.config, rank, size).clone() for n, t in full.tensors.items()}
-            self.table, self.model_key, self.model_dir = full.table, full.model_key, full.model_dir
-            self.source = full.source
-            self.bytes_read_from_disk = full.bytes_read_from_disk
-        finally:
-            full.close()
-        logger.info("rank %d/%d: cut its shard from the full model (%s): %.1f MB", rank, size, self.source,
-                    sum(t.numel() * t.element_size() for t in self.tensors.values()) / 1e6)
-
-    def verify(self, sample: int = 16) -> int:
-        return self._num_verified
-
-    def close(self) -> None:
-        self.tensors = {}
-
-
-def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, device: str, rank: int, size: int,
+def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, devices: list[str], rank: int,
                     verify_sample: int = 16) -> WeightStore:
-    """Rank `rank`'s weights (see ShardedStore)."""
-    full = open_store(spec, preload, socket_path, client_name=f"resident-serve-tp{rank}", device=device)
-    return ShardedStore(full, rank, size, verify_sample)
+    """Rank `rank`'s shard of `spec`'s model, attached from the daemon (which holds the model as
+    len(devices) shards, rank r's on devices[r] when they are GPUs) or loaded here, per `preload`;
+    its checksums verified."""
+    placed = tuple(devices) if devices[0].startswith("cuda") else ()
+    store = open_store(dataclasses.replace(spec, tensor_parallel_size=len(devices), devices=placed), preload,
+                       socket_path, client_name=f"resident-serve-tp{rank}", device=devices[rank], tp_rank=rank)
+    try:
+        if rank > 0:   # rank 0's is verified (and timed) by the serving process itself
+            store.verify(verify_sample)
+    except BaseException:
+        store.close()
+        raise
+    logger.info("rank %d/%d: its shard holds %.1f MB (%s)", rank, len(devices),
+                sum(t.numel() * t.element_size() for t in store.tensors.values()) / 1e6, store.source)
+    return store
 
 
 class TPRunner:
@@ -218,7 +203,7 @@ class RankLaunch:
     rank: int
     size: int
     store_port: int
-    device: str
+    devices: list[str]      # every rank's
     spec: dict
     preload: str
     socket: str | None
@@ -241,7 +226,7 @@ class TPGroup:
         read_fd, self._lifeline = os.pipe()
         try:
             for r in range(1, size):
-                launch = RankLaunch(rank=r, size=size, store_port=self._store.port, device=self.devices[r],
+                launch = RankLaunch(rank=r, size=size, store_port=self._store.port, devices=self.devices,
                                     spec=dataclasses.asdict(spec), preload=config.preload, socket=config.socket,
                                     verify_sample=config.verify_sample, cpu_threads=config.cpu_threads,
                                     parent_fd=read_fd)
@@ -267,8 +252,15 @@ class TPGroup:
         os._exit(RANK_DIED_EXIT)
 
     def open_store(self) -> WeightStore:
+        """Rank 0's shard; the other ranks open theirs at the same time when each loads its own
+        (--preload off), else once rank 0's is there (so only rank 0 asks the daemon to load)."""
         c = self.config
-        return open_rank_store(self.spec, c.preload, c.socket, self.devices[0], 0, self.group.size, c.verify_sample)
+        if c.preload == "off":
+            self.group.broadcast_object(("open",))
+        store = open_rank_store(self.spec, c.preload, c.socket, self.devices, 0)
+        if c.preload != "off":
+            self.group.broadcast_object(("open",))
+        return store
 
     def plan_gpu_kv_cache(self, weights: Mapping[str, torch.Tensor], **kw: Any) -> Any:
         """Like gpu_memory.plan_gpu_kv_cache (same keywords), for every rank at once; the
@@ -322,14 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(launch.cpu_threads)
     from resident.worker.device import resolve_device, weights_on
 
-    device = resolve_device(launch.device)
+    device = resolve_device(launch.devices[launch.rank])
     spec = LoadSpec(**{k: tuple(v) if k == "devices" else v for k, v in launch.spec.items()})
     group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
                                          store_port=launch.store_port))
     store = None
     try:
         model_config = check_tp_config(spec, launch.size)
-        store = open_rank_store(spec, launch.preload, launch.socket, str(device), launch.rank, launch.size,
+        cmd = group.broadcast_object()
+        if cmd[0] != "open":   # rank 0 stopped during start-up
+            return 0
+        store = open_rank_store(spec, launch.preload, launch.socket, launch.devices, launch.rank,
                                 launch.verify_sample)
         _serve_commands(group, model_config, weights_on(store.tensors, device), str(device))
     finally:

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from serve_helpers import http, servable_tiny_model, start_serve, stop_serve
+from serve_helpers import daemon_helpers, http, servable_tiny_model, start_serve, stop_serve
 from weights_util import fused_weights_from_hf_folder
 
 from resident.daemon.loader import LoadSpec
@@ -121,21 +121,31 @@ def test_tp2_matches_tp1_on_the_same_weights(tiny_model, arch):
 
     serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
                         verify_sample=-1)
+    got_logits, got_tokens = run_tp2(serve, path, cfg, full, seqs, prompts, source="local")
+    assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
+
+
+def run_tp2(serve: ServeConfig, path, cfg: ModelConfig, full: dict, seqs, prompts, source: str):
+    """This process as rank 0 of a TP=2 group over `path`: (forced logits, greedy tokens)."""
     group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
     try:
         store = group.open_store()
+        assert (store.source, store.tp_rank) == (source, 0)
         assert group.model_config.num_heads == cfg.num_heads // 2
         assert group.model_config.num_kv_heads == cfg.num_kv_heads // 2
         # This rank holds its shard only: half of every split tensor, the small norms whole.
         assert 0.45 * nbytes(full) < nbytes(store.tensors) < 0.55 * nbytes(full)
         runner = group.build_runner(store.tensors, engine_config=engine_config())
         assert runner.kv_cache.tensors[0].shape[3] == cfg.num_kv_heads // 2   # this rank's kv heads only
-        got_logits = forced_logits(runner, seqs)
-        got_tokens = generate(runner, prompts, 24)
+        got = forced_logits(runner, seqs), generate(runner, prompts, 24)
         runner.close()
+        store.close()
     finally:
         group.close()
+    return got
 
+
+def assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens) -> None:
     for want, got in zip(want_logits, got_logits):
         assert got.shape == want.shape == (len(want), cfg.vocab_size)
         assert (got - want).abs().max().item() < LOGIT_TOL
@@ -152,6 +162,31 @@ def test_tp2_matches_tp1_on_the_same_weights(tiny_model, arch):
         assert got[:n] == want[:n]
         num_compared += n
     assert num_compared >= 16
+
+
+def test_tp2_ranks_attach_their_shards_from_a_real_daemon(tiny_model, short_tmp):
+    """`preload load --tensor-parallel-size 2` in a daemon process; both ranks attach (rank 0
+    here, rank 1 in its own process) and compute what TP=1 computes from the whole model."""
+    path = tiny_model("llama", attention_bias=True)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 21)]
+    seqs = [p + [rng.randrange(256) for _ in range(NUM_FORCED)] for p in prompts]
+    full = fused_weights_from_hf_folder(path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tp1 = ModelRunner(cfg, engine_config(), full)
+    want_logits, want_tokens = forced_logits(tp1, seqs), generate(tp1, prompts, 24)
+
+    helpers = daemon_helpers()
+    daemon = helpers.start_daemon(short_tmp)
+    try:
+        with daemon.client("admin") as c:
+            helpers.load(c, path, tensor_parallel_size=2)
+        serve = ServeConfig(model=str(path), preload="require", socket=daemon.socket, device="cpu",
+                            tensor_parallel_size=2, cpu_threads=1)
+        got_logits, got_tokens = run_tp2(serve, path, cfg, full, seqs, prompts, source="daemon")
+    finally:
+        daemon.stop()
+    assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
 
 
 def test_unsplittable_model_fails_before_any_rank_starts(tiny_model):
