@@ -72,6 +72,9 @@ logger = logging.getLogger(__name__)
                    "models on a busy machine.")
 @click.option("--verify-sample", type=int, default=16, show_default=True,
               help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the model over N ranks (GPUs cuda:D..cuda:D+N-1 from --device, or N CPU processes); "
+                   "N must divide the model's heads, kv heads, intermediate size and vocabulary.")
 @click.option("--data-parallel-size", "data_parallel_size", type=click.IntRange(min=1), default=None,
               help="Run a supervisor over N replicas sharing one listening socket and one resident copy of "
                    "the weights (rolling restarts: `resident rollout --port PORT`, SIGHUP). Also with N=1 "
@@ -102,7 +105,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
-          data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
+          tensor_parallel_size: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
           admin_socket: str | None) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
@@ -123,11 +126,14 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),
             admin_socket=os.path.abspath(admin_socket) if admin_socket else None)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if tensor_parallel_size > 1 and (data_parallel_size is not None or standby_replicas or launcher):
+        raise click.UsageError("--tensor-parallel-size > 1 runs one worker group; it cannot be combined with "
+                               "--data-parallel-size, --standby-replicas or --launcher yet")
     if data_parallel_size is None and not standby_replicas and not launcher:
         sys.exit(run_server(config))
 

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,7 @@ class ServeConfig:
     verify_sample: int = 16                   # tensors whose CRC-32 is checked at start (-1 = all)
     notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
     process_start_time: float | None = None   # unix time the process started (None: now)
+    tensor_parallel_size: int = 1             # > 1: this process is rank 0 of a group (worker/tp_executor.py)
     kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
     admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
 
@@ -125,6 +127,8 @@ class ServeConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
             raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
                              "(107 bytes); choose a shorter path")
@@ -195,6 +199,7 @@ class _Worker:
     engine: Any
     serving: Any
     runner: Any = None
+    tp: Any = None                # rank 0's TPGroup (tensor parallel), closed after the store
     kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
     kv_block_bytes: int = 0       # one block, all layers, keys and values
     llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
@@ -241,7 +246,12 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     device = resolve_device(config.device)
     spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
                     quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache)
-    store = open_store(spec, config.preload, config.socket, device=str(device))
+    tp = None
+    if config.tensor_parallel_size > 1:
+        from resident.worker.tp_executor import TPGroup
+
+        tp = TPGroup(config, spec, device)   # spawns ranks 1..N-1; each opens only its shard
+    store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device))
     try:
         metrics.set_weights_source(store.source)
         startup.end("weights")
@@ -252,7 +262,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
         startup.end("tokenizer")
 
-        model_config = ModelConfig.from_hf(store.config)
+        model_config = ModelConfig.from_hf(store.config).for_tp(config.tensor_parallel_size)
         weights = weights_on(store.tensors, device)
         max_model_len = config.max_model_len or min(
             model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if device.type == "cpu" else 1 << 30)
@@ -267,8 +277,10 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         t_plan = time.monotonic()
         if device.type == "cuda":
             cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
-            plan = plan_gpu_kv_cache(
-                model_config, weights, device, block_size=config.block_size, max_model_len=max_model_len,
+            planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(plan_gpu_kv_cache, model_config,
+                                                                                 weights, device)
+            plan = planner(
+                block_size=config.block_size, max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 utilization=config.gpu_memory_utilization, cuda_graphs=config.cuda_graphs,
                 num_kv_blocks=config.num_kv_blocks,
@@ -276,7 +288,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
             plan_timings, headroom_source = plan.timings, plan.headroom_source
             kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
             num_kv_blocks = kv_target_blocks
-            if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:
+            if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0 and tp is None:
                 num_kv_blocks = initial_kv_blocks(kv_target_blocks, block_bytes, config.kv_cache_initial_bytes,
                                                   -(-max_model_len // config.block_size))
         else:
@@ -286,8 +298,12 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
             block_size=config.block_size, num_kv_blocks=num_kv_blocks,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching)
-        runner = ModelRunner(model_config, engine_config, weights, device=str(device),
-                             cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
+        if tp:
+            runner = tp.build_runner(weights, engine_config=engine_config, cuda_graphs=config.cuda_graphs,
+                                     max_num_kv_blocks=max_kv_blocks)
+        else:
+            runner = ModelRunner(model_config, engine_config, weights, device=str(device),
+                                 cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
         engine = LLMEngine(engine_config, runner, tokenizer)
         startup.end("kv_alloc")
         _log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, runner.kv_cache.alloc_s,
@@ -298,6 +314,8 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         startup.end("graphs")
     except BaseException:
         store.close()
+        if tp:
+            tp.close()
         raise
 
     def on_step(stats: Any) -> None:
@@ -307,7 +325,7 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                           trust_request_chat_template=config.trust_request_chat_template)
     async_engine = AsyncEngine(engine, on_step=on_step)
     serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
-    worker = _Worker(store, async_engine, serving, runner, kv_target_blocks, block_bytes)
+    worker = _Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes)
     worker.llm_engine = engine
     return worker
 
@@ -455,6 +473,8 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     if growth is not None:
         growth.join(10.0)   # it stops after the chunk it is mapping (the engine no longer takes blocks)
     worker.store.close()
+    if worker.tp is not None:
+        worker.tp.close()
     logger.info("stopped")
     return 0
 
