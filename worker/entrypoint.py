@@ -510,6 +510,9 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     imports, counted in the "import" phase (the CLI imports nothing heavy), torch's thread
     count, and the device (its CUDA context counted as "cuda_context"). None, after logging
     why, when the device cannot be used."""
+    from resident.worker.cuda_preinit import start_context_preinit
+
+    preinit = start_context_preinit(config.device)   # the CUDA context, created while torch imports
     import torch
 
     import resident.worker.engine  # noqa: F401
@@ -525,6 +528,8 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
         torch.set_num_threads(config.cpu_threads)
     startup = _Startup(t0)
     startup.phases["import"] = time.time() - t0
+    if preinit is not None:
+        preinit.join()
     try:
         device = resolve_device(config.device)
     except ValueError as e:
