@@ -21,7 +21,7 @@ from resident.daemon.tensor_reader import _load_tensor
 from resident.daemon.tensor_table import crc32_of
 
 if TYPE_CHECKING:
-    from resident.daemon.loader import LoadPlan
+    from resident.daemon.load_plan import LoadPlan
 
 #: Host memory the readers may hold in full tensors at once (at least one always proceeds).
 _BUDGET_BYTES = 2 << 30

@@ -34,7 +34,7 @@ import torch
 from resident.daemon import checksum, quant
 
 if TYPE_CHECKING:
-    from resident.daemon.loader import LoadPlan, StoredTensor
+    from resident.daemon.load_plan import LoadPlan, StoredTensor
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from resident.daemon.memory.base import Slab
 from resident.daemon.safetensors_io import CheckpointError
 
 if TYPE_CHECKING:
-    from resident.daemon.loader import LoadPlan, StoredTensor, _Part
+    from resident.daemon.load_plan import LoadPlan, StoredTensor, _Part
     from resident.daemon.staging import StagingConfig
 
 log = logging.getLogger(__name__)

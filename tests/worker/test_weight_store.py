@@ -41,16 +41,17 @@ class FakeClient:
         self._closed = threading.Event()
         FakeClient.instances.append(self)
 
-    def attach(self, model, expected_key="", *, verify_checksums=False):
+    def attach(self, model, expected_key="", *, verify_checksums=False, tp_rank=0):
         self.calls.append(("attach", model, expected_key))
         if model not in FakeClient.holds:
             raise NotFound(f"no model {model}")
         w = torch.zeros(2)
         table = TensorTable([TensorEntry("w", "float32", (2,), (1,), 0, 0, 8, crc32_of(w))])
         return SimpleNamespace(lease_id="L1", info=SimpleNamespace(backend="host_shm"), tensors={"w": w},
-                               config={"a": 1}, attach_s=0.001, table=table)
+                               config={"a": 1}, attach_s=0.001, table=table, draft_tensors=None, draft_config=None)
 
-    def load(self, model, name="", dtype="auto", quantization="none", revision=""):
+    def load(self, model, name="", dtype="auto", quantization="none", revision="", *, draft="",
+             tensor_parallel_size=1, devices=()):
         self.calls.append(("load", model, dtype, quantization))
         if FakeClient.load_error is not None:
             raise FakeClient.load_error
@@ -72,7 +73,7 @@ class FakeClient:
 class FakeLocal:
     source = "local"
 
-    def __init__(self, spec, device="cpu"):
+    def __init__(self, spec, device="cpu", tp_rank=0):
         self.spec = spec
         self.device = device
 
