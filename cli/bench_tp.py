@@ -1,0 +1,83 @@
+"""`resident bench throughput --tensor-parallel-size N`: decode tokens/s of a TP group.
+
+The group is built as `resident serve --tensor-parallel-size N --preload off` builds it
+(worker/tp_executor.py): this process is rank 0 (scheduler, sampling), ranks 1..N-1 are
+child processes on the next devices, each loads only its own shard. Batches are measured
+exactly as `bench_throughput` measures TP=1 (same requests, warm-up and timed steps).
+
+Roofline: every rank reads its own shard and its own kv heads in parallel, so the step's
+lower bound is one rank's bytes (rank 0's weights, the KV of 1/N of the heads) over the
+device's copy bandwidth; the all-reduces (two per layer) and the logits all-gather are
+what TP adds on top.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from resident.cli.bench_throughput import (EMBED, _measure, kv_bytes_per_token, prefill_steps_bound,
+                                           weight_bytes_per_step)
+
+log = logging.getLogger(__name__)
+
+
+def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int],
+                      context: int, warmup: int, steps: int, bandwidth: float, block_size: int = 16, *,
+                      tensor_parallel_size: int) -> dict:
+    """One weight variant over a TP group of `tensor_parallel_size` ranks (see module doc)."""
+    import time
+
+    from resident.daemon.loader import LoadSpec
+    from resident.worker.engine import LLMEngine
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.tp_executor import TPGroup
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    serve = ServeConfig(model=model, dtype=dtype, quantization=quantization, preload="off", device=str(dev),
+                        tensor_parallel_size=tensor_parallel_size)
+    t0 = time.monotonic()
+    group = TPGroup(serve, LoadSpec(model, dtype=dtype, quantization=quantization), dev)
+    store = runner = None
+    try:
+        store = group.open_store()
+        load_s = time.monotonic() - t0
+        tensors, model_config = store.tensors, group.model_config
+        budget = 8192 if device == "cuda" else 2048
+        max_model_len = (context + warmup + steps + 4 + prefill_steps_bound(max(batch_sizes), context, budget)
+                         + 2 * block_size)
+        per_seq = -(-max_model_len // block_size)
+        engine_config = EngineConfig(
+            block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
+            max_num_batched_tokens=budget, max_model_len=max_model_len, enable_prefix_caching=False)
+        runner = group.build_runner(tensors, engine_config=engine_config, cuda_graphs="lazy")
+        runner.warmup()
+        runner.capture_graphs()
+        engine = LLMEngine(engine_config, runner)
+        rows = []
+        for b in batch_sizes:
+            r = _measure(engine, b, context, warmup, steps, model_config.vocab_size, dev)
+            w = weight_bytes_per_step(tensors, b)
+            kv = int(b * r["mean_seq_len"] * kv_bytes_per_token(model_config, tensors[EMBED].dtype))
+            r.update(weight_bytes=w, kv_bytes=kv, bytes_per_step=w + kv, roofline_step_s=(w + kv) / bandwidth)
+            r["roofline_fraction"] = r["roofline_step_s"] / r["step_s"]
+            rows.append(r)
+            log.info("TP=%d %s batch %d: %.1f tokens/s, %.2f ms/step", tensor_parallel_size, quantization, b,
+                     r["tokens_per_s"], r["step_s"] * 1e3)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"quantization": quantization, "dtype": str(tensors[EMBED].dtype).removeprefix("torch."),
+                "tensor_parallel_size": tensor_parallel_size, "load_s": load_s,
+                "load_gb_s": store.bytes_read_from_disk / 1e9 / max(load_s, 1e-9),
+                "resident_bytes_per_rank": nbytes, "results": rows}
+    finally:
+        if runner is not None:
+            runner.close()
+        engine = runner = None  # noqa: F841 - drop every view before the shard goes
+        if store is not None:
+            store.close()
+        gc.collect()
+        group.close()
+        if device == "cuda":
+            torch.cuda.empty_cache()
