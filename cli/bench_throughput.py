@@ -210,8 +210,10 @@ def _csv_ints(value: str) -> list[int]:
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1), help="Timed decode steps.")
 @click.option("--warmup-steps", default=8, show_default=True, type=click.IntRange(min=0))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Measure a TP group of N ranks (cli/bench_tp.py) instead of one device.")
 def bench_throughput(model: str, device: str, batch_sizes: str, context: int, quantization: str, dtype: str,
-                     steps: int, warmup_steps: int, json_path: Path | None) -> None:
+                     steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int) -> None:
     """Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."""
     from resident.daemon.quant import check_dtype, check_quantization
 
@@ -232,8 +234,16 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     doc = {"benchmark": "throughput", "model": model, "device": device,
            "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "", "context": context,
            "copy_bandwidth_bytes_per_s": bw, "variants": []}
+    run = run_throughput
+    if tensor_parallel_size > 1:
+        from functools import partial
+
+        from resident.cli.bench_tp import run_tp_throughput
+
+        run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size)
+    doc["tensor_parallel_size"] = tensor_parallel_size
     for q in quants:
-        doc["variants"].append(run_throughput(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
+        doc["variants"].append(run(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
     click.echo(f"{model} on {doc['gpu'] or device}; copy bandwidth {bw / 1e9:.0f} GB/s; context {context}; "
                f"{steps} timed decode steps after {warmup_steps}")
     rows = []
