@@ -15,6 +15,8 @@ _BENCHES = {
                    "Write a random-weight Llama checkpoint (Llama-3-8B shape, or tiny)."),
     "perplexity": ("resident.cli.bench_perplexity:bench_perplexity",
                    "Teacher-forced perplexity per weight variant (fp8 vs bf16) over the same text."),
+    "kernels": ("resident.cli.bench_kernels:bench_kernels",
+                "fp8 activation quantization (reference vs fused) and fp8 vs bf16 linears, GPU."),
     "throughput": ("resident.cli.bench_throughput:bench_throughput",
                    "Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."),
     "rollout": ("resident.cli.bench_rollout:bench_rollout",

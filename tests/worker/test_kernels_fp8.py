@@ -251,5 +251,29 @@ def test_gpu_fp8_linear_replays_in_a_cuda_graph() -> None:
             assert torch.equal(static_out, k.fp8_linear(static_x.clone(), w_q, ws))
 
 
+# --- `resident bench kernels` ---------------------------------------------------------------------
+def test_bench_kernels_without_a_gpu_says_it_needs_one() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from click.testing import CliRunner
+
+    from resident.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["bench", "kernels", "--tokens", "1"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+    bad = CliRunner().invoke(cli, ["bench", "kernels", "--tokens", "0,x"])
+    assert bad.exit_code == 2 and "--tokens" in bad.output
+
+
+@pytest.mark.gpu
+def test_gpu_bench_kernels_measures_every_shape() -> None:
+    from resident.cli.bench_kernels import LLAMA3_8B_LINEARS, run_kernel_bench
+
+    doc = run_kernel_bench([1, 64], reps=2, iters=2, graph=True)
+    assert len(doc["rows"]) == 2 * len(LLAMA3_8B_LINEARS) and doc["copy_bandwidth_gb_s"] > 0
+    for row in doc["rows"]:
+        assert all(row[k] > 0 for k in ("quant_ref_us", "quant_fused_us", "fp8_linear_us", "bf16_linear_us"))
+
+
 if __name__ == "__main__":
     _run_cases(sys.argv[1])

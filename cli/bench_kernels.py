@@ -1,0 +1,139 @@
+"""`resident bench kernels`: the fp8 linear's parts on one GPU, at Llama-3-8B shapes.
+
+For each token count M (decode batches and a prefill chunk) and each projection of a
+Llama-3-8B layer (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) it
+times, in microseconds per call:
+
+- `quant ref`: the reference activation quantization (eager torch ops: cast, abs, amax,
+  divide, clamp, divide, clamp, cast) — what fp8 decode paid before the fused kernel;
+- `quant fused`: the Triton kernel (`kernels/fp8_quant.py`);
+- `fp8 linear`: the whole fp8 GEMM as the engine runs it (fused quantization + `_scaled_mm`);
+- `bf16 linear`: `F.linear` on bf16 weights of the same shape;
+- `weight roofline`: the weight bytes (1 per fp8 element) over the device's copy bandwidth
+  (a 2 GiB device-to-device copy: read + written bytes per second), the GEMM's lower bound
+  at decode sizes, and its fraction of the measured fp8 linear time.
+
+Calls are captured `--reps` at a time in a CUDA graph (as decode steps run in the engine)
+and replayed `--iters` times between CUDA events; `--eager` times plain launches instead.
+Random N(0, 1) activations, fp8 weights quantized per tensor from N(0, 0.02).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from resident.cli.common import format_table
+
+
+#: (name, out_features N, in_features K) of one Llama-3-8B decoder layer's GEMMs.
+LLAMA3_8B_LINEARS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+
+
+def _parse_counts(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"expected positive integers, got {value!r}")
+    return counts
+
+
+def _time_us(fn: Callable[[], Any], reps: int, iters: int, graph: bool) -> float:
+    """Microseconds per call of fn (CUDA events around graph replays or eager loops)."""
+    import torch
+
+    for _ in range(3):
+        fn()                                  # compile / autotune / allocate outside the timing
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+    else:
+        start.record()
+        for _ in range(iters * reps):
+            fn()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / (iters * reps)
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    """Device-to-device copy rate of 2 GiB (read + written bytes per second)."""
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.uint16, device="cuda")
+    dst = torch.empty_like(src)
+    us = _time_us(lambda: dst.copy_(src), reps=1, iters=10, graph=False)
+    return 2 * src.numel() * src.element_size() / (us / 1e6)
+
+
+def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from resident.worker.kernels.fp8 import fp8_linear
+    from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
+    from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, quantize_fp8_per_tensor_dynamic
+
+    bw = copy_bandwidth_bytes_per_s()
+    rows = []
+    for name, n, k in LLAMA3_8B_LINEARS:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_scale = (w.float().abs().amax() / FP8_MAX).reshape(())
+        w_q = (w.float() / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        for m in token_counts:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"linear": name, "n": n, "k": k, "tokens": m,
+                   "quant_ref_us": _time_us(lambda: quantize_fp8_per_tensor_dynamic(x), reps, iters, graph),
+                   "quant_fused_us": _time_us(lambda: quantize_fp8_per_tensor(x), reps, iters, graph),
+                   "fp8_linear_us": _time_us(lambda: fp8_linear(x, w_q, w_scale), reps, iters, graph),
+                   "bf16_linear_us": _time_us(lambda: F.linear(x, w), reps, iters, graph),
+                   "weight_roofline_us": n * k / bw * 1e6}
+            row["fp8_of_roofline"] = row["weight_roofline_us"] / row["fp8_linear_us"]
+            rows.append(row)
+        del w, w_q
+        torch.cuda.empty_cache()
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gb_s": bw / 1e9,
+            "graph": graph, "reps": reps, "iters": iters, "rows": rows}
+
+
+@click.command("kernels")
+@click.option("--tokens", "token_counts", default="1,64,2048", show_default=True, callback=_parse_counts,
+              help="Comma-separated token counts (decode batch sizes, prefill chunk).")
+@click.option("--reps", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Calls per captured graph (or per eager timing loop).")
+@click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="Timed replays.")
+@click.option("--eager", is_flag=True, help="Time eager launches instead of CUDA-graph replays.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+def bench_kernels(token_counts: list[int], reps: int, iters: int, eager: bool, json_path: Path | None) -> None:
+    """fp8 activation quantization (reference vs fused) and fp8 vs bf16 linears at Llama-3-8B shapes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench kernels needs a CUDA GPU (the kernels it times are GPU kernels)")
+    doc = run_kernel_bench(token_counts, reps, iters, graph=not eager)
+    click.echo(f"{doc['gpu']}, torch {doc['torch']}; copy bandwidth {doc['copy_bandwidth_gb_s']:.0f} GB/s; "
+               f"{'CUDA-graph replays' if doc['graph'] else 'eager launches'}; microseconds per call")
+    click.echo(format_table(
+        ["LINEAR", "N x K", "TOKENS", "QUANT REF", "QUANT FUSED", "FP8 LINEAR", "BF16 LINEAR", "ROOFLINE",
+         "FP8 OF ROOFLINE"],
+        [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"], f"{r['quant_ref_us']:.1f}", f"{r['quant_fused_us']:.1f}",
+          f"{r['fp8_linear_us']:.1f}", f"{r['bf16_linear_us']:.1f}", f"{r['weight_roofline_us']:.1f}",
+          f"{100 * r['fp8_of_roofline']:.0f} %"] for r in doc["rows"]]))
+    if json_path:
+        json_path.write_text(json.dumps(doc, indent=2))
+        click.echo(f"wrote {json_path}")
