@@ -19,6 +19,8 @@ _BENCHES = {
                 "fp8 activation quantization (reference vs fused) and fp8 vs bf16 linears, GPU."),
     "throughput": ("resident.cli.bench_throughput:bench_throughput",
                    "Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."),
+    "speculative": ("resident.cli.bench_spec:bench_speculative",
+                    "Tokens/s and acceptance with and without speculative decoding (draft model, n-gram)."),
     "rollout": ("resident.cli.bench_rollout:bench_rollout",
                 "Rolling restart under load: req/s, failures, p99, replica ready and standby switch-over."),
     "handover": ("resident.cli.bench_handover:bench_handover",
