@@ -244,6 +244,26 @@ def test_serve_tp2_over_http_equals_tp1_and_dies_with_a_rank(tmp_path):
     finally:
         stop_serve(tp2)
 
+    # And the other way round: a child rank does not outlive rank 0.
+    log = tmp_path / "tp2b.log"
+    tp2 = start_serve(model, log, *args, "--tensor-parallel-size", "2")
+    try:
+        child = int(re.search(r"children pids (\d+)", log.read_text()).group(1))
+    finally:
+        stop_serve(tp2)   # SIGKILL: no chance to stop its children
+    deadline = time.monotonic() + 30
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
 
 def two_gpus() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= 2
