@@ -199,7 +199,7 @@ class WeightCache:
         start = time.monotonic()
         try:
             plan = loader.plan_load(spec)  # validates everything and computes the key; reads no data
-            placement.resolve_devices(spec.devices, plan.tensor_parallel_size, self.backend)
+            devices = placement.resolve_devices(spec.devices, plan.tensor_parallel_size, self.backend)
         except Exception as e:  # noqa: BLE001 - mapped to a DaemonError naming the problem
             raise _as_daemon_error(e, spec.model) from None
         key = plan.key
@@ -209,6 +209,14 @@ class WeightCache:
             with self._state_lock:
                 existing = self.registry.get_key(key)
                 if existing is not None:
+                    held = tuple(existing.loaded.devices)
+                    if spec.devices and held and held != devices:
+                        # Placement is not part of the key: one copy per key, where it was put first.
+                        raise FailedPrecondition(
+                            f"{existing.name} (key {key[:16]}) is already resident on {','.join(held)}, not "
+                            f"{','.join(devices)}; the daemon holds one copy per model key: unload it first "
+                            f"(`resident preload unload {existing.name}`) to place it elsewhere, or run one "
+                            "daemon per GPU")
                     self.registry.touch(existing)
                     if not existing.latest:
                         self.registry.promote(existing)

@@ -15,7 +15,7 @@ from helpers import load, start_daemon
 from survive_helpers import start_cli_daemon
 
 from resident.daemon import sharding
-from resident.daemon.errors import InvalidArgument
+from resident.daemon.errors import DaemonError, InvalidArgument
 from resident.daemon.loader import LoadSpec
 from resident.daemon.loader import load as load_local
 from resident.daemon.memory import get_backend
@@ -193,6 +193,9 @@ def test_devices_places_an_unsharded_model_on_the_named_gpu(short_tmp, tiny_mode
                 load(c, model, name="bad", devices=["cuda:7"])
             with pytest.raises(InvalidArgument, match="invalid device 'gpu1'"):
                 load(c, model, name="bad", devices=["gpu1"])
+            with pytest.raises(DaemonError, match="already resident on cuda:1, not cuda:0"):
+                load(c, model, devices=["cuda:0"])   # one copy per key: no silent misplacement
+            assert load(c, model, devices=["cuda:1"]).already_resident
             assert [m.key for m in c.list()] == [info.key], "the daemon keeps serving what it held"
         assert _gpu_attach(daemon.socket, info.key, 0, 1)[0] == "cuda:1"
         wrong = subprocess.run([sys.executable, "-c", _GPU_ATTACH, daemon.socket, info.key, "0", "0"],
