@@ -7,7 +7,9 @@ token, side by side on one checkpoint:
   itself; the page cache is warmed first);
 - `warm`: `resident serve` attaching to a daemon that holds the model;
 
-with the workers' start-up phases from /metrics, the floor (`python -c "import torch"`,
+with the workers' start-up phases from /metrics (and, per run, the worker log's kv_alloc
+breakdown — whether the activation headroom was measured or read from the KV profile cache,
+which the untimed priming start on a GPU fills — and its CUDA-context line), the floor (`python -c "import torch"`,
 and with `torch.cuda.init()` on cuda), the daemon's preload throughput (GB/s) and the
 warm workers' attach time. Prints a table, writes JSON (`--json`) and a stacked-bar
 picture of the phases (`--plot`: PNG with matplotlib, or SVG without any dependency).
@@ -36,6 +38,11 @@ VARIANTS = ("hf", "cold", "warm")
 LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon"}
 _ATTACH = re.compile(r"attached \S+ from the preload daemon in ([0-9.]+) s")
 _STAGED = re.compile(r"staged load: .*")
+#: Worker log lines kept per run: how kv_alloc split (and whether the activation headroom came
+#: from the KV profile cache), and the CUDA context made while torch imported.
+_KV_BREAKDOWN = re.compile(r"kv_alloc breakdown: (.*)")
+_HEADROOM = re.compile(r"kv_alloc breakdown: plan [0-9.]+ s, headroom ([a-z]+)")
+_PREINIT = re.compile(r"CUDA context (?:of|pre-creation for) cuda:\d+ .*")
 _HF_RESULT = "RESIDENT_HF_RESULT "
 _HF_SCRIPT = r'''
 import json, sys, time
@@ -108,9 +115,15 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
     finally:
         w.kill()
     row = {"ready_s": ready, "first_token_s": first, "phases": phases}
-    m = _ATTACH.search(w.log_path.read_text(errors="replace"))
+    text = w.log_path.read_text(errors="replace")
+    m = _ATTACH.search(text)
     if m:
         row["attach_s"] = float(m.group(1))
+    for key, pattern, group in (("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
+                                ("cuda_preinit", _PREINIT, 0)):
+        found = pattern.search(text)
+        if found:
+            row[key] = found.group(group)
     return row
 
 
@@ -289,3 +302,7 @@ def _report(results: dict, variants: list[str]) -> None:
                    + "".join(f"{r['phases'][k]:>11.2f}s" if k in r["phases"] else f"{'-':>12}" for k in keys))
         if "error" in r:
             click.echo(f"{'':<28}  (later runs failed: {r['error']})")
+        last = r["runs"][-1] if r.get("runs") else {}
+        for key in ("kv_alloc_breakdown", "cuda_preinit"):
+            if key in last:
+                click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
