@@ -75,6 +75,15 @@ logger = logging.getLogger(__name__)
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the model over N ranks (GPUs cuda:D..cuda:D+N-1 from --device, or N CPU processes); "
                    "N must divide the model's heads, kv heads, intermediate size and vocabulary.")
+@click.option("--speculative-model", default=None,
+              help="Speculative decoding: a draft model (folder or hub id, same vocabulary as MODEL) or "
+                   "'[ngram]' for prompt lookup; needs --num-speculative-tokens.")
+@click.option("--num-speculative-tokens", type=click.IntRange(1, 32), default=None,
+              help="Draft tokens proposed per running request and step (verified in one pass).")
+@click.option("--ngram-prompt-lookup-max", type=click.IntRange(min=1), default=None,
+              help="'[ngram]': longest n-gram looked up in the request's own tokens [default: 4].")
+@click.option("--ngram-prompt-lookup-min", type=click.IntRange(min=1), default=None,
+              help="'[ngram]': shortest n-gram looked up [default: 1].")
 @click.option("--data-parallel-size", "data_parallel_size", type=click.IntRange(min=1), default=None,
               help="Run a supervisor over N replicas sharing one listening socket and one resident copy of "
                    "the weights (rolling restarts: `resident rollout --port PORT`, SIGHUP). Also with N=1 "
@@ -105,6 +114,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
+          speculative_model: str | None, num_speculative_tokens: int | None,
+          ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
           tensor_parallel_size: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
           admin_socket: str | None) -> None:
@@ -127,6 +138,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
+            speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+            ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),
             admin_socket=os.path.abspath(admin_socket) if admin_socket else None)
     except ValueError as e:

@@ -91,6 +91,10 @@ class ServeConfig:
     verify_sample: int = 16                   # tensors whose CRC-32 is checked at start (-1 = all)
     notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
     process_start_time: float | None = None   # unix time the process started (None: now)
+    speculative_model: str | None = None      # a draft model, or "[ngram]" (worker/spec_decode/)
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
     tensor_parallel_size: int = 1             # > 1: this process is rank 0 of a group (worker/tp_executor.py)
     kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
     admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
@@ -129,6 +133,17 @@ class ServeConfig:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
+            raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet; "
+                             "drop --speculative-model or serve with one GPU")
+
+    @property
+    def speculative(self) -> Any:
+        """The SpecConfig, or None without --speculative-model."""
+        from resident.worker.spec_decode.config import SpecConfig  # torch-free
+
+        return SpecConfig.from_cli(self.speculative_model, self.num_speculative_tokens,
+                                   self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
         if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
             raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
                              "(107 bytes); choose a shorter path")
@@ -202,6 +217,7 @@ class _Worker:
     tp: Any = None                # rank 0's TPGroup (tensor parallel), closed after the store
     kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
     kv_block_bytes: int = 0       # one block, all layers, keys and values
+    draft_store: Any = None       # the speculative draft's own store, when not paired with the target
     llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
     kv_growth: Any = None         # the background KV growth thread, while it runs (GPU)
 
@@ -244,15 +260,21 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
     startup.begin()
     # This thread's current device too: the daemon client maps weights onto it.
     device = resolve_device(config.device)
+    from resident.worker.spec_decode import serving as spec_serving
+
+    spec_cfg = config.speculative
     spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
-                    quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache)
+                    quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache,
+                    draft=spec_cfg.draft_model if spec_cfg is not None else None)
     tp = None
     if config.tensor_parallel_size > 1:
         from resident.worker.tp_executor import TPGroup
 
         tp = TPGroup(config, spec, device)   # spawns ranks 1..N-1; each opens only its shard
     store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device))
+    draft = None
     try:
+        draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
         metrics.set_weights_source(store.source)
         startup.end("weights")
         checked = store.verify(config.verify_sample)
@@ -293,6 +315,10 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
                                                   -(-max_model_len // config.block_size))
         else:
             num_kv_blocks = kv_target_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
+        if draft is not None and config.num_kv_blocks is None:   # the draft's KV cache is as long
+            share = spec_serving.target_share_of_kv(draft, block_bytes, config.block_size)
+            kv_target_blocks = max(-(-max_model_len // config.block_size), int(kv_target_blocks * share))
+            num_kv_blocks = min(num_kv_blocks, kv_target_blocks)
         t_runner = time.monotonic()
         engine_config = EngineConfig(
             block_size=config.block_size, num_kv_blocks=num_kv_blocks,
@@ -304,9 +330,12 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         else:
             runner = ModelRunner(model_config, engine_config, weights, device=str(device),
                                  cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
-        engine = LLMEngine(engine_config, runner, tokenizer)
+        target_runner, runner = runner, spec_serving.wrap_runner(spec_cfg, runner, draft, device, config.cuda_graphs,
+                                                                 max_kv_blocks)
+        engine = LLMEngine(engine_config, runner, tokenizer,
+                           num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0)
         startup.end("kv_alloc")
-        _log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, runner.kv_cache.alloc_s,
+        _log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, target_runner.kv_cache.alloc_s,
                       num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
         runner.warmup()
         startup.end("warmup")
@@ -314,18 +343,26 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
         startup.end("graphs")
     except BaseException:
         store.close()
+        if draft is not None and draft.store is not None:
+            draft.store.close()
         if tp:
             tp.close()
         raise
 
+    if spec_cfg is not None:
+        metrics.observe_spec(0, 0, 0)   # the resident_worker_spec_* series exist from ready on
+
     def on_step(stats: Any) -> None:
         metrics.observe_engine(stats.num_running, stats.num_waiting, stats.kv_usage)
+        if spec_cfg is not None:
+            metrics.observe_spec(stats.spec_num_drafts, stats.spec_num_proposed, stats.spec_num_accepted)
 
     opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
                           trust_request_chat_template=config.trust_request_chat_template)
     async_engine = AsyncEngine(engine, on_step=on_step)
     serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
-    worker = _Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes)
+    worker = _Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
+                     draft_store=draft.store if draft is not None else None)
     worker.llm_engine = engine
     return worker
 
@@ -473,6 +510,8 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     if growth is not None:
         growth.join(10.0)   # it stops after the chunk it is mapping (the engine no longer takes blocks)
     worker.store.close()
+    if worker.draft_store is not None:
+        worker.draft_store.close()
     if worker.tp is not None:
         worker.tp.close()
     logger.info("stopped")
