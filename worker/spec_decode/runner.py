@@ -53,6 +53,10 @@ class SpecDecodeRunner:
         return self.target.model_config
 
     @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
     def kv_cache(self) -> Any:
         return self.target.kv_cache
 
