@@ -92,6 +92,14 @@ def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, devic
     return store
 
 
+def compact(out: Any) -> Any:
+    """The SchedulerOutput the other ranks need: without the prompt and output token lists
+    (they only feed sampling penalties, and the other ranks' samples are discarded), so a
+    step's message stays small however long the contexts are."""
+    return dataclasses.replace(out, scheduled=[
+        dataclasses.replace(s, prompt_token_ids=[], output_token_ids=[]) for s in out.scheduled])
+
+
 class TPRunner:
     """Rank 0's ModelRunner of a TP group: forward-running methods go to every rank."""
 
@@ -103,11 +111,15 @@ class TPRunner:
         self.group.broadcast_object(("call", method, args))
         return getattr(self.runner, method)(*args)
 
+    def _step(self, method: str, out: Any) -> Any:
+        self.group.broadcast_object(("call", method, (compact(out),)))
+        return getattr(self.runner, method)(out)
+
     def execute(self, out: Any) -> Any:
-        return self._all("execute", out)
+        return self._step("execute", out)
 
     def logits(self, out: Any) -> torch.Tensor:
-        return self._all("logits", out)
+        return self._step("logits", out)
 
     def warmup(self) -> None:
         self._all("warmup")
