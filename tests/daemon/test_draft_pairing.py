@@ -84,6 +84,16 @@ def test_pair_is_one_model_one_attach_bit_identical_to_each_alone(short_tmp, tin
                 "draft." + n for n in both.draft_tensors}
             assert c.attach(alone.key).draft_tensors is None
 
+        from click.testing import CliRunner
+
+        from resident.cli.main import cli
+
+        result = CliRunner().invoke(cli, ["preload", "load", str(target), "--draft", str(draft), "--socket",
+                                          daemon.socket])
+        assert result.exit_code == 0, result.output
+        assert "already resident" in result.output and f"key {pair.key[:12]}" in result.output
+        assert "draft draft" in result.output
+
         # The worker's weight store: WeightStore.draft from the daemon, and the same in-process.
         spec = LoadSpec(str(target), draft=str(draft))
         remote = open_store(spec, preload="require", socket_path=daemon.socket)

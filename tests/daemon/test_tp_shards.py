@@ -62,6 +62,13 @@ def test_tp2_attach_gives_each_rank_its_shard_and_half_the_bytes(short_tmp, tiny
                 load(c, model, name="tp3", tensor_parallel_size=3)
             assert sorted(m.name for m in c.list()) == sorted([whole.name, "tp2"]), "bad loads left nothing"
 
+        result = CliRunner().invoke(_cli(), ["preload", "load", str(model), "--socket", daemon.socket,
+                                             "--tensor-parallel-size", "2", "--devices", "cpu,cpu"])
+        assert result.exit_code == 0 and "already resident" in result.output and "TP=2 on cpu,cpu" in result.output, \
+            result.output
+        result = CliRunner().invoke(_cli(), ["preload", "load", str(model), "--socket", daemon.socket,
+                                             "--tensor-parallel-size", "2", "--devices", "cpu"])
+        assert result.exit_code != 0 and "one device per rank" in result.output, result.output
         result = CliRunner().invoke(_cli(), ["preload", "list", "--socket", daemon.socket])
         assert result.exit_code == 0, result.output
         assert "TP:DEVICES" in result.output and "2:cpu,cpu" in result.output and "1:cpu" in result.output
