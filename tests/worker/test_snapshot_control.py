@@ -282,3 +282,29 @@ def test_gpu_runner_decodes_the_same_through_graphs_after_detach_and_remap(tiny_
     runner.close()
     for sl in loaded.slabs:
         sl.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_worker_detaches_from_a_cuda_vmm_daemon_and_resumes(tmp_path):
+    run_dir = Path(tempfile.mkdtemp(prefix="snap", dir="/tmp"))
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    d = daemon_helpers().start_daemon(run_dir, "--backend", "cuda_vmm", env={"CUDA_VISIBLE_DEVICES": "0"})
+    path = str(run_dir / "admin.sock")
+    w = start_serve(model, tmp_path / "w.log", "--preload", "require", "--socket", d.socket, "--device", "cuda",
+                    "--kv-cache-initial", "0", "--admin-socket", path, env=serve_env(CUDA_VISIBLE_DEVICES="0"))
+    try:
+        before = _completion(w.base_url)
+        status, body = admin(path, "POST", "/snapshot/prepare", {"timeout_s": 10})
+        assert status == 200, body
+        m = body["manifest"]
+        assert m["backend"] == "cuda_vmm" and m["device"].startswith("cuda") and m["device_uuid"].startswith("GPU-")
+        assert _leases(d) == 0
+        status, resumed = admin(path, "POST", "/snapshot/resume", {})
+        assert status == 200, resumed
+        assert _completion(w.base_url) == before   # captured decode graphs over the re-mapped weights and KV
+        assert _leases(d) == 1
+    finally:
+        stop_serve(w)
+        d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
