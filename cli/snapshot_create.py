@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resident.cli.snapshot_doctor import privileges
-from resident.cli.snapshot_manifest import IMAGES, Manifest, address_ranges, gpu_facts, versions, write_manifest
+from resident.cli.snapshot_manifest import (IMAGES, Manifest, address_ranges, gpu_facts, gpu_used_bytes, versions,
+                                            write_manifest)
 from resident.cli.snapshot_worker import AdminClient, daemon_socket_of, find_admin, listening_tcp
 from resident.worker import criu, criu_images
 from resident.worker.criu import find_criu, format_version
@@ -118,9 +119,16 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
     device = str(worker.get("device", "cpu"))
     cuda = None
     try:
+        gpu: dict[str, str] = {}
         if device.startswith("cuda"):
             from resident.worker.cuda_checkpoint import CudaCheckpoint
 
+            uuid = str(worker.get("device_uuid", ""))
+            gpu = {**{"uuid": uuid, "driver": ""}, **gpu_facts(uuid)}
+            gpu.pop("free_bytes", None)
+            # what the detached process still holds on the GPU; a restore needs that much free
+            # (plus its KV cache), else the driver's restore can leave the process stuck
+            gpu["used_bytes"] = str(gpu_used_bytes(config.pid))
             cuda = CudaCheckpoint(config.pid)
             timings["cuda_checkpoint"] = cuda.lock_and_checkpoint()
         images = tmp / IMAGES
@@ -138,7 +146,7 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
             kernel=os.uname().release, versions=versions(), criu_version=format_version(found.binary.version),
             criu_options=options, address_ranges=tuple(ranges), image_bytes=criu_images.image_bytes(images),
             canary=worker.get("canary"),
-            gpu=gpu_facts(str(worker.get("device_uuid", ""))) if cuda is not None else {},
+            gpu=gpu,
             worker=worker, created_at=time.time())
         write_manifest(tmp, manifest)
         os.rename(tmp, config.output)

@@ -38,17 +38,33 @@ def versions() -> dict[str, str]:
     return out
 
 
-def gpu_facts(device_uuid: str) -> dict[str, str]:
-    """{"uuid", "driver"} of the GPU with `device_uuid` on this host (nvidia-smi); {} if absent."""
+def _nvidia_smi(*query: str) -> list[list[str]]:
     if shutil.which("nvidia-smi") is None:
-        return {}
-    proc = subprocess.run(["nvidia-smi", "--query-gpu=uuid,driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True, timeout=30)
-    for line in proc.stdout.splitlines():
-        uuid, _, driver = (p.strip() for p in line.partition(","))
-        if uuid == device_uuid or uuid.removeprefix("GPU-") == device_uuid.removeprefix("GPU-"):
-            return {"uuid": uuid, "driver": driver}
+        return []
+    proc = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                          timeout=30)
+    return [[p.strip() for p in line.split(",")] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _same_uuid(a: str, b: str) -> bool:
+    return bool(a) and a.removeprefix("GPU-") == b.removeprefix("GPU-")
+
+
+def gpu_facts(device_uuid: str) -> dict[str, str]:
+    """{"uuid", "driver", "free_bytes"} of the GPU with `device_uuid` on this host (nvidia-smi);
+    {} if it is not here."""
+    for uuid, driver, free_mib in _nvidia_smi("--query-gpu=uuid,driver_version,memory.free"):
+        if _same_uuid(uuid, device_uuid):
+            return {"uuid": uuid, "driver": driver, "free_bytes": str(int(float(free_mib)) << 20)}
     return {}
+
+
+def gpu_used_bytes(pid: int) -> int:
+    """GPU memory process `pid` holds (nvidia-smi; 0 when it cannot tell, e.g. another pid namespace)."""
+    for row in _nvidia_smi("--query-compute-apps=pid,used_memory"):
+        if row and row[0] == str(pid):
+            return int(float(row[1])) << 20
+    return 0
 
 
 def address_ranges(addresses: Any) -> list[tuple[int, int]]:
@@ -100,7 +116,7 @@ class Manifest:
     address_ranges: tuple[tuple[int, int], ...]
     image_bytes: int
     canary: Any
-    gpu: dict[str, str] = field(default_factory=dict)
+    gpu: dict[str, str] = field(default_factory=dict)   # uuid, driver; used_bytes: held at checkpoint
     worker: dict = field(default_factory=dict)    # the worker's own prepare manifest, verbatim
     created_at: float = 0.0
     format_version: int = FORMAT_VERSION
@@ -120,6 +136,11 @@ class Manifest:
     @property
     def on_gpu(self) -> bool:
         return self.device.startswith("cuda")
+
+    def kv_ranges(self) -> list[tuple[int, int]]:
+        """The KV cache's ranges, as the worker reported them (re-mapped, with new memory, at resume)."""
+        addresses = self.worker.get("addresses")
+        return address_ranges(addresses.get("kv")) if isinstance(addresses, Mapping) else []
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -173,4 +194,5 @@ def load_manifest(directory: Path) -> Manifest:
 
 
 __all__ = ["FORMAT_VERSION", "IMAGES", "MANIFEST", "Manifest", "ManifestError", "address_ranges", "gpu_facts",
+           "gpu_used_bytes",
            "load_manifest", "versions", "write_manifest"]

@@ -76,12 +76,7 @@ def check_host(config: RestoreConfig) -> tuple[Manifest, criu.CriuBinary]:
     if changed:
         raise SnapshotError(f"software changed since the snapshot ({', '.join(changed)}); create a new snapshot")
     if manifest.on_gpu:
-        gpu = gpu_facts(manifest.gpu.get("uuid", ""))
-        if not gpu:
-            raise SnapshotError(f"GPU {manifest.gpu.get('uuid', '?')} of the snapshot is not on this host")
-        if gpu["driver"] != manifest.gpu.get("driver"):
-            raise SnapshotError(f"NVIDIA driver {manifest.gpu.get('driver')} at snapshot, {gpu['driver']} now; "
-                                "create a new snapshot")
+        _check_gpu(manifest)
     _check_daemon(manifest, config)
     _check_port(manifest)
     still = criu.wait_pids_gone(manifest.tree_pids, config.pid_wait_s)
@@ -89,6 +84,23 @@ def check_host(config: RestoreConfig) -> tuple[Manifest, criu.CriuBinary]:
         raise SnapshotError("the snapshot's pids are still taken: " + "; ".join(_describe_pid(p) for p in still)
                             + ". Stop the original worker (and let its parent reap it) before restoring")
     return manifest, found.binary
+
+
+def _check_gpu(manifest: Manifest) -> None:
+    want = manifest.gpu.get("uuid", "")
+    gpu = gpu_facts(want)
+    if not gpu:
+        raise SnapshotError(f"GPU {want or '(unknown)'} of the snapshot is not on this host (nvidia-smi lists it not)")
+    if manifest.gpu.get("driver") and gpu["driver"] != manifest.gpu["driver"]:
+        raise SnapshotError(f"NVIDIA driver {manifest.gpu['driver']} at snapshot, {gpu['driver']} now; "
+                            "create a new snapshot")
+    kv_bytes = sum(e - s for s, e in manifest.kv_ranges())
+    need = int(manifest.gpu.get("used_bytes", "0")) + kv_bytes
+    free = int(gpu["free_bytes"])
+    if free < need:
+        raise SnapshotError(f"GPU {gpu['uuid']} has {free / 2**30:.2f} GiB free; the worker needs "
+                            f"{need / 2**30:.2f} GiB (its CUDA state and KV cache): free GPU memory first (a CUDA "
+                            "restore that runs out of memory can leave the process stuck)")
 
 
 def _describe_pid(pid: int) -> str:
