@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,14 @@ def test_gpu_worker_snapshot_and_restore(kind: str, snapshots_work: None, short_
         assert status == 200, before
 
         snap = tmp_path / "snap"
-        r = subprocess.run([sys.executable, "-m", "resident.cli.main", "snapshot", "create", "--pid",
-                            str(worker.proc.pid), "--output", str(snap)], capture_output=True, text=True, timeout=600,
-                           env=gpu_env())
+        deadline = time.monotonic() + 300
+        while True:  # prepare refuses (409) while the KV cache still grows in the background
+            r = subprocess.run([sys.executable, "-m", "resident.cli.main", "snapshot", "create", "--pid",
+                                str(worker.proc.pid), "--output", str(snap)], capture_output=True, text=True,
+                               timeout=600, env=gpu_env())
+            if r.returncode == 0 or "still growing" not in r.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         assert r.returncode == 0, r.stderr
         print(r.stdout.strip())
         worker.proc.wait(timeout=60)
