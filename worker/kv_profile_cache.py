@@ -11,9 +11,11 @@ measures and stores it here, and every later start with the same `HeadroomKey` r
 The key covers everything the profile depends on: the model architecture (every
 `ModelConfig` field), the weights' dtypes and quantization, the engine limits that size
 the profile step (block size, max_model_len, max_num_seqs, max_num_batched_tokens), the
-CUDA-graph mode and kernel backend, the GPU's name, and the torch, triton and resident
-versions (allocator, kernels and graph memory change with them). A changed field is a
-miss, never a stale hit.
+CUDA-graph mode and kernel backend, the GPU's name, the torch, triton and resident
+versions (allocator, kernels and graph memory change with them) and a fingerprint of
+resident's own engine code (size and mtime of every .py file under worker/ and daemon/, so
+a development checkout that changes a layer between two starts of the same version
+measures again). A changed field is a miss, never a stale hit.
 
 The file is JSON (`{"version": 1, "entries": {digest: {...}}}`), written atomically
 (temporary file + rename), at most MAX_ENTRIES entries (least recently stored dropped). A
@@ -101,7 +103,8 @@ def headroom_key(model_config: Any, weights: Mapping[str, Any], *, block_size: i
 
 
 def package_versions(names: tuple[str, ...] = ("torch", "triton", "resident")) -> tuple[tuple[str, str], ...]:
-    """(name, installed version or "absent") from package metadata (imports nothing)."""
+    """(name, installed version or "absent") from package metadata (imports nothing), plus
+    ("resident-code", `code_fingerprint()`)."""
     from importlib import metadata
 
     out = []
@@ -110,7 +113,25 @@ def package_versions(names: tuple[str, ...] = ("torch", "triton", "resident")) -
             out.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
             out.append((name, "absent"))
+    out.append(("resident-code", code_fingerprint()))
     return tuple(out)
+
+
+def code_fingerprint(packages: tuple[str, ...] = ("resident.worker", "resident.daemon")) -> str:
+    """A digest of (path, size, mtime) of every .py file of `packages` (a stat each, ~1 ms)."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        for root in sorted(spec.submodule_search_locations or ()) if spec else ():
+            for path in sorted(Path(root).rglob("*.py")):
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                h.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
 
 
 def resolve_cache_path(setting: str, environ: Mapping[str, str]) -> Path | None:

@@ -166,6 +166,21 @@ def test_cache_path_follows_xdg_and_the_setting(tmp_path) -> None:
     assert resolve_cache_path(str(tmp_path / "k.json"), {}) == tmp_path / "k.json"
 
 
+def test_a_code_change_changes_the_fingerprint(tmp_path, monkeypatch) -> None:
+    from resident.worker.kv_profile_cache import code_fingerprint
+
+    pkg = tmp_path / "fp_pkg_probe"
+    (pkg / "layers").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "layers" / "norm.py").write_text("EPS = 1e-6\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_fingerprint(("fp_pkg_probe",))
+    assert code_fingerprint(("fp_pkg_probe",)) == before
+    (pkg / "layers" / "norm.py").write_text("EPS = 1e-5  # a different layer\n")
+    assert code_fingerprint(("fp_pkg_probe",)) != before
+    assert dict(_key().versions)["resident-code"] == code_fingerprint()
+
+
 def test_key_rejects_impossible_fields() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         _key(max_num_seqs=0)
