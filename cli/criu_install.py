@@ -125,12 +125,17 @@ def dependency_closure(package: str, env: dict[str, str]) -> list[str]:
     """`package` and everything it depends on (no recommends), as concrete package names."""
     out = _run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
                 "--no-breaks", "--no-replaces", "--no-enhances", package], env, "apt-cache depends")
-    # Top-level lines are package names; virtual ones are written <name> and have providers listed.
-    names = sorted({line.strip() for line in out.splitlines() if line and not line[0].isspace()
+    return parse_depends(out, package)
+
+
+def parse_depends(output: str, package: str) -> list[str]:
+    """The package names of `apt-cache depends --recurse` output: its unindented lines, less
+    virtual packages (written <name>; their providers are listed on their own lines)."""
+    names = sorted({line.strip() for line in output.splitlines() if line.strip() and not line[0].isspace()
                     and not line.startswith("<")})
     bad = [n for n in names if not _PACKAGE.match(n)]
     if package not in names or bad:
-        raise InstallError(f"unexpected apt-cache depends output for {package}: {bad or out[:500]}")
+        raise InstallError(f"unexpected apt-cache depends output for {package}: {bad or output[:500]!r}")
     return names
 
 
