@@ -189,7 +189,8 @@ def load(
     log.info(
         "loaded %s (%s, %s, %s%s%s): %d tensors, %.2f GB read, %.2f GB resident in %d slab(s), %.2f s (%.2f GB/s)",
         spec.display_name, plan.source.display, plan.dtype, plan.quantization,
-        f", draft {plan.draft.source.display}" if plan.draft else "", f", TP={n} on {','.join(devices)}" if n > 1 else "",
+        f", draft {plan.draft.source.display}" if plan.draft else "",
+        f", TP={n} on {','.join(devices)}" if n > 1 else "",
         len(entries), total / 1e9, nbytes / 1e9, len(slabs), load_s, total / 1e9 / max(load_s, 1e-9),
     )
     draft = plan.draft
@@ -198,7 +199,8 @@ def load(
         quantization=plan.quantization, layout=layout.LAYOUT, config=plan.source.config, table=table,
         slabs=slabs, content_checksum=content_checksum(entries), nbytes=nbytes, bytes_read=total, load_s=load_s,
         checksum=checksum.WSUM32 if staged else checksum.CRC32, tensor_parallel_size=n, devices=loaded_devices,
-        slab_ranks=slab_ranks, draft_key=draft.key if draft else "", draft_source=str(draft.source.folder) if draft else "",
+        slab_ranks=slab_ranks, draft_key=draft.key if draft else "",
+        draft_source=str(draft.source.folder) if draft else "",
         draft_config=dict(draft.source.config) if draft else None,
     )
 
@@ -240,8 +242,10 @@ def _load_whole(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: 
     return entries, slabs, staged
 
 
-def _load_sharded(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: int, devices: tuple[str, ...],
-                  ranks: tuple[int, ...], num_threads: int | None) -> tuple[list[TensorEntry], list[Slab], tuple[int, ...]]:
+def _load_sharded(
+    plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: int, devices: tuple[str, ...],
+    ranks: tuple[int, ...], num_threads: int | None,
+) -> tuple[list[TensorEntry], list[Slab], tuple[int, ...]]:
     """Each rank's shard in its own slabs on its device; slab indices run over all ranks."""
     from resident.daemon.shard_fill import fill_shards, shard_shapes
 

@@ -170,7 +170,8 @@ def rank_name(rank: int, name: str) -> str:
     return f"rank{rank}.{name}"
 
 
-def select_rank(table: TensorTable, slab_ranks: tuple[int, ...] | list[int], rank: int) -> tuple[TensorTable, list[int]]:
+def select_rank(table: TensorTable, slab_ranks: tuple[int, ...] | list[int],
+                rank: int) -> tuple[TensorTable, list[int]]:
     """Rank `rank`'s part of a sharded table: (its entries with the rank prefix removed and
     slab indices renumbered 0..k-1, the global indices of those k slabs in order)."""
     slabs = [i for i, r in enumerate(slab_ranks) if r == rank]
