@@ -142,7 +142,8 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
                                 "worker did not detach them; refusing a snapshot that would carry its weights")
         manifest = Manifest(
             model_key=str(worker.get("model_key", "")), device=device, pid=config.pid, tree_pids=tuple(tree),
-            host=host, port=port, admin_socket=admin.path, daemon_socket=str(worker.get("daemon_socket") or daemon_socket),
+            host=host, port=port, admin_socket=admin.path,
+            daemon_socket=str(worker.get("daemon_socket") or daemon_socket),
             kernel=os.uname().release, versions=versions(), criu_version=format_version(found.binary.version),
             criu_options=options, address_ranges=tuple(ranges), image_bytes=criu_images.image_bytes(images),
             canary=worker.get("canary"),

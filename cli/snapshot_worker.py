@@ -199,5 +199,5 @@ def wait_ready(host: str, port: int, timeout_s: float) -> float:
         time.sleep(0.01)
 
 
-__all__ = ["AdminClient", "WorkerError", "daemon_socket_of", "find_admin", "listening_tcp", "listening_unix_paths", "parse_url",
-           "pid_for_port", "wait_ready"]
+__all__ = ["AdminClient", "WorkerError", "daemon_socket_of", "find_admin", "listening_tcp", "listening_unix_paths",
+           "parse_url", "pid_for_port", "wait_ready"]

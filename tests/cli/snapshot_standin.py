@@ -3,9 +3,10 @@
 and its error paths are tested in a fraction of a second per case. The real worker is
 tested end to end in test_snapshot_worker.py.
 
-Its "weights" are a file's bytes in a memfd mapped MAP_PRIVATE (like host_shm slabs); /answer reads every page of them (a worker that
-was not re-attached at the same address would crash on the PROT_NONE placeholder). prepare
-detaches them (placeholder, fd closed); resume maps a new memfd at the same address.
+Its "weights" are a file's bytes in a memfd mapped MAP_PRIVATE (like host_shm slabs); /answer
+reads every page of them (a worker that was not re-attached at the same address would crash
+on the PROT_NONE placeholder). prepare detaches them (placeholder, fd closed); resume maps a
+new memfd at the same address.
 
     python snapshot_standin.py --admin-socket PATH --weights FILE [--leak] [--preload off]
 """

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -194,14 +195,16 @@ def test_restore_of_another_model_key_is_refused(stopped_snapshot: Path) -> None
     assert r.returncode != 0 and "standin-key, not other-key" in r.stderr
 
 
-def test_restore_without_privileges_is_refused(stopped_snapshot: Path, standin: Standin, tmp_path: Path) -> None:
+def test_restore_without_privileges_is_refused(stopped_snapshot: Path, standin: Standin) -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run the CLI as an unprivileged user")
-    for p in [*reversed(tmp_path.parents), tmp_path, stopped_snapshot]:
-        if p.stat().st_uid == 0 and not p.stat().st_mode & 0o005:
-            p.chmod(p.stat().st_mode | 0o005)
-    (stopped_snapshot / "manifest.json").chmod(0o644)
-    r = resident("restore", str(stopped_snapshot), user=65534)
+    public = Path(tempfile.mkdtemp(prefix="resident-snap-"))  # pytest's tmp dirs are private to root
+    try:
+        public.chmod(0o755)
+        shutil.copytree(stopped_snapshot, public / "snap")
+        r = resident("restore", str(public / "snap"), user=65534)
+    finally:
+        shutil.rmtree(public)
     assert r.returncode != 0 and "no privileges" in r.stderr and "root" in r.stderr, r.stderr
     assert criu.pid_state(standin.pid) is None
 
