@@ -180,6 +180,22 @@ def _preload(model: str, sock: str, dtype: str, quantization: str) -> dict:
     return out
 
 
+def _daemon_attach_s(sock: str) -> tuple[float, int] | None:
+    """(total seconds, count) the daemon spent in Attach RPCs, from its /metrics (None if unreadable)."""
+    import urllib.request
+
+    try:
+        address = Path(sock + ".http").read_text().strip()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, ValueError) as e:
+        log.warning("could not read the daemon's metrics: %s", e)
+        return None
+    found = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"^resident_attach_seconds_(sum|count) ([0-9.e+-]+)$", text, re.M)}
+    return (found["sum"], int(found["count"])) if len(found) == 2 else None
+
+
 def _gpu_name() -> str:
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -251,8 +267,13 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
                     _serve_run(model, [*base, "--preload", "require", "--socket", sock], work, env, "prime", 0)
                 except Exception as e:  # noqa: BLE001 - the timed runs will show the problem
                     log.warning("priming start failed: %s", e)
+            before = _daemon_attach_s(sock)
             results["warm"] = _variant("warm", runs, lambda i: _serve_run(
                 model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i))
+            after = _daemon_attach_s(sock)
+            if before is not None and after is not None and after[1] > before[1]:
+                # The daemon's share of the workers' attach time (the RPC handler only).
+                results["warm"]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
         if "cold" in chosen:
             results["cold"] = _variant("cold", runs, lambda i: _serve_run(
                 model, [*base, "--preload", "off"], work, env, "cold", i))
@@ -302,6 +323,9 @@ def _report(results: dict, variants: list[str]) -> None:
                    + "".join(f"{r['phases'][k]:>11.2f}s" if k in r["phases"] else f"{'-':>12}" for k in keys))
         if "error" in r:
             click.echo(f"{'':<28}  (later runs failed: {r['error']})")
+        if "daemon_attach_s" in r:
+            click.echo(f"{'':<28}  attach: the daemon's Attach handler took {r['daemon_attach_s'] * 1e3:.2f} ms of it "
+                       "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
         for key in ("kv_alloc_breakdown", "cuda_preinit"):
             if key in last:
