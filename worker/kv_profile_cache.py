@@ -145,7 +145,7 @@ def resolve_cache_path(setting: str, environ: Mapping[str, str]) -> Path | None:
     return Path(base) / "resident" / CACHE_FILE_NAME
 
 
-@dataclass
+@dataclass(frozen=True)
 class KvProfileCache:
     """The headroom cache file at `path` (see the module doc)."""
 
@@ -153,7 +153,7 @@ class KvProfileCache:
     max_entries: int = MAX_ENTRIES
 
     def __post_init__(self) -> None:
-        self.path = Path(self.path)
+        object.__setattr__(self, "path", Path(self.path))
         if self.max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {self.max_entries}")
 
