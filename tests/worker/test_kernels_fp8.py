@@ -237,7 +237,7 @@ def test_gpu_fp8_linear_replays_in_a_cuda_graph() -> None:
     from resident.worker.kernels.dispatch import get_kernels
 
     k = get_kernels("cuda", "triton")
-    w_q = (0.05 * torch.randn(512, 4096)).div(0.05 * 4 / FP8_MAX).to(FP8_DTYPE).cuda()
+    w_q = (0.05 * torch.randn(512, 4096)).div(0.05 * 4 / FP8_MAX).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).cuda()
     ws = torch.tensor(0.05 * 4 / FP8_MAX, dtype=torch.float32).cuda()
     for m in (1, 64):                    # both quantization paths
         static_x = torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda")
