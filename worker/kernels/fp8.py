@@ -3,8 +3,8 @@
 Exactly the reference's steps: quantize the activations per tensor on the fly
 (`quantize_fp8_per_tensor_dynamic`: scale_a = max(amax|x| / 448, 1e-12), x_q = clamp(x /
 scale_a) as float8_e4m3fn — on a GPU by the fused Triton kernels of `fp8_quant`, bit-identical
-to the reference's eager ops and one or two launches instead of six; on CPU by the
-reference itself), then one fp8 GEMM with float32 accumulation, scaled by
+to the reference on CPU and one or two launches instead of six; on CPU by the reference
+itself), then one fp8 GEMM with float32 accumulation, scaled by
 scale_a * scale_w, bias added, output in the activation dtype. `_scaled_mm` wants a
 row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-major
 [N, K] weight, no copy), K and N multiples of 16, and scales as float32 tensors of one

@@ -14,7 +14,9 @@ and two (plus a 8-byte memset) for large ones:
 
 Every program derives the scale from amax with the reference's float32 steps (IEEE
 division `div_rn`, never the approximate one), so the scale and every quantized value
-equal the reference's bit for bit. The quantized values are stored in the output
+equal the CPU reference's bit for bit. (The same reference run eagerly on CUDA can be one
+ulp off in the scale: torch divides a CUDA tensor by a Python scalar as a multiplication by
+its reciprocal.) The quantized values are stored in the output
 pointer's element type: float8_e4m3fn for the GEMM; a float32 output gives the clamped
 x / scale before the cast (how the tests check the math in Triton's CPU interpreter, whose
 fp8 cast rounds wrongly).
