@@ -9,9 +9,11 @@ token, side by side on one checkpoint:
 
 with the workers' start-up phases from /metrics (and, per run, the worker log's kv_alloc
 breakdown — whether the activation headroom was measured or read from the KV profile cache,
-which the untimed priming start on a GPU fills — and its CUDA-context line), the floor (`python -c "import torch"`,
-and with `torch.cuda.init()` on cuda), the daemon's preload throughput (GB/s) and the
-warm workers' attach time. Prints a table, writes JSON (`--json`) and a stacked-bar
+which the untimed priming start on a GPU fills — and its CUDA-context line), the floor
+(`python -c "import torch"` wall time, with `torch.cuda.init()` on cuda; and the same import
+timed inside the process from its start, the clock of the worker's import phase, which the
+wall time overstates by the interpreter's teardown), the daemon's preload throughput (GB/s)
+and the warm workers' attach time (and the daemon's share of it). Prints a table, writes JSON (`--json`) and a stacked-bar
 picture of the phases (`--plot`: PNG with matplotlib, or SVG without any dependency).
 A variant that fails is recorded with its error; the others still run.
 """
@@ -86,6 +88,39 @@ def _median_s(argv: list[str], runs: int, env: dict[str, str]) -> float:
         subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
         times.append(time.monotonic() - t)
     return statistics.median(times)
+
+
+#: The floor on the worker's own clock: seconds from the kernel's start of the process (as the
+#: worker's "import" phase counts them) to `import torch` done, then to a CUDA context made.
+_FLOOR_SCRIPT = r"""
+import os, sys, time
+def age():
+    ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])
+    return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+import torch
+t_import = age()
+t_cuda = 0.0
+if sys.argv[1] == "cuda":
+    torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+    t_cuda = age() - t_import
+print(t_import, t_cuda)
+"""
+
+
+def _in_process_floor(device: str, runs: int, env: dict[str, str]) -> dict[str, float]:
+    """Medians of `import torch` (and CUDA context) measured from process start inside the
+    process — comparable with the worker's import / cuda_context phases; the wall-clock floor
+    also counts interpreter teardown."""
+    imports, contexts = [], []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT, device], check=True, env=env,
+                             capture_output=True, text=True).stdout.split()
+        imports.append(float(out[0]))
+        contexts.append(float(out[1]))
+    floor = {"import_torch_from_start_s": statistics.median(imports)}
+    if device == "cuda":
+        floor["cuda_context_after_import_s"] = statistics.median(contexts)
+    return floor
 
 
 def _hf_run(model: str, device: str, dtype: str, work: Path, env: dict[str, str], run: int) -> dict:
@@ -246,6 +281,7 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
         if device == "cuda":
             floor["import_torch_cuda_init_s"] = _median_s(
                 [sys.executable, "-c", "import torch; torch.cuda.init(); torch.zeros(1, device='cuda')"], runs, env)
+        floor.update(_in_process_floor(device, runs, env))
         results["floor"] = floor
         if "warm" in chosen:
             backend = "host_shm" if device == "cpu" else "cuda_vmm"
@@ -303,7 +339,11 @@ def _report(results: dict, variants: list[str]) -> None:
     click.echo(f"model {results['model']} on {results['device']} {results.get('gpu', '')}; median of "
                f"{results['runs']}; floor: import torch {floor.get('import_torch_s', 0):.2f} s"
                + (f", + CUDA init {floor['import_torch_cuda_init_s']:.2f} s" if "import_torch_cuda_init_s" in floor
-                  else ""))
+                  else "")
+               + (f"; on the worker's clock (process start -> torch imported) "
+                  f"{floor['import_torch_from_start_s']:.2f} s" if "import_torch_from_start_s" in floor else "")
+               + (f", CUDA context after it {floor['cuda_context_after_import_s']:.2f} s"
+                  if "cuda_context_after_import_s" in floor else ""))
     pre = results.get("preload")
     if pre and "error" not in pre:
         click.echo(f"preload: {pre['bytes_read'] / 1e9:.2f} GB read in {pre['load_s']:.2f} s "
