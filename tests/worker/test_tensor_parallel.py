@@ -125,8 +125,9 @@ def test_tp2_matches_tp1_on_the_same_weights(tiny_model, arch):
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
 
 
-def run_tp2(serve: ServeConfig, path, cfg: ModelConfig, full: dict, seqs, prompts, source: str):
-    """This process as rank 0 of a TP=2 group over `path`: (forced logits, greedy tokens)."""
+def run_tp2(serve: ServeConfig, path, cfg: ModelConfig, full: dict, seqs, prompts, source: str, check=None):
+    """This process as rank 0 of a TP=2 group over `path`: (forced logits, greedy tokens);
+    `check()` runs while every rank holds its weights."""
     group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
     try:
         store = group.open_store()
@@ -138,6 +139,8 @@ def run_tp2(serve: ServeConfig, path, cfg: ModelConfig, full: dict, seqs, prompt
         runner = group.build_runner(store.tensors, engine_config=engine_config())
         assert runner.kv_cache.tensors[0].shape[3] == cfg.num_kv_heads // 2   # this rank's kv heads only
         got = forced_logits(runner, seqs), generate(runner, prompts, 24)
+        if check is not None:
+            check()
         runner.close()
         store.close()
     finally:
@@ -165,8 +168,9 @@ def assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, 
 
 
 def test_tp2_ranks_attach_their_shards_from_a_real_daemon(tiny_model, short_tmp):
-    """`preload load --tensor-parallel-size 2` in a daemon process; both ranks attach (rank 0
-    here, rank 1 in its own process) and compute what TP=1 computes from the whole model."""
+    """A daemon process holds the model as 2 shards (loaded at rank 0's request); both ranks
+    attach their own (rank 0 here, rank 1 in its own process) and compute what TP=1 computes
+    from the whole model."""
     path = tiny_model("llama", attention_bias=True)
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 21)]
@@ -179,11 +183,20 @@ def test_tp2_ranks_attach_their_shards_from_a_real_daemon(tiny_model, short_tmp)
     helpers = daemon_helpers()
     daemon = helpers.start_daemon(short_tmp)
     try:
-        with daemon.client("admin") as c:
-            helpers.load(c, path, tensor_parallel_size=2)
-        serve = ServeConfig(model=str(path), preload="require", socket=daemon.socket, device="cpu",
+        # --preload auto: rank 0 asks the daemon to load the model as 2 shards, then every rank attaches.
+        serve = ServeConfig(model=str(path), preload="auto", socket=daemon.socket, device="cpu",
                             tensor_parallel_size=2, cpu_threads=1)
-        got_logits, got_tokens = run_tp2(serve, path, cfg, full, seqs, prompts, source="daemon")
+
+        def one_lease_per_rank() -> None:
+            with daemon.client("check") as c:
+                (info,) = [m for m in c.list() if m.tensor_parallel_size == 2]
+            assert list(info.devices) == ["cpu", "cpu"]
+            leases = {lease.client_name: lease.pid for lease in info.leases}
+            assert set(leases) == {"resident-serve-tp0", "resident-serve-tp1"}
+            assert leases["resident-serve-tp0"] == os.getpid() != leases["resident-serve-tp1"]
+
+        got_logits, got_tokens = run_tp2(serve, path, cfg, full, seqs, prompts, source="daemon",
+                                         check=one_lease_per_rank)
     finally:
         daemon.stop()
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
