@@ -97,6 +97,8 @@ class ServeConfig:
     ngram_prompt_lookup_min: int | None = None
     tensor_parallel_size: int = 1             # > 1: this process is rank 0 of a group (worker/tp_executor.py)
     kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
+    kv_pool_units: float | None = None        # supervised replica: KV slices of the shared GPU (kv_budget.py)
+    kv_start_share: float = 1.0               # supervised replica: share of its KV slice mapped before /ready
     admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
 
     def __post_init__(self) -> None:
@@ -313,6 +315,15 @@ def _build(config: ServeConfig, startup: _Startup, metrics: ServerMetrics) -> _W
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0 and tp is None:
                 num_kv_blocks = initial_kv_blocks(kv_target_blocks, block_bytes, config.kv_cache_initial_bytes,
                                                   -(-max_model_len // config.block_size))
+            if config.kv_pool_units is not None and config.num_kv_blocks is None and tp is None:
+                from resident.worker.kv_budget import gpu_replica_kv_blocks   # a replica sharing the GPU
+
+                kv_target_blocks, num_kv_blocks = gpu_replica_kv_blocks(
+                    plan.budget, weights_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
+                    weights_shared=store.source == "daemon", pool_units=config.kv_pool_units,
+                    start_share=config.kv_start_share, free_blocks=plan.num_kv_blocks,
+                    max_blocks=plan.max_num_kv_blocks, block_bytes=block_bytes,
+                    initial_bytes=config.kv_cache_initial_bytes, min_blocks=-(-max_model_len // config.block_size))
         else:
             num_kv_blocks = kv_target_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
         if draft is not None and config.num_kv_blocks is None:   # the draft's KV cache is as long
@@ -383,8 +394,10 @@ def _log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float
                 ", the rest grows in the background after ready" if target_blocks > num_blocks else "")
 
 
-def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> threading.Thread | None:
-    """Export the KV cache's size, and grow it to its full budget in the background (GPU)."""
+def _start_kv_growth(worker: _Worker, metrics: ServerMetrics, utilization: float = 1.0) -> threading.Thread | None:
+    """Export the KV cache's size, and grow it to its full budget in the background (GPU),
+    each chunk only once the whole GPU has room for it under `utilization` (kv_budget.GrowthGate:
+    a draining replica may still hold its KV cache)."""
     from prometheus_client import Gauge
 
     from resident.worker.async_engine import KVGrowth
@@ -414,8 +427,16 @@ def _start_kv_growth(worker: _Worker, metrics: ServerMetrics) -> threading.Threa
         logger.info("KV cache growth done: %d -> %d blocks (%.2f GiB) in %.2f s after ready", start, num_blocks,
                     num_blocks * worker.kv_block_bytes / 2**30, seconds)
 
+    from resident.worker.gpu_memory import gpu_memory_info
+    from resident.worker.kv_budget import GrowthGate, start_gated_growth
+
     chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)
-    return worker.engine.start_kv_growth(KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done))
+    device = getattr(getattr(runner, "device", None), "index", None) or 0
+    # Slack: each (layer, k|v) segment's mapping is rounded up to the 2 MiB VMM granularity.
+    segments = 2 * len(getattr(getattr(runner, "kv_cache", None), "tensors", ())) or 256
+    gate = GrowthGate(partial(gpu_memory_info, device), utilization, slack_bytes=segments * 2**21)
+    return start_gated_growth(worker.engine, KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done),
+                              worker.kv_block_bytes, gate)
 
 
 def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -489,7 +510,7 @@ async def _serve(config: ServeConfig, startup: _Startup) -> int:
     state.ready = True
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
     sd_notify(config.notify_socket, "READY=1")
-    growth = worker.kv_growth = _start_kv_growth(worker, metrics)
+    growth = worker.kv_growth = _start_kv_growth(worker, metrics, config.gpu_memory_utilization)
     if admin is not None:
         from resident.worker.snapshot_control import SnapshotControl
 

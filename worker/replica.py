@@ -35,6 +35,7 @@ from resident.worker.entrypoint import (
     ServeConfig,
     _build,
     _in_thread,
+    _start_kv_growth,
     _Startup,
     _Worker,
     prepare_process,
@@ -109,6 +110,7 @@ class Replica:
         self._drain_reason = ""
         self.ready_s: float | None = None
         self.promote_s: float | None = None
+        self._growth: Any = None       # the KV growth thread (GPU), joined when leaving
 
     # --- admin.ReplicaControl ------------------------------------------------------------
     @property
@@ -211,6 +213,9 @@ class Replica:
         from resident.worker.snapshot_control import SnapshotControl
 
         admin.snapshot = SnapshotControl(self.server_state, self.worker, self.config)
+        # GPU: grow the KV cache to this replica's share, chunk by chunk as the GPU has room
+        # (an outgoing replica's cache is unmapped only when it exits; kv_budget.py).
+        self._growth = _start_kv_growth(self.worker, self.metrics, self.config.gpu_memory_utilization)
         if self.options.standby:
             self.state = ReplicaState.STANDBY
         else:
@@ -238,6 +243,8 @@ class Replica:
             await asyncio.sleep(0.02)
         await self._runner.cleanup()
         self.worker.engine.shutdown()
+        if self._growth is not None:
+            self._growth.join(10.0)   # it stops after the chunk it is mapping
         self.worker.store.close()
         logger.info("replica %d stopped (%s)", self.options.replica_id, self._drain_reason)
         return 0

@@ -14,7 +14,8 @@ while replicas come and go.
   is one); repeated crashes back off exponentially. A replica that cannot start before the
   service was ever ready fails the supervisor (exit 1): that is a configuration error.
 - Rolling restart (SIGHUP, `systemctl reload`, `resident rollout --port PORT`): see rollout.py.
-- KV headroom for the extra replica of a rollout or a standby: see kv_budget.py.
+- KV headroom for the extra replica of a rollout or a standby: see kv_budget.py (each replica
+  gets the pool size and its start share; on a GPU it sizes and grows its own KV cache).
 - Sockets: the control socket and the replicas' admin sockets, named after the port (control.py).
 """
 from __future__ import annotations
@@ -94,6 +95,9 @@ class Supervisor:
         self.port = 0
         self.replicas: dict[int, ReplicaHandle] = {}
         self.budget = KvBudget(config.num_replicas, config.num_standby, config.kv_headroom)
+        # GPU replicas grow their KV cache after ready (kv_budget.py); CPU ones keep what they started with.
+        serve = config.serve
+        self.kv_grows = serve.device.startswith("cuda") and serve.num_kv_blocks is None
         self.launcher = None  # resident.worker.launcher.LauncherClient when config.use_launcher
         self.rollout_lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -134,6 +138,7 @@ class Supervisor:
             kv_bytes, kv_blocks = scaled_kv(serve.kv_cache_memory_bytes, serve.num_kv_blocks, share)
             config = dataclasses.replace(serve, port=self.port, port_file=None, notify_socket=None,
                                          kv_cache_memory_bytes=kv_bytes, num_kv_blocks=kv_blocks,
+                                         kv_pool_units=self.budget.pool, kv_start_share=share,
                                          process_start_time=None)
             options = ReplicaOptions(replica_id=replica_id, listen_fd=self.sock.fileno(),
                                      admin_socket=admin_socket_path(self.port, replica_id, self.env),
@@ -154,7 +159,7 @@ class Supervisor:
         handle.exit_task = asyncio.ensure_future(process.wait())
         self.replicas[replica_id] = handle
         self.background(self._watch(handle))
-        logger.info("started %s replica %d (pid %d, KV %.0f%% of --kv-cache-memory)", role.value, replica_id,
+        logger.info("started %s replica %d (pid %d, KV %.0f%% of its share)", role.value, replica_id,
                     handle.pid, share * 100)
         self.report_status()
         return handle
@@ -173,6 +178,9 @@ class Supervisor:
         handle.exit_code, handle.phase = code, Phase.EXITED
         self.replicas.pop(handle.replica_id, None)
         self.budget.release(handle.replica_id)
+        if self.kv_grows and (raised := self.budget.regrow()):
+            logger.info("KV share of replica(s) %s back to %s (they grow into the memory freed on the GPU)",
+                        ", ".join(map(str, raised)), ", ".join(f"{self.budget.shares[r]:.0%}" for r in raised))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(handle.admin_socket)  # left behind when the replica was killed
         if code == 0 and not handle.leaving and not self.stopping:
@@ -288,11 +296,10 @@ class Supervisor:
     async def run(self) -> int:
         from resident.worker.rollout import ControlServer
 
-        serve = self.config.serve
-        if serve.device != "cpu" and serve.num_kv_blocks is None and self.budget.pool > 1:
-            logger.warning("several replicas may share a GPU: pass --num-kv-blocks so the KV headroom policy "
-                           "applies (on a GPU, without it each replica sizes its KV cache from "
-                           "--gpu-memory-utilization against what is already in use, and the first takes the rest)")
+        if self.kv_grows:
+            logger.info("KV headroom policy on the GPU: %.6g slices of what --gpu-memory-utilization leaves beside "
+                        "the shared weights, one per replica and standby, %.2g for a rollout's incoming replica",
+                        self.budget.pool, self.config.kv_headroom)
         self.sock = self._listen_socket()
         self.port = self.sock.getsockname()[1]
         host = self.config.serve.host

@@ -289,3 +289,170 @@ def test_kv_budget_gives_the_incoming_replica_the_headroom_and_restores_full_sha
     assert scaled_kv(8 * 2**20, 100, 0.25) == (2 * 2**20, 25)
     with pytest.raises(ValueError, match="rollout-kv-headroom"):
         KvBudget(num_replicas=1, headroom=0.0)
+
+
+# --- the KV headroom policy on a GPU, through the same decision functions (fake GPU) -------
+GiB = 2**30
+BLOCK = 2 * 2**20        # Llama-3-8B: 128 KiB of KV per token, 16-token blocks
+
+
+class FakeGpu:
+    """The whole GPU's memory as the driver counts it: named allocations of every process.
+    Records the highest total ever in use (to check that nothing went past the limit)."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = total_bytes
+        self.held: dict[str, int] = {}
+        self.peak = 0
+        self.reads = 0
+        self.lock = threading.Lock()
+
+    def read(self) -> tuple[int, int]:
+        with self.lock:
+            self.reads += 1
+            return self.total - sum(self.held.values()), self.total
+
+    def alloc(self, name: str, nbytes: int) -> None:
+        with self.lock:
+            self.held[name] = self.held.get(name, 0) + nbytes
+            self.peak = max(self.peak, sum(self.held.values()))
+
+    def free(self, name: str) -> None:
+        with self.lock:
+            self.held.pop(name, None)
+
+
+class _Budget:   # the fields of gpu_memory.GpuMemoryBudget the policy reads (that module needs torch)
+    def __init__(self, total_bytes: int, utilization: float, headroom_bytes: int) -> None:
+        self.total_bytes, self.utilization, self.headroom_bytes = total_bytes, utilization, headroom_bytes
+
+
+def _start_replica(gpu: FakeGpu, name: str, share: float, pool: float, *, weights: int, headroom: int,
+                   util: float, initial: int = 4 * GiB) -> tuple[int, int]:
+    """What a replica does before /ready: context + activations, measure, size, map the initial KV."""
+    from resident.worker.kv_budget import gpu_replica_kv_blocks
+
+    gpu.alloc(name, GiB // 2 + headroom)                    # CUDA context, activations/graphs
+    free, total = gpu.read()
+    free_blocks = max(0, (int(total * util) - (total - free)) // BLOCK)
+    target, start = gpu_replica_kv_blocks(
+        _Budget(total, util, headroom), weights_bytes=weights, weights_shared=True, pool_units=pool,
+        start_share=share, free_blocks=min(free_blocks, 65536), max_blocks=65536, block_bytes=BLOCK,
+        initial_bytes=initial, min_blocks=256)
+    gpu.alloc(name, start * BLOCK)
+    return target, start
+
+
+def _grow(gpu: FakeGpu, gate, name: str, blocks: int, target: int, chunk: int = 1024) -> int:
+    """Background growth, chunk by chunk while the gate finds room (without waiting)."""
+    while blocks < target:
+        n = min(chunk, target - blocks)
+        if not gate.allows(n * BLOCK):
+            break
+        gpu.alloc(name, n * BLOCK)
+        blocks += n
+    return blocks
+
+
+def test_gpu_kv_policy_rollout_incoming_replica_starts_small_and_grows_after_the_outgoing_exits():
+    from resident.worker.kv_budget import GrowthGate, gpu_kv_target_bytes
+
+    util, weights, headroom = 0.9, 16 * GiB, 2 * GiB
+    gpu = FakeGpu(141 * GiB)
+    gpu.alloc("daemon", weights)                              # one resident copy, shared
+    gate = GrowthGate(gpu.read, util, slack_bytes=128 * 2**20)
+    limit = int(gpu.total * util)
+    budget = KvBudget(num_replicas=2, headroom=0.25)
+    blocks = {}
+    for rid in (1, 2):                                       # both start at once, then grow after ready
+        target, start = _start_replica(gpu, f"r{rid}", budget.reserve(rid), budget.pool, weights=weights,
+                                       headroom=headroom, util=util)
+        assert start == 4 * GiB // BLOCK                     # --kv-cache-initial before /ready
+        blocks[rid] = start
+    for rid in (1, 2):
+        blocks[rid] = _grow(gpu, gate, f"r{rid}", blocks[rid], target)
+    # Each got its slice of what the limit leaves beside the weights (counted once), minus its headroom.
+    slice_target = gpu_kv_target_bytes(gpu.total, util, weights, budget.pool, headroom) // BLOCK - 1
+    assert target == slice_target and blocks == {1: target, 2: target}
+    assert gpu.peak <= limit
+
+    # Rollout step 1: the incoming replica gets the headroom share, capped --kv-cache-initial.
+    share = budget.reserve(3)
+    assert share == 0.25
+    target3, start3 = _start_replica(gpu, "r3", share, budget.pool, weights=weights, headroom=headroom, util=util,
+                                     initial=0)
+    assert target3 == target and start3 <= int(target * 0.25) + 1
+    blocks[3] = _grow(gpu, gate, "r3", start3, target3)
+    assert blocks[3] < target, "it grew into memory the draining replica still holds"
+    assert gpu.peak <= limit
+    # The outgoing replica exits: its KV is unmapped; the incoming one grows to its full share.
+    gpu.free("r1")
+    budget.release(1)
+    assert budget.regrow() == [3] and budget.shares[3] == 1.0
+    blocks[3] = _grow(gpu, gate, "r3", blocks[3], target3)
+    assert blocks[3] == target and gpu.peak <= limit
+    # Step 2 finds the headroom free again, and the next incoming replica fits beside the others.
+    assert budget.reserve(4) == 0.25
+    _target4, start4 = _start_replica(gpu, "r4", 0.25, budget.pool, weights=weights, headroom=headroom, util=util)
+    assert start4 >= 256 and gpu.peak <= limit
+
+
+def test_gpu_kv_policy_refuses_a_share_smaller_than_one_request():
+    from resident.worker.kv_budget import gpu_replica_kv_blocks
+
+    with pytest.raises(ValueError, match="fewer than one request of --max-model-len.*rollout-kv-headroom"):
+        gpu_replica_kv_blocks(_Budget(24 * GiB, 0.9, 2 * GiB), weights_bytes=16 * GiB, weights_shared=True,
+                              pool_units=3.0, start_share=1.0, free_blocks=4096, max_blocks=65536, block_bytes=BLOCK,
+                              initial_bytes=4 * GiB, min_blocks=2048)
+
+
+def test_gated_growth_waits_for_the_draining_replica_then_grows_to_the_target():
+    """The worker's real background growth (AsyncEngine.start_kv_growth) behind the gate: it
+    maps no chunk the GPU has no room for, and resumes when the other replica's memory is freed."""
+    from resident.worker.async_engine import AsyncEngine, KVGrowth
+    from resident.worker.engine import LLMEngine
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.kv_budget import GrowthGate, start_gated_growth
+
+    gpu = FakeGpu(100 * BLOCK)
+    gpu.alloc("outgoing", 44 * BLOCK)
+
+    class MappingRunner:      # KV memory comes from the fake GPU; no request runs in this test
+        def __init__(self, num_blocks: int) -> None:
+            self.num_blocks = num_blocks
+            gpu.alloc("incoming", num_blocks * BLOCK)
+
+        def map_kv_blocks(self, num_blocks: int) -> None:
+            if num_blocks > self.num_blocks:
+                gpu.alloc("incoming", (num_blocks - self.num_blocks) * BLOCK)
+                self.num_blocks = num_blocks
+
+        def grow_kv_cache(self, num_blocks: int) -> None:
+            self.map_kv_blocks(num_blocks)
+
+    config = EngineConfig(block_size=4, num_kv_blocks=8, max_model_len=32, max_num_batched_tokens=64)
+    engine = LLMEngine(config, MappingRunner(8))
+    gate = GrowthGate(gpu.read, 0.9, poll_s=0.01)
+    chunks: list[int] = []
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        thread = start_gated_growth(ae, KVGrowth(48, 8, chunks.append), BLOCK, gate)
+        # Room under the limit (90 blocks): 90 - 44 held by the outgoing replica - 8 = 38: four chunks fit.
+        deadline = time.monotonic() + 30
+        while engine.num_kv_blocks < 40 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        reads = gpu.reads
+        while gpu.reads < reads + 5 and time.monotonic() < deadline:   # the gate keeps polling, mapping nothing
+            await asyncio.sleep(0.01)
+        assert gpu.reads >= reads + 5, "the growth did not wait at the gate"
+        assert engine.num_kv_blocks == 40 and chunks == [16, 24, 32, 40]
+        gpu.free("outgoing")                          # the draining replica exited
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 30)
+        assert not thread.is_alive()
+        ae.shutdown()
+
+    asyncio.run(main())
+    assert engine.num_kv_blocks == 48 and chunks == [16, 24, 32, 40, 48]
+    assert gpu.peak <= 90 * BLOCK
