@@ -456,3 +456,52 @@ def test_gated_growth_waits_for_the_draining_replica_then_grows_to_the_target():
     asyncio.run(main())
     assert engine.num_kv_blocks == 48 and chunks == [16, 24, 32, 40, 48]
     assert gpu.peak <= 90 * BLOCK
+
+
+@pytest.mark.gpu
+def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the_outgoing_exited(short_tmp, tmp_path):
+    """Two replicas on one GPU (weights attached from a cuda_vmm daemon), --rollout-kv-headroom
+    0.25: every replica's KV target is the same slice; the rollout's first incoming replica
+    maps at most its headroom share before /ready, and completes its growth only after the
+    replica it replaced has stopped."""
+    import re
+
+    from serve_helpers import daemon_helpers
+
+    # 16 KiB of KV per token (4 layers x 8 kv heads x 64 x fp32 x k,v): the slices bind before
+    # the max_num_seqs x max_model_len cap does.
+    model = servable_tiny_model(tmp_path / "llama", "llama", hidden_size=512, num_attention_heads=8,
+                                num_key_value_heads=8, num_hidden_layers=4, max_position_embeddings=4096)
+    d = daemon_helpers().start_daemon(short_tmp, "--backend", "cuda_vmm")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"), CUDA_VISIBLE_DEVICES="0")
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "2", "--preload", "require", "--socket",
+                      d.socket, "--device", "cuda", "--max-model-len", "4096", "--max-num-seqs", "256",
+                      "--gpu-memory-utilization", "0.2", "--rollout-kv-headroom", "0.25", "--kv-cache-initial", "0",
+                      "--drain-grace", "0.5", wait=True, env=env)
+    try:
+        port = int(sup.base_url.rsplit(":", 1)[1])
+        ctl = control_socket_path(port, env)
+        deadline = time.monotonic() + 120
+        while not all(r["phase"] == "ready" for r in get_status(ctl)["replicas"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = subprocess.run([sys.executable, "-m", "resident.cli.main", "rollout", "--port", str(port)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        grown = re.compile(r"replica-3 .*KV cache growth done: \d+ -> (\d+) blocks")
+        while not grown.search(sup.log_path.read_text()) and time.monotonic() < deadline + 120:
+            time.sleep(0.2)
+        text = sup.log_path.read_text()
+        sizes = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+            r"replica-(\d+) \S+: kv_alloc breakdown: .*; (\d+) blocks \([0-9.]+ GiB\) mapped at start of (\d+)", text)}
+        assert set(sizes) >= {1, 2, 3, 4}, text[-3000:]
+        targets = {t for _, t in sizes.values()}
+        assert len(targets) == 1, sizes                     # one slice each
+        (target,) = targets
+        assert sizes[1][0] == sizes[2][0] == target         # started with their whole share (--kv-cache-initial 0)
+        assert sizes[3][0] <= target // 4 + 1, sizes        # the incoming replica: the headroom share at most
+        m = grown.search(text)
+        assert m is not None and int(m.group(1)) == target, text[-3000:]
+        assert text.index("replica 1 stopped") < m.start(), "replica 3 grew before the replica it replaced exited"
+    finally:
+        stop_serve(sup)
+        d.stop()
