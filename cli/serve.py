@@ -97,8 +97,10 @@ logger = logging.getLogger(__name__)
               help="Seconds a leaving replica keeps answering on its open keep-alive connections "
                    "(with 'Connection: close') before it closes the idle ones (supervisor).")
 @click.option("--rollout-kv-headroom", type=click.FloatRange(0.05, 1.0), default=1.0, show_default=True,
-              help="KV budget, in units of one replica's --kv-cache-memory, left free for the extra replica "
-                   "of a rollout; below 1 the incoming replica starts with that share (one GPU).")
+              help="KV left free for the extra replica of a rollout, in units of one replica's KV share "
+                   "(CPU: --kv-cache-memory; GPU: a slice of what --gpu-memory-utilization leaves beside the "
+                   "shared weights); below 1 the incoming replica starts with that share and, on a GPU, grows "
+                   "to a full share once the outgoing replica has exited.")
 @click.option("--launcher/--no-launcher", default=False, show_default=True,
               help="Fork replicas from a pre-imported launcher process (skips the imports on restarts).")
 @click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
