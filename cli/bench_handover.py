@@ -137,7 +137,8 @@ def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: A
               help="Streaming clients per worker.")
 @click.option("--serve-args", default=None,
               help="Extra `resident serve` arguments [default: cpu: --max-model-len 256 --kv-cache-memory 64MiB "
-                   "--cpu-threads 1; cuda: --max-model-len 4096].")
+                   "--cpu-threads 1; cuda: --max-model-len 4096 --num-kv-blocks 2048, a fixed KV cache per worker "
+                   "so several fit on one GPU].")
 @click.option("--timeout", "timeout_s", default=600.0, show_default=True, type=click.FloatRange(min=1))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
 def bench_handover(model: str | None, device: str, workers: int, clients: int, serve_args: str | None,
@@ -159,7 +160,7 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     extra = shlex.split(serve_args) if serve_args is not None else (
-        ["--max-model-len", "4096"] if device == "cuda" else
+        ["--max-model-len", "4096", "--num-kv-blocks", "2048"] if device == "cuda" else
         ["--max-model-len", "256", "--kv-cache-memory", "64MiB", "--cpu-threads", "1"])
     store = FdStore(work / "notify")
     daemon_env = {**env, **store.env()}
