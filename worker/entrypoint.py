@@ -432,9 +432,9 @@ def _start_kv_growth(worker: _Worker, metrics: ServerMetrics, utilization: float
 
     chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)
     device = getattr(getattr(runner, "device", None), "index", None) or 0
-    # Slack: each (layer, k|v) segment's mapping is rounded up to the 2 MiB VMM granularity.
-    segments = 2 * len(getattr(getattr(runner, "kv_cache", None), "tensors", ())) or 256
-    gate = GrowthGate(partial(gpu_memory_info, device), utilization, slack_bytes=segments * 2**21)
+    # No slack for the VMM rounding (2 MiB per layer and k/v): a lone worker's target already
+    # counts it, and the headroom of the limit it could pass by is far larger.
+    gate = GrowthGate(partial(gpu_memory_info, device), utilization)
     return start_gated_growth(worker.engine, KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done),
                               worker.kv_block_bytes, gate)
 
