@@ -244,10 +244,11 @@ def _report(r: dict[str, Any]) -> None:
         return
     rps, lat = r["requests_per_s"], r["latency_ms_during"]
     click.echo(format_table(
-        ["requests", "failures", "req/s before", "req/s during", "req/s after", "p50 during", "p99 during",
-         "rollout", "disk read"],
+        ["requests", "failures", "req/s before", "req/s during", "req/s after", "p99 before", "p50 during",
+         "p99 during", "rollout", "disk read"],
         [[r["requests"], r["failures"], f"{rps['before']:.1f}", f"{rps['during']:.1f}", f"{rps['after']:.1f}",
-          f"{lat['p50']:.0f} ms", f"{lat['p99']:.0f} ms", f"{r['rollout_s']:.2f} s",
+          f"{r['latency_ms_before']['p99']:.0f} ms", f"{lat['p50']:.0f} ms", f"{lat['p99']:.0f} ms",
+          f"{r['rollout_s']:.2f} s",
           f"{r['disk_read_bytes_during']:.0f} B" if "disk_read_bytes_during" in r else "-"]]))
     click.echo(format_table(
         ["initial replicas spawn->ready", "new replicas spawn->ready", "standby promote", "fresh launcher"],
