@@ -38,6 +38,9 @@ class ParallelConfig:
     store_host: str = "127.0.0.1"
     store_port: int = 0     # the rendezvous TCPStore's port (open_store_master)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: GPUs: decode-size all-reduces (+ residual add + RMSNorm) through the one-shot CUDA-IPC
+    #: kernel (worker/custom_allreduce.py) instead of NCCL.
+    custom_allreduce: bool = True
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -72,6 +75,7 @@ class ParallelGroup:
     def __init__(self, config: ParallelConfig, store: dist.Store | None = None) -> None:
         self.config = config
         self.rank, self.size, self.backend = config.rank, config.size, config.backend
+        self.custom_allreduce = config.custom_allreduce and config.backend == "nccl"
         if dist.is_initialized():
             raise ParallelError("torch.distributed is already initialized in this process: one tensor-parallel "
                                 "group per process (close the previous one first)")
@@ -122,6 +126,14 @@ class ParallelGroup:
         box = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self._cpu_group)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (pickled; over gloo), in rank order."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._cpu_group)
+        return out
 
     def all_min(self, value: int) -> int:
         """The smallest of every rank's integer (over gloo)."""

@@ -22,7 +22,8 @@ vocabulary). With `parallel` None or of size 1 nothing of this runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -101,7 +102,10 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> t
 
 class LlamaDecoderLayer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], index: int,
-                 rope_table: torch.Tensor, kernels: Kernels, parallel: Any = None) -> None:
+                 rope_table: torch.Tensor, kernels: Kernels, parallel: Any = None,
+                 add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """`add_norm(x, residual, weight) -> (normed, x + residual)`: under TP, x is this
+        rank's partial sum and add_norm all-reduces it first (see ReduceAddNorm)."""
         p = layer_prefix(index)
         a, m = f"{p}.self_attn", f"{p}.mlp"
         self.eps = config.rms_norm_eps
@@ -111,6 +115,7 @@ class LlamaDecoderLayer:
         self.sliding_window = config.sliding_windows[index]
         self.rope_table = rope_table
         self.kernels = kernels
+        self.add_norm = add_norm if add_norm is not None else partial(kernels.fused_add_rms_norm, eps=config.rms_norm_eps)
         self.input_layernorm = weights[f"{p}.input_layernorm.weight"]
         self.post_attention_layernorm = weights[f"{p}.post_attention_layernorm.weight"]
         self.qkv_proj = make_linear(weights, f"{a}.qkv_proj", kernels=kernels)
@@ -143,11 +148,9 @@ class LlamaDecoderLayer:
         q = kern.rotary_kv_write(positions, q, k, v, self.rope_table, kv_cache, meta.slot_mapping)
         out = kern.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         out = self.o_proj(out.reshape(t, self.q_size))
-        if self.parallel is not None:
-            out = self.parallel.all_reduce(out)
-            if self.o_bias is not None:
-                out = out + self.o_bias
-        return out
+        if self.o_bias is not None:   # TP: reduce here, so the bias is added once
+            out = self.parallel.all_reduce(out) + self.o_bias
+        return out   # under TP (without o_proj bias): this rank's partial sum
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,13 +159,29 @@ class LlamaDecoderLayer:
             residual = hidden
             hidden = kern.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
-            hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.input_layernorm, self.eps)
+            hidden, residual = self.add_norm(hidden, residual, self.input_layernorm)
         hidden = self.attention(positions, hidden, meta, kv_cache)
-        hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
-        hidden = self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden)))
-        if self.parallel is not None:
-            hidden = self.parallel.all_reduce(hidden)
-        return hidden, residual
+        if self.o_bias is not None:   # already reduced
+            hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
+        else:
+            hidden, residual = self.add_norm(hidden, residual, self.post_attention_layernorm)
+        # Under TP a partial sum: the next layer's (or the final) add_norm reduces it.
+        return self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden))), residual
+
+
+class ReduceAddNorm:
+    """add_norm under TP: all-reduce this rank's partial, add the residual, RMSNorm. Decode-size
+    16-bit batches on GPUs take the fused one-shot CUDA-IPC kernel (`fused`), the rest NCCL
+    (or gloo) followed by the fused add + norm kernel."""
+
+    def __init__(self, parallel: Any, kernels: Kernels, eps: float, fused: Any = None) -> None:
+        self.parallel, self.kernels, self.eps, self.fused = parallel, kernels, eps, fused
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and self.fused.handles(x) and weight.dtype == x.dtype:
+            return self.fused.all_reduce_add_rms_norm(x, residual, weight, self.eps)
+        return self.kernels.fused_add_rms_norm(self.parallel.all_reduce(x), residual, weight, self.eps)
 
 
 class LlamaForCausalLM:
@@ -188,8 +207,16 @@ class LlamaForCausalLM:
         self.rope_table = build_cos_sin_cache(compute_inv_freq(config.rope, config.head_dim, self.device),
                                               positions, self.dtype)
         self.embed_tokens = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels, self.parallel)
-                       for i in range(config.num_layers)]
+        self.fused_allreduce = None
+        if self.parallel is not None and self.parallel.custom_allreduce and self.device.type == "cuda" \
+                and self.dtype in (torch.float16, torch.bfloat16):
+            from resident.worker.custom_allreduce import CustomAllReduce
+
+            self.fused_allreduce = CustomAllReduce(self.parallel, config.hidden_size, self.dtype, self.device)
+        self.add_norm = (partial(self.kernels.fused_add_rms_norm, eps=config.rms_norm_eps) if self.parallel is None
+                         else ReduceAddNorm(self.parallel, self.kernels, config.rms_norm_eps, self.fused_allreduce))
+        self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels, self.parallel,
+                                         self.add_norm) for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
         self.eps = config.rms_norm_eps
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
@@ -205,7 +232,7 @@ class LlamaForCausalLM:
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, attn_metadata, kv_cache)
-        hidden, _ = self.kernels.fused_add_rms_norm(hidden, residual, self.norm, self.eps)
+        hidden, _ = self.add_norm(hidden, residual, self.norm)
         return hidden
 
     __call__ = forward
