@@ -188,7 +188,7 @@ class RemoteStore(WeightStore):
         self.attach_s = attached.attach_s
         self.num_tensors = len(attached.tensors)
         self.backend = attached.info.backend
-        self.mapping = attached.mapping   # memory.SlabMapping: detach()/attach_again() re-map it in place
+        self.mapping = getattr(attached, "mapping", None)   # memory.SlabMapping (snapshot detach)
         logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
                     attached.attach_s, attached.lease_id)
         self._start_watch()
