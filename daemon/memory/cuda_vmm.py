@@ -242,7 +242,8 @@ class CudaVmmBackend(MemoryBackend):
         range and keep the mapping alive while any of them (or any view) is referenced.
         The caller may close the fds afterwards.
         """
-        return VmmSlabMapping(descs, fds, read_only).tensors
+        _validate(descs, fds)
+        return VmmSlabMapping(descs, fds, read_only).tensors if descs else []
 
     @classmethod
     def map_slabs(cls, descs: list[SlabDesc], fds: list[int | None]) -> VmmSlabMapping:
