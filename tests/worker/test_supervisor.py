@@ -468,15 +468,16 @@ def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the
 
     from serve_helpers import daemon_helpers
 
-    # 16 KiB of KV per token (4 layers x 8 kv heads x 64 x fp32 x k,v): the slices bind before
-    # the max_num_seqs x max_model_len cap does.
+    # 16 KiB of KV per token (4 layers x 8 kv heads x 64 x fp32 x k,v): on an H200 a slice is
+    # (0.5 x 141 GB) / 2.25 ~ 31 GB, below the 1024 x 4096-token cap (64 GB), and a quarter of
+    # it (the headroom) is far more than the CUDA contexts the arithmetic leaves out.
     model = servable_tiny_model(tmp_path / "llama", "llama", hidden_size=512, num_attention_heads=8,
                                 num_key_value_heads=8, num_hidden_layers=4, max_position_embeddings=4096)
     d = daemon_helpers().start_daemon(short_tmp, "--backend", "cuda_vmm")
     env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"), CUDA_VISIBLE_DEVICES="0")
     sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "2", "--preload", "require", "--socket",
-                      d.socket, "--device", "cuda", "--max-model-len", "4096", "--max-num-seqs", "256",
-                      "--gpu-memory-utilization", "0.2", "--rollout-kv-headroom", "0.25", "--kv-cache-initial", "0",
+                      d.socket, "--device", "cuda", "--max-model-len", "4096", "--max-num-seqs", "1024",
+                      "--gpu-memory-utilization", "0.5", "--rollout-kv-headroom", "0.25", "--kv-cache-initial", "0",
                       "--drain-grace", "0.5", wait=True, env=env)
     try:
         port = int(sup.base_url.rsplit(":", 1)[1])
