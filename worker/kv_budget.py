@@ -199,8 +199,8 @@ class GrowthGate:
     def allows(self, need_bytes: int) -> bool:
         return self.room_bytes() >= need_bytes + self.slack_bytes
 
-    def wait(self, need_bytes: int, keep_waiting: Callable[[], bool], stop: threading.Event | None = None) -> bool:
-        """Block until the chunk fits (True) or keep_waiting() turns false / stop is set (False)."""
+    def wait(self, need_bytes: int, keep_waiting: Callable[[], bool]) -> bool:
+        """Block until the chunk fits (True) or keep_waiting() turns false (False)."""
         logged = False
         while True:
             room = self.room_bytes()
@@ -215,11 +215,7 @@ class GrowthGate:
                 logged = True
             if not keep_waiting():
                 return False
-            if stop is not None:
-                if stop.wait(self.poll_s):
-                    return False
-            else:
-                time.sleep(self.poll_s)
+            time.sleep(self.poll_s)
 
 
 def start_gated_growth(engine: Any, growth: Any, block_bytes: int, gate: GrowthGate | None) -> threading.Thread:
@@ -250,5 +246,4 @@ def start_gated_growth(engine: Any, growth: Any, block_bytes: int, gate: GrowthG
 
 
 __all__ = ["GrowthGate", "KvBudget", "MIN_SHARE", "gpu_kv_initial_bytes", "gpu_kv_target_bytes",
-           "gpu_replica_kv_blocks", "scaled_kv",
-           "start_gated_growth"]
+           "gpu_replica_kv_blocks", "scaled_kv", "start_gated_growth"]
