@@ -39,8 +39,9 @@ class ParallelConfig:
     store_port: int = 0     # the rendezvous TCPStore's port (open_store_master)
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: GPUs: decode-size all-reduces (+ residual add + RMSNorm) through the one-shot CUDA-IPC
-    #: kernel (worker/custom_allreduce.py) instead of NCCL.
-    custom_allreduce: bool = True
+    #: kernel (worker/custom_allreduce.py) instead of NCCL. Off by default: on 2xH200 with
+    #: Llama-3-8B shapes it measured no faster at batch 1 and slower at batch 64 (see its doc).
+    custom_allreduce: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1:
