@@ -18,7 +18,10 @@ import pytest
 import torch
 from serve_helpers import MODEL_NAME, daemon_helpers, http, serve_env, servable_tiny_model, start_serve, stop_serve
 
-PROMPT = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+#: Several KV blocks long, so the prefix cache holds its blocks before a snapshot: after resume
+#: those blocks hold zeros and must not be reused.
+PROMPT = {"model": MODEL_NAME, "prompt": "Once upon a time, in a land far away, there lived a very small model " * 2,
+          "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 class _UnixHTTP(httpc.HTTPConnection):
