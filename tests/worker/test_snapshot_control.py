@@ -11,6 +11,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,18 @@ def _leases(d) -> int:
         return sum(len(m.leases) for m in c.status().models)
 
 
+def _other_sessions(d, expect: int) -> int:
+    """Daemon sessions besides this probe's own, once they are `expect` (the daemon notices a
+    closed connection on its own schedule) or after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        with d.client("probe") as c:
+            n = c.status().num_sessions - 1
+        if n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
+
+
 def _serving(s) -> None:
     status, state = admin(s["admin"], "GET", "/snapshot/state")
     assert status == 200 and state["state"] == "serving", state
@@ -124,6 +137,7 @@ def test_prepare_detaches_and_resume_serves_the_same_completion(setup):
     assert_placeholders(pid, m["addresses"]["weights"] + m["addresses"]["kv"])
     assert not [l for l in maps_of(pid) if "memfd:resident-slab" in l]
     assert _leases(d) == 0, "the lease must be released while detached"
+    assert _other_sessions(d, 0) == 0, "the worker's daemon session must be closed while detached"
     # Not ready, and requests are refused with a reason, on both sockets.
     status, ready = http(w.base_url, "GET", "/ready")
     assert status == 503 and "snapshot" in ready["reason"]
@@ -143,7 +157,7 @@ def test_prepare_detaches_and_resume_serves_the_same_completion(setup):
         assert all("memfd:resident-slab" in l for l in lines_over(pid, r["start"], r["nbytes"]))
     for r in m["addresses"]["kv"]:
         assert all(l.split()[1] == "rw-p" for l in lines_over(pid, r["start"], r["nbytes"]))
-    assert _leases(d) == 1
+    assert _leases(d) == 1 and _other_sessions(d, 1) == 1
     assert http(w.base_url, "GET", "/ready")[0] == 200
     assert _completion(w.base_url) == before
     status, again = admin(s["admin"], "POST", "/snapshot/resume", {})
