@@ -23,6 +23,10 @@ the interpreter's own start-up.
 
 SIGTERM/SIGINT: stop accepting connections, let in-flight requests finish within the
 drain timeout (then abort the rest), release the weights lease, exit 0.
+
+Every worker also answers on an admin Unix socket (--admin-socket, default
+`snapshot_control.admin_socket_for_pid(pid)`): /ready, /drain and the snapshot routes
+(admin.py, snapshot_control.py).
 """
 from __future__ import annotations
 
