@@ -23,8 +23,9 @@ the fallback for rows beyond `max_rows`, other dtypes, or hidden sizes beyond th
 
 Measured on 2xH200 (NVLink), hidden 4096 bf16: in an eager loop 46 us per call against
 ~200 us for NCCL + the norm kernel (1-64 rows) — launch-bound numbers. Inside the decode
-CUDA graphs of Llama-3-8B shapes (TP=2, context 1024) it gave 200 tokens/s at batch 1 (NCCL
-205) and 6724 at batch 64 (NCCL 7996): one program per row spinning on system-scope flags
+CUDA graphs of Llama-3-8B shapes (TP=2, context 1024; both runs still with the gloo command
+broadcast) it gave 200 tokens/s at batch 1 (NCCL 205) and 6724 at batch 64 (NCCL 7996): one
+program per row spinning on system-scope flags
 costs more than NCCL's in-graph all-reduce there. Hence opt-in
 (`ParallelConfig.custom_allreduce`); what would make it pay: fewer, wider programs (several
 rows each), a flag poll with relaxed loads and one acquire fence, and writing the partial
