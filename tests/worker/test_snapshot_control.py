@@ -253,6 +253,18 @@ def test_a_worker_that_loaded_its_own_weights_refuses_to_detach(tmp_path):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def test_canary_replay_tolerance_and_admin_socket_path(monkeypatch):
+    from resident.worker.snapshot_control import CANARY_TOLERANCE, Canary, admin_socket_for_pid
+
+    recorded = Canary("p", (1, 2), token_id=7, logprob=-1.25)
+    assert recorded.mismatch(Canary("p", (1, 2), 7, -1.25 + 5e-5), CANARY_TOLERANCE["cpu"]) is None
+    assert "logprob" in recorded.mismatch(Canary("p", (1, 2), 7, -1.26), CANARY_TOLERANCE["cpu"])
+    assert "greedy token 8" in recorded.mismatch(Canary("p", (1, 2), 8, -1.25), CANARY_TOLERANCE["cuda"])
+    assert admin_socket_for_pid(42, {"RESIDENT_RUNTIME_DIR": "/x/run"}) == "/x/run/worker-42.sock"
+    with pytest.raises(ValueError, match="positive"):
+        admin_socket_for_pid(0, {})
+
+
 # --- on a GPU: captured graphs over re-mapped weights and KV ----------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
