@@ -137,6 +137,9 @@ class ServeConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
+            raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
+                             "(107 bytes); choose a shorter path")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
@@ -150,9 +153,6 @@ class ServeConfig:
 
         return SpecConfig.from_cli(self.speculative_model, self.num_speculative_tokens,
                                    self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
-        if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
-            raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
-                             "(107 bytes); choose a shorter path")
 
     @property
     def model_name(self) -> str:
