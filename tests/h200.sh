@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
 # GPU tests and the H200 benchmarks in one go (the device machine has no pip index and no
-# network). Writes logs, JSON and the restart plot under $OUT (default ./h200-out).
-# Usage: OUT=/some/dir tests/h200.sh [tests|bench|all]
+# network). Writes one log, JSON and the restart plot under $OUT (default ./h200-out);
+# at most 8 files come back from that machine, so the text output goes to one log.txt.
+# Usage: OUT=/some/dir tests/h200.sh [STEP ...]
+#   steps: gputests checkpoint restart throughput handover ceiling (default: all, in order)
+#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
+#   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/h200-out}"; mkdir -p "$OUT"
-what="${1:-all}"
+steps="${*:-gputests checkpoint restart throughput handover ceiling}"
 # Make `resident` importable without installing (an editable install is not always usable there).
 mkdir -p /tmp/rp/resident && for d in daemon worker cli protos; do ln -sfn "$PWD/$d" "/tmp/rp/resident/$d"; done
-export PYTHONPATH=/tmp/rp PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONPATH=/tmp/rp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random
-nvidia-smi > "$OUT/gpu_tests.txt" 2>&1
-if [ "$what" != bench ]; then
-  timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests -rs --timeout 90 --continue-on-collection-errors \
-    >> "$OUT/gpu_tests.txt" 2>&1; echo "gpu tests rc=$?" >> "$OUT/gpu_tests.txt"
-fi
-if [ "$what" != tests ]; then
-  timeout 150 $B checkpoint $M --shape llama3-8b --force > "$OUT/checkpoint.txt" 2>&1
-  timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda --runs "${RUNS:-1}" --json "$OUT/restart.json" \
-    --plot "$OUT/restart.png" > "$OUT/restart.txt" 2>&1
-  timeout "${THROUGHPUT_TIMEOUT:-120}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-    --quantization none,fp8_per_tensor --json "$OUT/throughput.json" > "$OUT/throughput.txt" 2>&1
-  # At most 8 files come back from the device machine: the logs travel as one archive.
-  tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log 2>/dev/null
-fi
-tail -n 30 "$OUT"/*.txt
+B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random; LOG="$OUT/log.txt"
+step() { echo "=== $1 ($(date +%T))" >> "$LOG"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
+for s in $steps; do
+  step "$s"
+  case "$s" in
+    gputests)
+      timeout "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
+        --timeout 90 --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
+    checkpoint)
+      timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b --force >> "$LOG" 2>&1 ;;
+    restart)
+      timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda --runs "${RUNS:-1}" \
+        --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
+    throughput)
+      timeout "${THROUGHPUT_TIMEOUT:-120}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --quantization none,fp8_per_tensor --json "$OUT/throughput.json" >> "$LOG" 2>&1 ;;
+    handover)
+      timeout "${HANDOVER_TIMEOUT:-90}" $B handover $M --device cuda --workers 1 --json "$OUT/handover.json" >> "$LOG" 2>&1 ;;
+    ceiling)
+      timeout "${CEILING_TIMEOUT:-60}" python3 tests/gpu_io_ceiling.py $M --json "$OUT/ceiling.json" >> "$LOG" 2>&1 ;;
+    *) echo "unknown step $s" >> "$LOG" ;;
+  esac
+  echo "--- $s rc=$? ($(date +%T))" >> "$LOG"
+done
+tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log 2>/dev/null
+tail -n 60 "$LOG"
