@@ -192,7 +192,7 @@ class SpecDecodeRunner:
         draft_tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
         draft_probs = torch.zeros(b, k, vocab, dtype=torch.float32, device=dev)
         one_hot = False
-        uniforms = torch.empty(b, k, dtype=torch.float32, device=dev)
+        uniforms = torch.ones(b, k, dtype=torch.float32, device=dev)   # 1 = never accepted (padding)
         at = 0
         for i, (s, (_, n)) in enumerate(zip(spec, spec_rows)):
             prop = proposals[s.request_id]
@@ -204,9 +204,9 @@ class SpecDecodeRunner:
                     draft_probs[i, :n - 1] = prop.probs.to(dev)
                 else:
                     one_hot = True
-            if k:
+            if n > 1:   # the row's own draws only: a seeded row's stream must not depend on the batch
                 g = self.target.generator(s)
-                uniforms[i] = torch.rand(k, generator=g if g is not None else self._shared, device=dev)
+                uniforms[i, :n - 1] = torch.rand(n - 1, generator=g if g is not None else self._shared, device=dev)
         if one_hot:   # prompt lookup: q is one-hot at each draft
             draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float32)
         num_drafts = torch.tensor([n - 1 for _, n in spec_rows], dtype=torch.int64, device=dev)
