@@ -2,7 +2,7 @@
 keep the fds a service sends with FDSTORE=1 and give them back to its next instance at exec.
 
 Used by `resident bench handover` to time a crash restart from the fd store where no systemd
-runs the daemon (the tests have their own recording stand-in, tests/daemon/survive_helpers.py).
+runs the daemon, and by the tests of the fd store (tests/daemon/survive_helpers.py).
 Follows the documented protocol: datagrams of "KEY=VALUE" lines on $NOTIFY_SOCKET with fds
 as SCM_RIGHTS; FDSTORE=1 + FDNAME= stores them, FDSTOREREMOVE=1 drops a name; the next
 instance gets them as fds 3… with LISTEN_FDS, LISTEN_FDNAMES and LISTEN_PID (its own pid,
@@ -41,7 +41,7 @@ class FdStore:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
         self.store: dict[str, list[int]] = {}
-        self.states: list[str] = []          # READY=1 / RELOADING=1 / STOPPING=1 in arrival order
+        self.messages: list[tuple[dict[str, str], int]] = []   # (assignments, number of fds) in arrival order
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="fdstore-standin", daemon=True)
@@ -65,6 +65,7 @@ class FdStore:
                     fds.extend(a)
             fields = dict(line.split("=", 1) for line in data.decode(errors="replace").splitlines() if "=" in line)
             with self._changed:
+                self.messages.append((fields, len(fds)))
                 name = fields.get("FDNAME", "stored")
                 if fields.get("FDSTOREREMOVE") == "1":
                     for fd in self.store.pop(name, []):
@@ -74,8 +75,22 @@ class FdStore:
                 else:
                     for fd in fds:
                         os.close(fd)
-                self.states += [k for k in ("READY", "RELOADING", "STOPPING") if fields.get(k) == "1"]
                 self._changed.notify_all()
+
+    def snapshot(self) -> list[dict[str, str]]:
+        """Every message's assignments so far, in arrival order."""
+        with self._lock:
+            return [dict(m) for m, _ in self.messages]
+
+    def stored(self) -> dict[str, int]:
+        """{name: number of fds} in the store now."""
+        with self._lock:
+            return {name: len(fds) for name, fds in self.store.items()}
+
+    def stored_fds(self) -> list[tuple[str, int]]:
+        """Duplicates of the stored fds, in order, as systemd passes them back at exec (the caller closes them)."""
+        with self._lock:
+            return [(name, os.dup(fd)) for name, fds in self.store.items() for fd in fds]
 
     def wait_stored(self, prefixes: tuple[str, ...], timeout_s: float) -> dict[str, int]:
         """Until a name with each prefix is stored; returns {name: number of fds}."""
@@ -90,18 +105,7 @@ class FdStore:
 
     def exec_with_fds(self, argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
         """Start argv the way systemd restarts the unit: the stored fds as 3…, LISTEN_* set."""
-        with self._lock:
-            named = [(name, os.dup(fd)) for name, fds in self.store.items() for fd in fds]
-        fds = [fd for _, fd in named]
-        cmd = [sys.executable, "-S", "-c", _EXEC_WITH_FDS, ",".join(map(str, fds)), ":".join(n for n, _ in named),
-               *argv]
-        try:
-            with open(log_path, "ab") as log:
-                return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**env, **self.env()}, pass_fds=fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        return exec_with_fds(argv, self.stored_fds(), log_path, {**env, **self.env()})
 
     def close(self) -> None:
         self.sock.close()
@@ -116,4 +120,20 @@ class FdStore:
             pass
 
 
-__all__ = ["FdStore"]
+def exec_with_fds(argv: list[str], named_fds: list[tuple[str, int]], log_path: Path,
+                  env: dict[str, str]) -> subprocess.Popen:
+    """Start argv (argv[0] the program) with named_fds as fds 3… and LISTEN_* set, stdout and stderr
+    appended to log_path; closes named_fds in this process."""
+    fds = [fd for _, fd in named_fds]
+    cmd = [sys.executable, "-S", "-c", _EXEC_WITH_FDS, ",".join(map(str, fds)), ":".join(n for n, _ in named_fds),
+           *argv]
+    try:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+__all__ = ["FdStore", "exec_with_fds"]

@@ -7,10 +7,8 @@ standard library and psutil (no torch).
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -18,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from resident.worker.control import UnixHTTPConnection
 from resident.worker.criu import fd_targets
 
 STATE_PATH = "/snapshot/state"
@@ -30,22 +29,6 @@ class WorkerError(RuntimeError):
     pass
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout_s: float) -> None:
-        super().__init__("localhost", timeout=timeout_s)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 @dataclass(frozen=True)
 class AdminClient:
     """JSON over HTTP on a worker's admin Unix socket; one connection per call (none is left
@@ -53,7 +36,7 @@ class AdminClient:
     path: str
 
     def call(self, method: str, url: str, body: dict | None = None, timeout_s: float = 30.0) -> tuple[int, Any]:
-        conn = _UnixHTTPConnection(self.path, timeout_s)
+        conn = UnixHTTPConnection(self.path, timeout_s)
         try:
             payload = json.dumps(body).encode() if body is not None else None
             conn.request(method, url, body=payload, headers={"Content-Type": "application/json",

@@ -52,7 +52,9 @@ class ControlUnavailable(RuntimeError):
     pass
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (also the snapshot CLI's connection to a worker's admin socket)."""
+
     def __init__(self, path: str, timeout_s: float) -> None:
         super().__init__("localhost", timeout=timeout_s)
         self._path = path
@@ -69,7 +71,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def _request(path: str, method: str, url: str, timeout_s: float) -> http.client.HTTPResponse:
-    conn = _UnixHTTPConnection(path, timeout_s)
+    conn = UnixHTTPConnection(path, timeout_s)
     try:
         conn.request(method, url)
         return conn.getresponse()

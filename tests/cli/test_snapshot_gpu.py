@@ -9,35 +9,28 @@ install one. The llama3-8b case writes a 16 GB random-weight checkpoint first (~
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import test_snapshot_worker
 from fixtures_tokenizer import write_tiny_tokenizer
-from serve_helpers import daemon_helpers, http, serve_env, servable_tiny_model, start_serve, stop_serve
+from serve_helpers import daemon_helpers, http, serve_env, servable_tiny_model, start_serve
 
-from resident.cli.snapshot_doctor import failures, run_checks
-from resident.worker import criu, criu_images
+from resident.worker import criu_images
 
 pytestmark = pytest.mark.gpu
+snapshots_work = test_snapshot_worker.snapshots_work   # the fixture: skips with the doctor's reason
+stop_all = test_snapshot_worker.stop_all
 
 
 def gpu_env() -> dict[str, str]:
     env = serve_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
-
-
-@pytest.fixture(scope="module")
-def snapshots_work() -> None:
-    failed = failures(run_checks())
-    if failed:
-        pytest.skip("snapshots cannot work here: " + "; ".join(f"{c.name}: {c.detail}" for c in failed))
 
 
 def _model(kind: str, tmp_path: Path) -> Path:
@@ -92,12 +85,4 @@ def test_gpu_worker_snapshot_and_restore(kind: str, snapshots_work: None, short_
         status, after = http(worker.base_url, "POST", "/v1/completions", body)
         assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
     finally:
-        if restored:
-            try:
-                os.kill(restored, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            criu.wait_pids_gone([restored], 60)
-        if worker is not None:
-            stop_serve(worker)
-        d.stop()
+        stop_all(restored, worker, d, 60)

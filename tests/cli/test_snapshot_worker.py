@@ -36,6 +36,20 @@ def snapshot(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, stdin=subprocess.DEVNULL)
 
 
+def stop_all(restored_pid: int, worker, daemon, wait_s: float) -> None:
+    """A snapshot test's clean-up: kill the restored worker (CRIU's child, not ours; 0 = none) and
+    wait until it is gone, stop the original worker (None = never started) and the daemon."""
+    if restored_pid:
+        try:
+            os.kill(restored_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        criu.wait_pids_gone([restored_pid], wait_s)
+    if worker is not None:
+        stop_serve(worker)
+    daemon.stop()
+
+
 def _ranges(manifest: dict, kind: str) -> list[tuple[int, int]]:
     return [(r["start"], r["start"] + r["nbytes"]) for r in manifest["worker"]["addresses"][kind]]
 
@@ -92,12 +106,4 @@ def test_snapshot_stop_and_restore_a_worker_serving_the_default_model(snapshots_
         print(r.stdout.strip())
         assert worker.chat(QUESTION, max_tokens=16) == answer  # same port, same greedy completion
     finally:
-        if restored_pid:
-            try:
-                os.kill(restored_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            criu.wait_pids_gone([restored_pid], 30)
-        if worker is not None:
-            stop_serve(worker)
-        d.stop()
+        stop_all(restored_pid, worker, d, 30)

@@ -3,10 +3,8 @@ socket and fd store, daemons started the way systemd or an operator would, and w
 processes that hold a RemoteStore and keep checksumming its tensors."""
 from __future__ import annotations
 
-import array
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,59 +14,14 @@ from pathlib import Path
 
 from helpers import DaemonProc, health_serving, log_tail
 
+from resident.cli.fdstore_standin import FdStore, exec_with_fds
+
 START_TIMEOUT_S = 60.0
 
 
-class FakeSystemd:
-    """A $NOTIFY_SOCKET listener that records every message and keeps an fd store the way
-    systemd does (FDSTORE=1 adds the passed fds under FDNAME, FDSTOREREMOVE=1 drops a name)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.messages: list[tuple[dict[str, str], int]] = []   # (assignments, number of fds)
-        self.store: dict[str, list[int]] = {}
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        fd_size = array.array("i").itemsize
-        while True:
-            try:
-                data, anc, _flags, _addr = self.sock.recvmsg(65536, socket.CMSG_SPACE(253 * fd_size))
-            except OSError:
-                return
-            fds: list[int] = []
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(payload[: len(payload) - len(payload) % fd_size])
-                    fds.extend(a)
-            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
-            with self._lock:
-                self.messages.append((fields, len(fds)))
-                name = fields.get("FDNAME", "unknown")
-                if fields.get("FDSTOREREMOVE") == "1":
-                    for fd in self.store.pop(name, []):
-                        os.close(fd)
-                if fields.get("FDSTORE") == "1":
-                    self.store.setdefault(name, []).extend(fds)
-                else:
-                    for fd in fds:
-                        os.close(fd)
-
-    def env(self) -> dict[str, str]:
-        return {"NOTIFY_SOCKET": self.path}
-
-    def snapshot(self) -> list[dict[str, str]]:
-        with self._lock:
-            return [dict(m) for m, _ in self.messages]
-
-    def stored(self) -> dict[str, int]:
-        with self._lock:
-            return {name: len(fds) for name, fds in self.store.items()}
+class FakeSystemd(FdStore):
+    """systemd's notify socket and fd store (resident.cli.fdstore_standin.FdStore: records every
+    message, FDSTORE=1 adds the passed fds under FDNAME, FDSTOREREMOVE=1 drops a name), polled by tests."""
 
     def wait_for(self, predicate, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -77,19 +30,6 @@ class FakeSystemd:
                 return
             time.sleep(0.02)
         raise AssertionError(f"systemd stand-in: condition not met; messages {self.snapshot()}")
-
-    def stored_fds(self) -> list[tuple[str, int]]:
-        """Duplicates of the stored fds, in order, as systemd passes them back at exec."""
-        with self._lock:
-            return [(name, os.dup(fd)) for name, fds in self.store.items() for fd in fds]
-
-    def close(self) -> None:
-        self.sock.close()
-        with self._lock:
-            for fds in self.store.values():
-                for fd in fds:
-                    os.close(fd)
-            self.store.clear()
 
 
 def _wait_serving(daemon: DaemonProc, until=None) -> DaemonProc:
@@ -123,36 +63,12 @@ def start_cli_daemon(directory: Path, *args: str, name: str = "d.sock", env: dic
     return daemon if not wait else _wait_serving(daemon)
 
 
-_EXEC_WITH_FDS = r"""
-import fcntl, os, sys
-fds = [int(x) for x in sys.argv[1].split(",")] if sys.argv[1] else []
-names = sys.argv[2]
-# Move the fds out of the way, then onto 3, 4, ... (as systemd passes them at exec).
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]
-for fd in fds:
-    os.close(fd)
-for i, fd in enumerate(high):
-    os.dup2(fd, 3 + i, inheritable=True)
-    os.close(fd)
-os.environ["LISTEN_FDS"] = str(len(high))
-os.environ["LISTEN_FDNAMES"] = names
-os.environ["LISTEN_PID"] = str(os.getpid())   # exec keeps the pid
-os.execv(sys.executable, [sys.executable] + sys.argv[3:])
-"""
-
-
 def exec_daemon_with_fds(directory: Path, socket_path: str, named_fds: list[tuple[str, int]],
                          env: dict[str, str], *args: str) -> DaemonProc:
     """Start a daemon the way systemd restarts a unit with a populated fd store."""
     log_path = directory / f"restarted.{time.monotonic_ns()}.log"
-    fds = [fd for _, fd in named_fds]
-    cmd = [sys.executable, "-c", _EXEC_WITH_FDS, ",".join(map(str, fds)), ":".join(n for n, _ in named_fds),
-           *daemon_argv(socket_path, *args)]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **env}, pass_fds=fds)
-    for fd in fds:
-        os.close(fd)
+    proc = exec_with_fds([sys.executable, *daemon_argv(socket_path, *args)], named_fds, log_path,
+                         {**os.environ, **env})
     return _wait_serving(DaemonProc(proc, socket_path, log_path))
 
 

@@ -266,10 +266,11 @@ def _install_interpreter_numpy_shim() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def _run_cases(out_path: str) -> None:
+def run_cases(cases: dict[str, Callable[[], None]], out_path: str) -> None:
+    """Run each case (under TRITON_INTERPRET=1) and write {name: "ok" | "skip: why" | traceback} to out_path."""
     _install_interpreter_numpy_shim()
     results = {}
-    for name, fn in _cases().items():
+    for name, fn in cases.items():
         try:
             fn()
             results[name] = "ok"
@@ -280,17 +281,23 @@ def _run_cases(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def interpreted_results(tmp_path_factory) -> dict[str, str]:
+def run_in_interpreter(script: str, out_dir: Path) -> dict[str, str]:
+    """Run `python script OUT` under the Triton CPU interpreter (a subprocess: TRITON_INTERPRET is read
+    at import) and return its run_cases results."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: the Triton kernels cannot be tested (pip install triton)")
-    out = tmp_path_factory.mktemp("kernels") / "results.json"
+    out = out_dir / "results.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, script, str(out)], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"the interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-5000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tmp_path_factory) -> dict[str, str]:
+    return run_in_interpreter(__file__, tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.mark.parametrize("case", sorted(_cases()))
@@ -439,4 +446,4 @@ def test_torch_backend_is_the_reference_layers() -> None:
 
 
 if __name__ == "__main__":
-    _run_cases(sys.argv[1])
+    run_cases(_cases(), sys.argv[1])

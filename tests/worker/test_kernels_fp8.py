@@ -11,11 +11,8 @@ and the Triton backend's fp8 linear must equal the reference quantization + `_sc
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from test_kernels import run_cases, run_in_interpreter  # noqa: E402
 
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, quantize_fp8_per_tensor_dynamic  # noqa: E402
 
@@ -103,31 +102,9 @@ def _cases() -> dict[str, Callable[[], None]]:
     return cases
 
 
-def _run_cases(out_path: str) -> None:
-    from test_kernels import _install_interpreter_numpy_shim
-
-    _install_interpreter_numpy_shim()
-    results = {}
-    for name, fn in _cases().items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported back to the pytest test of this case
-            results[name] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def interpreted_results(tmp_path_factory) -> dict[str, str]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: the Triton kernels cannot be tested (pip install triton)")
-    out = tmp_path_factory.mktemp("fp8quant") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"the interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-5000:]}")
-    return json.loads(out.read_text())
+    return run_in_interpreter(__file__, tmp_path_factory.mktemp("fp8quant"))
 
 
 @pytest.mark.parametrize("case", sorted(_cases()))
@@ -279,4 +256,4 @@ def test_gpu_bench_kernels_measures_every_shape() -> None:
 
 
 if __name__ == "__main__":
-    _run_cases(sys.argv[1])
+    run_cases(_cases(), sys.argv[1])
