@@ -115,6 +115,89 @@ def wsum32_parts(t: torch.Tensor) -> torch.Tensor:
     return s & _MASK
 
 
+#: Bytes per row when `wsum32_spans` reduces a whole slab (spans start on row boundaries).
+_SPAN_ROW_BYTES = 256
+#: Rows reduced at once by `wsum32_spans` (64 MiB of slab; bounds its int64 temporary).
+_SPAN_BLOCK_ROWS = (64 << 20) // _SPAN_ROW_BYTES
+
+
+def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """(s1, s2) of every span (byte offset, nbytes) of a uint8 `slab`, as an int64 tensor of
+    shape [len(spans), 2] on the slab's device, in a number of torch ops that does not grow
+    with the number of spans (no host sync): equal to `wsum32_parts` of each span's bytes.
+
+    How: the slab is read as rows of R bytes (R = 256, or the largest power of two down to 4
+    dividing every offset); per row r the sums a1[r] = Σ w and a2[r] = Σ (c+1)·w over its
+    words. A span starting at row r0 with k whole rows then has
+      s1 = Σ a1[r],  s2 = W·(Σ r·a1[r] − r0·Σ a1[r]) + Σ a2[r]   (r in [r0, r0+k), W words/row)
+    read off prefix sums at its two ends, plus its last partial row (fewer than R bytes),
+    gathered for all spans at once with the bytes past the span's end masked to zero. So the
+    bytes between spans (alignment gaps, never written) do not matter. Every value is
+    reduced mod 2^32 before it is multiplied or summed, so int64 never overflows.
+    """
+    if slab.dtype != torch.uint8 or slab.dim() != 1:
+        raise ValueError(f"wsum32_spans needs a 1-D uint8 tensor, got {slab.dtype} of shape {tuple(slab.shape)}")
+    dev = slab.device
+    n = len(spans)
+    out = torch.zeros(n, 2, dtype=torch.int64, device=dev)
+    if n == 0:
+        return out
+    size = slab.numel()
+    for off, nb in spans:
+        if off < 0 or nb < 0 or off + nb > size:
+            raise ValueError(f"wsum32_spans: span ({off}, {nb}) outside the slab of {size} bytes")
+        if nb >= 1 << 33:
+            raise ValueError(f"wsum32: tensors over 8 GiB are not supported ({nb} bytes)")
+    row_bytes = _SPAN_ROW_BYTES
+    while row_bytes > 4 and any(off % row_bytes for off, _ in spans):
+        row_bytes //= 2
+    if any(off % 4 for off, _ in spans) or slab.data_ptr() % 4:
+        for i, (off, nb) in enumerate(spans):   # not word-aligned: one span at a time
+            out[i] = wsum32_parts(slab[off : off + nb])
+        return out
+    row_words = row_bytes // 4
+    offs = torch.tensor([off for off, _ in spans], dtype=torch.int64)
+    nbs = torch.tensor([nb for _, nb in spans], dtype=torch.int64)
+    r0 = offs // row_bytes
+    k = nbs // row_bytes                      # whole rows of each span
+    rem = nbs - k * row_bytes                 # bytes in its last partial row
+    # --- whole rows: per-row sums over the rows any span covers, then prefix sums ---------
+    last_row = int((r0 + k).max())
+    if last_row:
+        x = slab[: last_row * row_bytes].view(torch.int32).view(last_row, row_words)
+        a1 = torch.empty(last_row + 1, dtype=torch.int64, device=dev)
+        a2 = torch.empty(last_row + 1, dtype=torch.int64, device=dev)
+        a1[0] = 0
+        a2[0] = 0
+        col = torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
+        for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
+            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.int64) & _MASK
+            a1[b0 + 1 : b0 + 1 + xb.shape[0]] = xb.sum(dim=1) & _MASK
+            a2[b0 + 1 : b0 + 1 + xb.shape[0]] = (xb * col).sum(dim=1) & _MASK
+            del xb
+        rows = torch.arange(-1, last_row, dtype=torch.int64, device=dev).clamp_(min=0)
+        ar = (rows * a1) & _MASK                  # r·a1[r], row r stored at index r + 1
+        # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
+        p1, p2, pr = a1.cumsum_(0), a2.cumsum_(0), ar.cumsum_(0)
+        lo, hi = r0.to(dev), (r0 + k).to(dev)
+        s1 = (p1[hi] - p1[lo]) & _MASK
+        sr = (pr[hi] - pr[lo]) & _MASK
+        s2 = ((((sr - ((lo * s1) & _MASK)) & _MASK) * row_words) + ((p2[hi] - p2[lo]) & _MASK)) & _MASK
+        out[:, 0] = s1
+        out[:, 1] = s2
+    # --- the last partial row of every span, masked past the span's end -----------------
+    if int(rem.max()):
+        start = (offs + k * row_bytes).to(dev)
+        j = torch.arange(row_bytes, dtype=torch.int64, device=dev)
+        idx = (start[:, None] + j).clamp_(max=size - 1)
+        tail = torch.where(j < rem.to(dev)[:, None], slab[idx], 0).to(torch.uint8)
+        w = tail.view(torch.int32).to(torch.int64) & _MASK          # [n, row_words]
+        pos = k.to(dev)[:, None] * row_words + torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
+        out[:, 0] += w.sum(dim=1)
+        out[:, 1] += (((pos & _MASK) * w) & _MASK).sum(dim=1)
+    return out & _MASK
+
+
 def wsum32_finish(parts: tuple[int, int] | list[int], nbytes: int) -> int:
     """The wsum32 value from (s1, s2) and the byte count."""
     s1, s2 = int(parts[0]) & _MASK, int(parts[1]) & _MASK
