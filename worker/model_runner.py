@@ -172,6 +172,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     @property
+    def kv_caches(self) -> list[KVCache]:
+        """Every KV cache a step writes (one here; a speculative runner adds its draft's)."""
+        return [self.kv_cache]
+
+    @property
     def kv_cache_bytes(self) -> int:
         """Bytes of KV memory this runner holds (mapped, on a GPU)."""
         memory = self.kv_cache.memory

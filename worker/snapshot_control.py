@@ -15,10 +15,18 @@ restarted; then the canary is replayed (same token, logprob within CANARY_TOLERA
 only then the worker accepts requests again. A failure before the canary leaves the worker
 cleanly detached (resume can be retried); a canary mismatch marks it failed (not ready).
 
+Speculative decoding: a draft paired with its target in the daemon (`WeightStore.draft`, one
+model key, one attach) lives in the target's slabs, so detaching the store unmaps its weights
+too and `attach_again` maps them back; the draft runner's KV cache is unmapped and re-mapped
+beside the target's (`runner.kv_caches`; the manifest lists both ranges). Prompt lookup
+(n-gram) has neither weights nor a KV cache. The canary decodes one token, so it never
+speculates: it checks the target, and the draft's weights are covered by `WeightStore.verify`
+(their checksums are in the same table).
+
 Weights a worker loaded itself (`--preload off`, or no daemon: LocalStore) are not
 detachable: they would have to go into the image. prepare refuses such workers (409), as it
-refuses tensor-parallel groups, a speculative draft held in its own store, cuda_ipc weights
-and a KV cache still growing in the background.
+refuses tensor-parallel groups, a draft held in a store of its own (not paired with the
+target in the daemon), cuda_ipc weights and a KV cache still growing in the background.
 
 Imports nothing heavy at module level: the CLI imports `admin_socket_for_pid` from here.
 """
@@ -122,7 +130,7 @@ class SnapshotControl:
     """prepare / resume / status for one serving worker (see the module doc).
 
     `server_state` is the HTTP server's ServerState (its `paused` gates requests), `worker`
-    the built entrypoint._Worker, `config` the ServeConfig. Coroutines run on the event loop;
+    the built startup.Worker, `config` the ServeConfig. Coroutines run on the event loop;
     the blocking parts run in a thread while the loop keeps answering probes."""
 
     def __init__(self, server_state: Any, worker: Any, config: Any) -> None:
@@ -204,15 +212,18 @@ class SnapshotControl:
             raise SnapshotError(409, "snapshots of tensor-parallel workers are not supported; serve with "
                                      "--tensor-parallel-size 1")
         if getattr(w, "draft_store", None) is not None:
-            raise SnapshotError(409, "this worker holds a speculative draft outside the daemon's pairing; load the "
-                                     "target with its draft in the daemon (one model) to snapshot it")
+            raise SnapshotError(409, f"this worker's speculative draft was attached as a model of its own "
+                                     f"({w.draft_store.source}), not paired with the target, so re-attaching could "
+                                     f"not map it back at the same addresses; serve with --preload require so the "
+                                     f"daemon holds target and draft as one model "
+                                     f"(`resident preload load {self.config.model} --draft DRAFT`)")
         mapping = getattr(store, "mapping", None)
         if mapping is None or isinstance(mapping, FixedSlabMapping):
             raise SnapshotError(409, f"the daemon's {getattr(store, 'backend', '?')} weights cannot be re-mapped at "
                                      "the same addresses; run the daemon with --backend cuda_vmm (GPU) or host_shm")
-        kv = w.runner.kv_cache
-        if kv.memory is None and kv.host is None:
-            raise SnapshotError(409, "this worker's KV cache is not in memory it can unmap and re-map")
+        for kv in _kv_caches(w.runner):
+            if kv.memory is None and kv.host is None:
+                raise SnapshotError(409, "this worker's KV cache is not in memory it can unmap and re-map")
         growth = getattr(w, "kv_growth", None)
         if growth is not None and growth.is_alive():
             raise SnapshotError(409, "the KV cache is still growing to its full size in the background; retry "
@@ -245,8 +256,9 @@ class SnapshotControl:
 
     def _detach(self) -> list[str]:
         """(thread) Unmap the weights and the KV cache, end the lease and the daemon session."""
-        self.worker.store.detach()
-        self.worker.runner.kv_cache.unmap()
+        self.worker.store.detach()   # a paired draft's weights too: they live in the same slabs
+        for kv in _kv_caches(self.worker.runner):
+            kv.unmap()
         deadline = time.monotonic() + GRPC_THREADS_GONE_S
         while _grpc_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -268,10 +280,11 @@ class SnapshotControl:
             "device": str(runner.device),
             "device_uuid": descs[0].device_uuid if descs else "",
             "tensor_parallel_size": 1,
+            "speculative": _speculative(self.config, store),
             "canary": canary.to_dict(),
             "addresses": {
                 "weights": [{"start": a, "nbytes": n} for a, n in store.mapping.ranges()],
-                "kv": [{"start": a, "nbytes": n} for a, n in runner.kv_cache.ranges()],
+                "kv": [{"start": a, "nbytes": n} for kv in _kv_caches(runner) for a, n in kv.ranges()],
             },
             "threads": threads,
         }
@@ -340,9 +353,15 @@ class SnapshotControl:
             store.detach()
             raise
         t1 = time.monotonic()
+        kvs = _kv_caches(self.worker.runner)
+        done = 0
         try:
-            self.worker.runner.kv_cache.remap()
+            for kv in kvs:
+                kv.remap()
+                done += 1
         except BaseException:
+            for kv in kvs[:done]:   # stay cleanly detached: resume can be retried
+                kv.unmap()
             store.detach()
             raise
         # The engine thread is idle (nothing was admitted since prepare); cached prefixes
@@ -382,6 +401,22 @@ class SnapshotControl:
         self.state, self.error = SnapshotState.FAILED, why
         self.server_state.paused = f"this worker could not resume from a snapshot ({why}); restart it"
         logger.error("snapshot: %s", why)
+
+
+def _kv_caches(runner: Any) -> list[Any]:
+    """The runner's KV caches: the target's, and a speculative draft's (SpecDecodeRunner)."""
+    caches = getattr(runner, "kv_caches", None)
+    return list(caches) if caches is not None else [runner.kv_cache]
+
+
+def _speculative(config: Any, store: Any) -> dict[str, Any] | None:
+    """What the manifest records of speculative decoding (None without it)."""
+    spec = getattr(config, "speculative", None)
+    if spec is None:
+        return None
+    draft = getattr(store, "draft", None)
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_model": spec.draft_model, "draft_key": draft.model_key if draft is not None else None}
 
 
 def _fmt(ranges: list[dict[str, int]]) -> str:

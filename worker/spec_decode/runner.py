@@ -61,6 +61,11 @@ class SpecDecodeRunner:
         return self.target.kv_cache
 
     @property
+    def kv_caches(self) -> list[Any]:
+        """Every KV cache of this step: the target's, then the draft's (snapshots unmap both)."""
+        return [r.kv_cache for r in self._runners()]
+
+    @property
     def kv_cache_bytes(self) -> int:
         return self.target.kv_cache_bytes + (self.draft_runner.kv_cache_bytes if self.draft_runner else 0)
 
