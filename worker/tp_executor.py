@@ -15,8 +15,18 @@ rank 0's `TPRunner` forwards every runner method that runs a forward pass — `e
 (the step's SchedulerOutput), `logits`, `warmup`, `capture_graphs`, `profile_peak_bytes`,
 `close` — to the other ranks before running it itself, so all ranks issue the same
 collectives in the same order. The children's sampled tokens are discarded (they sample on
-their own GPU while rank 0 does, which costs no step time). The KV cache is allocated in
-full at start under TP (no background growth: it would need a second command stream).
+their own GPU while rank 0 does, which costs no step time).
+
+KV cache on GPUs: sized like TP=1's (`tp_kv.plan_rank_kv`: what --gpu-memory-utilization leaves
+beside the shard and the activation/graph headroom, the smallest rank's block count for
+all), the headroom read from the KV profile cache when an earlier start of the same group
+measured it (key: the rank-local config and TP size). Only --kv-cache-initial is mapped
+before /ready; the rest grows after ready as for TP=1 (`AsyncEngine.start_kv_growth`): the
+growth thread's `map_kv_blocks` reaches the other ranks as a "map" command (each maps on a
+thread of its own, off its command loop), and the engine thread's `grow_kv_cache` as a
+"grow" command between the same two steps on every rank; each rank first says whether its
+mapping succeeded, and all ranks take the blocks or none does (`tp_kv.grow_in_lockstep`). The
+growth gate reads rank 0's GPU only (the ranks' GPUs hold the same shapes).
 
 Lifetimes: a child watches a pipe whose write end only rank 0 holds and exits when it
 closes (rank 0 died, however). Rank 0 watches its children: if one exits while the group
@@ -35,8 +45,10 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +57,7 @@ import torch
 from resident.daemon.loader import LoadSpec
 from resident.worker.config import ModelConfig
 from resident.worker.distributed import ParallelConfig, ParallelError, ParallelGroup, backend_for, open_store_master
+from resident.worker.tp_kv import KVMapper, grow_in_lockstep, plan_rank_kv, tp_headroom_key
 from resident.worker.weight_store import WeightStore, open_store
 
 logger = logging.getLogger(__name__)
@@ -108,24 +121,28 @@ class CommandPipe:
 
     def __init__(self, fds: list[int]) -> None:
         self._files = [os.fdopen(fd, "wb") for fd in fds]
+        # The engine thread (steps, grow) and the KV growth thread (map) both send: one frame at a time.
+        self._lock = threading.Lock()
 
     def send(self, cmd: tuple) -> None:
         payload = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         frame = len(payload).to_bytes(8, "little") + payload
-        for rank, f in enumerate(self._files, start=1):
-            try:
-                f.write(frame)
-                f.flush()
-            except BrokenPipeError:
-                raise ParallelError(f"tensor-parallel rank {rank} is gone (its command pipe is closed)") from None
+        with self._lock:
+            for rank, f in enumerate(self._files, start=1):
+                try:
+                    f.write(frame)
+                    f.flush()
+                except (BrokenPipeError, ValueError):   # ValueError: closed by close() meanwhile
+                    raise ParallelError(f"tensor-parallel rank {rank} is gone (its command pipe is closed)") from None
 
     def close(self) -> None:
-        for f in self._files:
-            try:
-                f.close()
-            except BrokenPipeError:
-                pass
-        self._files = []
+        with self._lock:
+            for f in self._files:
+                try:
+                    f.close()
+                except BrokenPipeError:
+                    pass
+            self._files = []
 
 
 def _receive(f: Any) -> tuple:
@@ -174,10 +191,20 @@ class TPRunner:
     def close(self) -> None:
         self._all("close")
 
+    def map_kv_blocks(self, num_blocks: int) -> None:
+        """Every rank maps `num_blocks` blocks off its stepping thread (rank 0: the caller's,
+        the KV growth thread; the others: a thread of their own, see `tp_kv.KVMapper`)."""
+        self._send(("map", num_blocks))
+        self.runner.map_kv_blocks(num_blocks)
+
+    def grow_kv_cache(self, num_blocks: int) -> None:
+        """Every rank takes `num_blocks` blocks between the same two steps (the command stream
+        is ordered), or none does (`tp_kv.grow_in_lockstep`). Engine thread, between steps."""
+        self._send(("grow", num_blocks))
+        grow_in_lockstep(self.group, self.runner, num_blocks, None)
+
     def __getattr__(self, name: str) -> Any:
         # Everything else (kv_cache, num_blocks, model_config, ...) is rank 0's own.
-        if name in ("map_kv_blocks", "grow_kv_cache"):
-            raise AttributeError(f"{name}: the KV cache of a tensor-parallel group does not grow after start")
         return getattr(self.runner, name)
 
 
@@ -188,45 +215,17 @@ def _build_runner(group: ParallelGroup, model_config: ModelConfig, weights: Mapp
     return ModelRunner(model_config, kwargs.pop("engine_config"), weights, device=device, parallel=group, **kwargs)
 
 
-def _plan_gpu_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                 device: str, kw: dict) -> Any:
-    """`gpu_memory.plan_gpu_kv_cache` for one rank of the group (its probe forward runs the
-    group's collectives); every rank gets the smallest rank's block count."""
-    from resident.worker import gpu_memory as gm
-    from resident.worker.engine_config import EngineConfig
-
-    dev = torch.device(device)
-    torch.cuda.synchronize(dev)
-    free, total = gm.gpu_memory_info(dev.index)
-    bs, max_len, seqs = kw["block_size"], kw["max_model_len"], kw["max_num_seqs"]
-    per_seq = -(-max_len // bs)
-    probe_tokens = max(1, min(kw["max_num_batched_tokens"], max_len - 1)) + 1
-    probe_config = EngineConfig(block_size=bs, num_kv_blocks=max(per_seq, -(-probe_tokens // bs)),
-                                max_num_seqs=seqs, max_num_batched_tokens=kw["max_num_batched_tokens"],
-                                max_model_len=max_len, enable_prefix_caching=False)
-    probe = _build_runner(group, model_config, weights, device,
-                          {"engine_config": probe_config, "cuda_graphs": kw["cuda_graphs"]})
-    try:
-        headroom = probe.profile_peak_bytes()
-    finally:
-        probe.close()
-        del probe
-    budget = gm.GpuMemoryBudget(total_bytes=total, used_bytes=total - free, utilization=kw["utilization"],
-                                headroom_bytes=headroom)
-    itemsize = weights["model.embed_tokens.weight"].element_size()
-    layout = gm.KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                         head_dim=model_config.head_dim, block_size=bs, itemsize=itemsize,
-                         granularity=gm.vmm_granularity(dev.index), max_num_blocks=per_seq * seqs + 1)
-    blocks = kw["num_kv_blocks"] or gm.kv_blocks_for_budget(budget, layout, per_seq)
-    blocks = group.all_min(min(blocks, per_seq * seqs))
-    logger.info("rank %d: KV cache of %d blocks (smallest rank's): %s", group.rank, blocks, budget.describe())
-    return gm.GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=blocks, budget=budget)
+def _probe_runner(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor], device: str,
+                  kw: Mapping[str, Any], engine_config: Any) -> Any:
+    return _build_runner(group, model_config, weights, device,
+                         {"engine_config": engine_config, "cuda_graphs": kw["cuda_graphs"]})
 
 
 def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConfig,
                     weights: Mapping[str, torch.Tensor], device: str) -> None:
     """A child rank's loop: run what rank 0 broadcasts until "stop"."""
     runner = None
+    mapper = KVMapper()
     try:
         while True:
             cmd = _receive(commands)
@@ -234,7 +233,15 @@ def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConf
             if kind == "stop":
                 return
             if kind == "plan":
-                _plan_gpu_kv(group, model_config, weights, device, cmd[1])
+                plan_rank_kv(group, model_config, weights, device, cmd[1],
+                             partial(_probe_runner, group, model_config, weights, device, cmd[1]), cmd[2])
+            elif kind == "map":
+                mapper.start(runner, cmd[1])
+            elif kind == "grow":
+                try:
+                    grow_in_lockstep(group, runner, cmd[1], mapper.wait())
+                except ParallelError as e:
+                    logger.error("rank %d: %s", group.rank, e)
             elif kind == "build":
                 runner = _build_runner(group, model_config, weights, device, dict(cmd[1]))
             elif kind == "call":
@@ -245,6 +252,7 @@ def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConf
             else:
                 raise ValueError(f"unknown tensor-parallel command {kind!r}")
     finally:
+        mapper.wait()
         if runner is not None:
             runner.close()
 
@@ -324,11 +332,23 @@ class TPGroup:
         return store
 
     def plan_gpu_kv_cache(self, weights: Mapping[str, torch.Tensor], **kw: Any) -> Any:
-        """Like gpu_memory.plan_gpu_kv_cache (same keywords), for every rank at once; the
-        headroom is always measured (its cache is keyed for one GPU's worker)."""
-        kw.pop("headroom_cache", None)
-        self._commands.send(("plan", kw))
-        return _plan_gpu_kv(self.group, self.model_config, weights, self.devices[0], kw)
+        """Like gpu_memory.plan_gpu_kv_cache (same keywords), for every rank at once. The
+        activation/graph headroom comes from the KV profile cache (`headroom_cache`) when an
+        earlier start of the same group stored it (key: `tp_headroom_key`), else every rank
+        measures and rank 0 stores the largest; the target is the smallest rank's."""
+        cache = kw.pop("headroom_cache", None)
+        cached = None
+        if cache is not None:
+            t0 = time.monotonic()
+            key = tp_headroom_key(self.group, self.model_config, weights, self.devices[0], kw)
+            cached = cache.lookup(key)
+            kw["cache_lookup_s"] = time.monotonic() - t0
+            if cached is not None:
+                logger.info("activation/graph headroom %.0f MiB from the KV profile cache %s (TP=%d; no probe "
+                            "runner, no profile forward on any rank)", cached / 2**20, cache.path, self.group.size)
+        self._commands.send(("plan", kw, cached))
+        probe = partial(_probe_runner, self.group, self.model_config, weights, self.devices[0], kw)
+        return plan_rank_kv(self.group, self.model_config, weights, self.devices[0], kw, probe, cached, cache)
 
     def build_runner(self, weights: Mapping[str, torch.Tensor], **kwargs: Any) -> TPRunner:
         """ModelRunner(model_config, weights, parallel=group, **kwargs) on every rank;
