@@ -1,17 +1,21 @@
 """The GPU load pipeline: parallel reads into a ring of pinned staging buffers, overlapped
-with host-to-device copies on several CUDA streams; casts, fp8 quantization and checksums
-run on the GPU right after the copies.
+with host-to-device copies on several CUDA streams; casts and fp8 quantization run on the GPU
+right after the copies, the checksums in one pass per slab at the end.
 
 Every stored tensor is a job on one stream (round-robin). Its source bytes are cut into
 chunks of at most one staging buffer. A reader thread takes a free buffer (waiting for the
 event of the copy that last read from it), preads a chunk into it, and enqueues on the
 job's stream: the copy into the slab (same dtype), or into a device temporary followed by
 a cast into the slab, or — for fp8 — into a device temporary holding the whole fused
-source. It then records the buffer's event and returns the buffer to the ring. The thread
-that enqueues a job's last chunk also enqueues its finish on the same stream, so stream
-order puts it after every copy of the job: the fp8 amax/scale/quantize, and the wsum32
-checksum parts of the stored bytes (`checksum.wsum32_parts`) into one device tensor that
-is read back once, after all streams are synchronized.
+source. It then records the buffer's event and returns the buffer to the ring. For fp8, the
+thread that enqueues a job's last chunk also enqueues the amax/scale/quantize on the same
+stream, so stream order puts it after every copy of the job.
+
+Per-chunk work is a few torch calls (every one of them takes the GIL, contended by the
+reader threads), so nothing else runs per tensor: the wsum32 checksums of all tensors are
+computed after every copy, one pass over each slab (`checksum.wsum32_spans`: a few large
+ops, one read-back). The staging buffers come from a `StagingPool` that the daemon keeps
+across loads (pinning them costs about a second of CPU time).
 
 Nothing here is GPU-only: on a CPU device the streams are no-ops and copies synchronous,
 which is how the pipeline's logic is tested on machines without a GPU.
@@ -68,52 +72,109 @@ class StagingConfig:
         return self.num_buffers or self.threads() + 8
 
 
-class StagingRing:
-    """Reusable host buffers (pinned for CUDA devices) and the copy streams of one device.
+def _host_block(config: StagingConfig, pinned: bool) -> tuple[list[torch.Tensor], float]:
+    """One host allocation cut into the ring's buffers (one cudaHostAlloc instead of one per
+    buffer); returns the buffers and the seconds it took."""
+    t0 = time.monotonic()
+    n, size = config.buffers(), config.buffer_bytes
+    block = torch.empty(n * size, dtype=torch.uint8, pin_memory=pinned)
+    return [block[i * size : (i + 1) * size] for i in range(n)], time.monotonic() - t0
 
-    A buffer is handed out only after the copy that last read it has completed (its event),
-    so a reader never overwrites bytes a copy engine is still reading.
+
+class StagingPool:
+    """Host staging buffers kept across loads (the daemon holds one per backend).
+
+    Pinning ~400 MiB takes about a second of CPU time, which a load would otherwise pay every
+    time (and the daemon's first load can have it done ahead, `prepare()` at start-up). One
+    load uses the buffers at a time (`lease` waits for the previous one: the daemon loads one
+    model at a time anyway); a lease with other sizes replaces them. Every copy out of them
+    has completed when a lease ends (the pipeline synchronizes its streams before it
+    returns), so the next load may overwrite them at once. `close()` frees them.
     """
 
-    def __init__(self, config: StagingConfig, device: torch.device) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        self._key: tuple[int, int, bool] | None = None
+        self._closed = False
+
+    @contextlib.contextmanager
+    def lease(self, config: StagingConfig, pinned: bool) -> Iterator[tuple[list[torch.Tensor], float]]:
+        """(buffers, seconds spent allocating them now: 0.0 when reused) for one load."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the staging pool is closed (the daemon is stopping)")
+            key = (config.buffer_bytes, config.buffers(), pinned)
+            alloc_s = 0.0
+            if self._key != key:
+                self._buffers, self._key = [], None   # free the old ones before pinning new ones
+                self._buffers, alloc_s = _host_block(config, pinned)
+                self._key = key
+                log.info("staging pool: %d x %d MiB %s buffers allocated in %.2f s", len(self._buffers),
+                         config.buffer_bytes // MiB, "pinned" if pinned else "host", alloc_s)
+            yield self._buffers, alloc_s
+
+    def prepare(self, config: StagingConfig, pinned: bool) -> None:
+        """Allocate now (the daemon does this in the background at start-up)."""
+        with self.lease(config, pinned):
+            pass
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            had = bool(self._buffers)
+            self._buffers, self._key = [], None
+        if had and torch.cuda.is_available():
+            # torch's pinned-memory allocator caches freed blocks; hand them back to the driver.
+            with contextlib.suppress(Exception):
+                torch._C._host_emptyCache()
+
+
+class StagingRing:
+    """The staging buffers of one load and the copy streams of one device.
+
+    A buffer is handed out only after the copy that last read it has completed (its event),
+    so a reader never overwrites bytes a copy engine is still reading. Events, the buffers'
+    memoryviews and the streams are made once per load, not per chunk.
+    """
+
+    def __init__(self, config: StagingConfig, device: torch.device, buffers: list[torch.Tensor]) -> None:
         self.config = config
         self.device = device
         self.cuda = device.type == "cuda"
-        n = config.buffers()
-        self._buffers: list[torch.Tensor | None] = [None] * n
-        self._events: list[object | None] = [None] * n
+        self.buffers = buffers
+        self.memoryviews = [memoryview(b.numpy()) for b in buffers]
+        n = len(buffers)
+        # blocking=True: waiters sleep instead of spinning on a core.
+        self._events = [torch.cuda.Event(blocking=True) for _ in range(n)] if self.cuda else [None] * n
+        self._recorded = [False] * n
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(n):
             self._free.put(i)
         self.streams = [torch.cuda.Stream(device=device) for _ in range(config.num_streams)] if self.cuda \
             else [None] * config.num_streams
         self._lock = threading.Lock()
-        self.alloc_s = 0.0   # time spent allocating (pinning) buffers, summed over threads
-        self.wait_s = 0.0    # time readers waited for a free buffer
+        self.wait_s = 0.0    # time readers waited for a free buffer, summed over threads
 
-    def acquire(self) -> tuple[int, torch.Tensor]:
+    def acquire(self) -> int:
         t0 = time.monotonic()
         i = self._free.get()
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()
-        t1 = time.monotonic()
-        buf = self._buffers[i]
-        if buf is None:
-            buf = torch.empty(self.config.buffer_bytes, dtype=torch.uint8, pin_memory=self.cuda)
-            self._buffers[i] = buf
-        t2 = time.monotonic()
+        if self._recorded[i]:
+            self._events[i].synchronize()
+        dt = time.monotonic() - t0
         with self._lock:
-            self.wait_s += t1 - t0
-            self.alloc_s += t2 - t1
-        return i, buf
+            self.wait_s += dt
+        return i
 
     def release(self, i: int, stream_index: int) -> None:
         """Return buffer `i` once the work enqueued so far on that stream is done with it."""
         if self.cuda:
-            event = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning on a core
-            event.record(self.streams[stream_index])
-            self._events[i] = event
+            self._events[i].record(self.streams[stream_index])
+            self._recorded[i] = True
         self._free.put(i)
 
     def on_stream(self, index: int) -> contextlib.AbstractContextManager:
@@ -166,12 +227,12 @@ class StagedFill:
     """Fill GPU slabs through the staging ring; `run()` returns the wsum32 per stored tensor."""
 
     def __init__(self, plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.Tensor],
-                 read: Callable[..., None], config: StagingConfig) -> None:
+                 read: Callable[..., None], config: StagingConfig, pool: StagingPool | None = None) -> None:
         self.plan, self.places, self.views, self.read = plan, places, views, read
         self.config = config
         self.device = views[0].device
-        self.ring = StagingRing(config, self.device)
-        self.sums = torch.zeros(len(plan.tensors), 2, dtype=torch.int64, device=self.device)
+        self.pool = pool
+        self.ring: StagingRing | None = None
         self.finish_s = 0.0
         self.read_s = 0.0
         self._lock = threading.Lock()
@@ -201,6 +262,29 @@ class StagedFill:
 
     # --- the pipeline -------------------------------------------------------------------
     def run(self, emit: Callable[..., None], total: int) -> list[int]:
+        pinned = self.device.type == "cuda"
+        pool = self.pool or StagingPool()
+        try:
+            with pool.lease(self.config, pinned) as (buffers, alloc_s):
+                self.ring = StagingRing(self.config, self.device, buffers)
+                elapsed = self._pipeline(emit, total)
+        finally:
+            if self.pool is None:
+                pool.close()
+        t0 = time.monotonic()
+        sums = self._checksums()
+        sum_s = time.monotonic() - t0
+        log.info(
+            "staged load: %.2f GB in %.2f s (%.2f GB/s) with %d reader threads, %d x %d MiB staging buffers "
+            "(%s), %d streams; thread-seconds: reading %.2f, waiting for buffers %.2f, enqueuing fp8 "
+            "finishes %.2f; checksums of %d slab(s) %.3f s", total / 1e9, elapsed + sum_s,
+            total / 1e9 / max(elapsed + sum_s, 1e-9), self.config.threads(), self.config.buffers(),
+            self.config.buffer_bytes // MiB, f"pinned now in {alloc_s:.2f} s" if alloc_s else "kept from before",
+            self.config.num_streams, self.read_s, self.ring.wait_s, self.finish_s, len(self.views), sum_s)
+        return sums
+
+    def _pipeline(self, emit: Callable[..., None], total: int) -> float:
+        """Read and copy every chunk, quantize fp8 jobs; all copies complete when it returns."""
         threads = self.config.threads()
         max_pending = 2 * threads + self.config.buffers()
         done = 0
@@ -208,7 +292,7 @@ class StagedFill:
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resident-stage")
         pending: dict[Future, int] = {}
         if self.ring.cuda:
-            # The streams do not order themselves after the default stream (sums' zero-fill).
+            # The side streams do not order themselves after work queued on the default stream.
             torch.cuda.synchronize(self.device)
         try:
             for job in self._jobs():
@@ -218,10 +302,10 @@ class StagedFill:
                     with self.ring.on_stream(job.stream):
                         job.temps = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=self.device)
                                      for p in job.tensor.parts]
-                if not chunks:  # an empty tensor: nothing to read, still finished (and checksummed)
-                    with self.ring.on_stream(job.stream):
-                        self._finish(job)
-                    continue
+                    if not chunks:  # an empty fp8 weight still gets its scale
+                        with self.ring.on_stream(job.stream):
+                            self._finish(job)
+                        continue
                 for c in chunks:
                     while len(pending) >= max_pending:
                         done = self._collect(pending, done, emit, total)
@@ -230,17 +314,27 @@ class StagedFill:
                 done = self._collect(pending, done, emit, total)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            # Nothing may still be copying into the slabs (or from the ring) when we return.
+            # Nothing may still be copying into the slabs (or from the buffers) when we return.
             self.ring.synchronize()
-        sums = self.sums.cpu().tolist()
-        elapsed = time.monotonic() - t0
-        log.info(
-            "staged load: %.2f GB in %.2f s (%.2f GB/s) with %d reader threads, %d x %d MiB staging buffers, "
-            "%d streams; thread-seconds: reading %.2f, waiting for buffers %.2f, pinning buffers %.2f, "
-            "enqueuing finishes %.2f", total / 1e9, elapsed, total / 1e9 / max(elapsed, 1e-9), threads,
-            self.config.buffers(), self.config.buffer_bytes // MiB, self.config.num_streams, self.read_s,
-            self.ring.wait_s, self.ring.alloc_s, self.finish_s)
-        return [checksum.wsum32_finish(sums[i], t.nbytes) for i, t in enumerate(self.plan.tensors)]
+        return time.monotonic() - t0
+
+    def _checksums(self) -> list[int]:
+        """wsum32 of every stored tensor: one pass per slab over its final bytes (after casts
+        and quantization), in a few large device ops and one copy to the host."""
+        by_slab: dict[int, list[int]] = {}
+        for i, (slab, _) in enumerate(self.places):
+            by_slab.setdefault(slab, []).append(i)
+        order: list[int] = []
+        parts = []
+        for slab, idxs in sorted(by_slab.items()):
+            parts.append(checksum.wsum32_spans(self.views[slab],
+                                               [(self.places[i][1], self.plan.tensors[i].nbytes) for i in idxs]))
+            order += idxs
+        sums = torch.cat(parts).cpu().tolist() if parts else []
+        out = [0] * len(self.plan.tensors)
+        for i, s in zip(order, sums):
+            out[i] = checksum.wsum32_finish(s, self.plan.tensors[i].nbytes)
+        return out
 
     @staticmethod
     def _collect(pending: dict[Future, int], done: int, emit: Callable[..., None], total: int) -> int:
@@ -254,23 +348,23 @@ class StagedFill:
 
     def _run_chunk(self, c: _Chunk) -> None:
         job = c.job
-        part = job.tensor.parts[c.part]
         n = c.hi - c.lo
-        i, buf = self.ring.acquire()
+        ring = self.ring
+        i = ring.acquire()
         try:
-            host = buf[:n]
             t0 = time.monotonic()
-            self.read(part, memoryview(host.numpy()), c.lo)
+            self.read(job.tensor.parts[c.part], ring.memoryviews[i][:n], c.lo)
             t1 = time.monotonic()
             with self._lock:
                 self.read_s += t1 - t0
-            with self.ring.on_stream(job.stream):
-                self._place(c, host)
+            buf = ring.buffers[i]
+            with ring.on_stream(job.stream):
+                self._place(c, buf if n == buf.numel() else buf[:n])
         finally:
-            self.ring.release(i, job.stream)
-        if job.chunk_done():
+            ring.release(i, job.stream)
+        if job.tensor.quantize and job.chunk_done():
             t0 = time.monotonic()
-            with self.ring.on_stream(job.stream):
+            with ring.on_stream(job.stream):
                 self._finish(job)
             with self._lock:
                 self.finish_s += time.monotonic() - t0
@@ -292,19 +386,16 @@ class StagedFill:
             job.dst.view(t.dtype)[e0 : e0 + n].copy_(tmp.view(src_dtype))
 
     def _finish(self, job: _Job) -> None:
-        """After all of the job's copies (same stream): quantize, then checksum the stored bytes."""
+        """fp8: after all of the job's copies (same stream), the amax, scale and quantization."""
         t = job.tensor
-        if t.quantize:
-            staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
-            maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
-            amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
-            scale = quant.fp8_scale_tensor(amax)
-            out = job.dst.view(quant.FP8_DTYPE)
-            start = 0
-            for s in staged:
-                quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
-                start += s.numel()
-            job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
-            self.sums[job.index + 1].copy_(checksum.wsum32_parts(job.scale_dst))
-            job.temps = []
-        self.sums[job.index].copy_(checksum.wsum32_parts(job.dst))
+        staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
+        maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
+        amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
+        scale = quant.fp8_scale_tensor(amax)
+        out = job.dst.view(quant.FP8_DTYPE)
+        start = 0
+        for s in staged:
+            quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
+            start += s.numel()
+        job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
+        job.temps = []

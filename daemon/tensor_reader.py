@@ -8,7 +8,7 @@ Sources that change dtype go through small staging chunks; an fp8 weight is stag
 (its scale needs the amax of the fused tensor). Staging memory in flight is bounded.
 
 GPU slabs go through `staging.StagedFill`: pinned staging ring, H2D copies on several
-streams, cast/quantize and the wsum32 checksum on the GPU (see that module).
+streams, cast/quantize on the GPU, the wsum32 checksums in one pass per slab (see that module).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from resident.daemon.safetensors_io import CheckpointError
 
 if TYPE_CHECKING:
     from resident.daemon.load_plan import LoadPlan, StoredTensor, _Part
-    from resident.daemon.staging import StagingConfig
+    from resident.daemon.staging import StagingConfig, StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,13 @@ _SPLIT_BYTES = 64 << 20
 def fill_slabs(
     plan: LoadPlan, places: list[tuple[int, int]], slabs: list[Slab], emit: Callable[..., None], total: int,
     num_threads: int, *, staged: bool | None = None, staging: StagingConfig | None = None,
+    pool: StagingPool | None = None,
 ) -> list[int]:
     """Read every stored tensor into place; returns the checksums in plan order: CRC-32 for
     host slabs, wsum32 for GPU slabs (and whenever `staged` forces the GPU pipeline).
 
-    Writable views live only inside this call, so the slabs can be sealed after it.
+    Writable views live only inside this call, so the slabs can be sealed after it. `pool`
+    supplies (and keeps) the staged pipeline's host buffers; without one they are per call.
     """
     views = [s.writable() for s in slabs]
     on_gpu = views[0].device.type != "cpu"
@@ -64,7 +66,7 @@ def fill_slabs(
             from resident.daemon.staging import StagedFill, StagingConfig
 
             config = staging or StagingConfig(num_threads=num_threads)
-            fill = StagedFill(plan, places, views, lambda p, buf, rel: _pread(p, fds, buf, rel), config)
+            fill = StagedFill(plan, places, views, lambda p, buf, rel: _pread(p, fds, buf, rel), config, pool)
             try:
                 sums = fill.run(emit, total)
             except (CheckpointError, OSError, MemoryError):

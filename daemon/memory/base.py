@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,9 @@ class MemoryBackend(abc.ABC):
     survives_daemon: bool
     #: Tensor offsets inside a slab are aligned to this many bytes.
     alignment: int = 256
+    #: Host staging buffers the GPU loader keeps across loads (a `staging.StagingPool`), set
+    #: by the daemon for GPU backends; None: each load allocates and frees its own.
+    staging_pool: Any = None
 
     @abc.abstractmethod
     def allocate(self, nbytes: int, index: int, device: str = "cpu") -> Slab:

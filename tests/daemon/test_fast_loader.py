@@ -14,7 +14,7 @@ from resident.daemon import checksum, tensor_reader
 from resident.daemon.loader import LoadSpec, load
 from resident.daemon.memory.host_shm import HostShmBackend
 from resident.daemon.safetensors_io import CheckpointError
-from resident.daemon.staging import StagingConfig
+from resident.daemon.staging import StagingConfig, StagingPool
 from resident.daemon.tensor_table import crc32_of
 
 # Tiny buffers so every tensor of the test models spans several chunks, fewer buffers than
@@ -122,6 +122,83 @@ def test_plain_gpu_fallback_gives_the_same_bytes_and_checksums(tiny_model, backe
     for e, (slab, off) in zip(ref.table.entries, places):
         assert torch.equal(views[slab][off : off + e.nbytes], rv[e.name]), e.name
     del views
+
+
+class GarbageBackend(RecordingBackend):
+    """Slabs full of 0xA5 before the load, like fresh GPU memory (memfds start zeroed)."""
+
+    def allocate(self, nbytes, index, device="cpu"):
+        slab = super().allocate(nbytes, index, device)
+        slab.writable().fill_(0xA5)
+        return slab
+
+
+def test_staged_checksums_ignore_garbage_between_tensors_and_agree_with_verify(tiny_model):
+    backend = GarbageBackend(max_slab_bytes=1 << 20)
+    spec = LoadSpec(str(tiny_model("llama3", vocab_size=1000)), quantization="fp8_per_tensor", dtype="bfloat16")
+    try:
+        m = load(spec, backend, staged=True, staging=SMALL)
+        views = m.table.views([s.readable() for s in m.slabs])
+        gaps = sum(1 for e in m.table.entries if e.nbytes % backend.alignment)
+        assert gaps > 10   # odd sizes (fp8 scales, norms) leave garbage-filled gaps in the slabs
+        for e in m.table.entries:
+            raw = views[e.name].reshape(-1).view(torch.uint8)
+            assert e.crc32 == checksum.wsum32(raw), e.name
+            assert e.crc32 == checksum.wsum32_reference(raw.numpy().tobytes()), e.name
+    finally:
+        for s in backend.slabs:
+            s.close()
+
+
+def test_staged_load_checksums_once_per_slab_not_per_tensor(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)), dtype="bfloat16")
+    calls = []
+    real = checksum.wsum32_spans
+
+    def spans(slab, sp):
+        calls.append(len(sp))
+        return real(slab, sp)
+
+    def per_tensor(*a, **k):
+        raise AssertionError("the staged pipeline must not checksum tensor by tensor")
+
+    monkeypatch.setattr(checksum, "wsum32_spans", spans)
+    monkeypatch.setattr(checksum, "wsum32_parts", per_tensor)
+    m = load(spec, backend, staged=True, staging=SMALL)
+    assert len(calls) == len(m.slabs) and sum(calls) == len(m.table.entries)
+
+
+def test_the_staging_pool_keeps_its_buffers_across_loads_and_frees_them_on_close(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)), dtype="bfloat16")
+    pool = StagingPool()
+    backend.staging_pool = pool
+    first = load(spec, backend, staged=True, staging=SMALL)
+    kept = [b.data_ptr() for b in pool._buffers]
+    assert len(kept) == SMALL.buffers() and pool.nbytes == SMALL.buffers() * SMALL.buffer_bytes
+    # A load that fails half-way leaves the pool usable; the next load reuses the same buffers.
+    real, calls = tensor_reader._pread, []
+
+    def flaky(p, fds, buf, rel):
+        calls.append(1)
+        if len(calls) == 5:
+            raise CheckpointError("disk went away")
+        return real(p, fds, buf, rel)
+
+    monkeypatch.setattr(tensor_reader, "_pread", flaky)
+    with pytest.raises(CheckpointError):
+        load(spec, backend, staged=True, staging=SMALL)
+    monkeypatch.setattr(tensor_reader, "_pread", real)
+    again = load(spec, backend, staged=True, staging=SMALL)
+    assert [b.data_ptr() for b in pool._buffers] == kept
+    assert [e.crc32 for e in again.table.entries] == [e.crc32 for e in first.table.entries]
+    other = StagingConfig(buffer_bytes=128 << 10, num_buffers=3, num_streams=2, num_threads=2)
+    load(spec, backend, staged=True, staging=other)      # other sizes: buffers replaced
+    assert pool.nbytes == 3 * (128 << 10)
+    pool.close()
+    assert pool.nbytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        load(spec, backend, staged=True, staging=SMALL)
+    assert all(s._fd is None for s in backend.slabs[-1:])
 
 
 def test_staging_config_rejects_bad_sizes():
