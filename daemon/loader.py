@@ -223,7 +223,8 @@ def _load_whole(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: 
         on_gpu = slabs[0].desc.device not in ("", "cpu")
         staged = on_gpu if staged is None else staged
         threads = num_threads or min(16 if staged else 8, os.cpu_count() or 1)
-        crcs = fill_slabs(plan, places, slabs, emit, total, threads, staged=staged, staging=staging)
+        crcs = fill_slabs(plan, places, slabs, emit, total, threads, staged=staged, staging=staging,
+                          pool=getattr(backend, "staging_pool", None))
         emit("pack", total, total, force=True)
         for s in slabs:
             s.seal()
