@@ -5,7 +5,11 @@ safetensors + config.json) to a temporary folder, loads it into a private daemon
 throughput = resident bytes / load time as the daemon reports it), then attaches it
 `--repeats` times, each from a fresh client session. Attach latency is the wall time of
 `Client.attach`: the Attach RPC, receiving the slab fds, mapping them and validating the
-tensor table; the session's hello (`connect`) is timed separately.
+tensor table; the session's hello (`connect`) is timed separately. `--fresh` more attaches
+each run in a new Python process that has imported torch (as a worker has) but nothing of
+resident: what a restarted worker pays — `Client()` with its imports, then the first attach
+with the lazy imports behind it. `--layers` sets the layer count (48 layers = a 291-entry
+table, the Llama-3-8B table's size with fp8 scales).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -67,10 +73,11 @@ class LlamaShape:
         return self.num_attention_heads // 4
 
     @classmethod
-    def for_bytes(cls, nbytes: int, bytes_per_param: int = 2) -> LlamaShape:
+    def for_bytes(cls, nbytes: int, bytes_per_param: int = 2, num_hidden_layers: int = NUM_LAYERS) -> LlamaShape:
         # params ≈ layers * 14.5 h² (q; k, v at 1/4; o; gate, up, down) + 16 h² (embed + lm_head)
-        h = math.sqrt(nbytes / bytes_per_param / (NUM_LAYERS * 14.5 + 16))
-        return cls(hidden_size=max(HIDDEN_STEP, round(h / HIDDEN_STEP) * HIDDEN_STEP))
+        h = math.sqrt(nbytes / bytes_per_param / (num_hidden_layers * 14.5 + 16))
+        return cls(hidden_size=max(HIDDEN_STEP, round(h / HIDDEN_STEP) * HIDDEN_STEP),
+                   num_hidden_layers=num_hidden_layers)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -135,10 +142,45 @@ class SizeResult:
     load_gb_s: float
     connect_ms: dict
     attach_ms: dict
+    fresh_connect_ms: dict | None = None
+    fresh_attach_ms: dict | None = None
+
+
+#: Run in a fresh interpreter: torch first (untimed; a worker has it), then Client() and attach.
+_FRESH_SCRIPT = """
+import json, sys, time
+import torch
+t0 = time.perf_counter()
+from resident.daemon.client import Client
+client = Client(sys.argv[1], client_name="bench-attach-fresh")
+t1 = time.perf_counter()
+model = client.attach(sys.argv[2], expected_key=sys.argv[3])
+t2 = time.perf_counter()
+n = len(model.tensors)
+client.close()
+print(json.dumps({"connect_s": t1 - t0, "attach_s": t2 - t1, "num_tensors": n}))
+"""
+
+
+def _fresh_attaches(socket: str, name: str, key: str, repeats: int, num_tensors: int) -> tuple[dict, dict]:
+    connect_s, attach_s = [], []
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    for _ in range(repeats):
+        r = subprocess.run([sys.executable, "-c", _FRESH_SCRIPT, socket, name, key], capture_output=True,
+                           text=True, timeout=300, env=env)
+        if r.returncode != 0:
+            raise click.ClickException(f"fresh-process attach of {name} failed: {r.stderr.strip()[-2000:]}")
+        doc = json.loads(r.stdout.strip().splitlines()[-1])
+        if doc["num_tensors"] != num_tensors:
+            raise click.ClickException(f"fresh-process attach of {name} returned {doc['num_tensors']} tensors, "
+                                       f"expected {num_tensors}")
+        connect_s.append(doc["connect_s"])
+        attach_s.append(doc["attach_s"])
+    return _stats_ms(connect_s), _stats_ms(attach_s)
 
 
 def _measure(client_cls, socket: str, folder: Path, name: str, requested: int, shape: LlamaShape,
-             checkpoint_bytes: int, repeats: int) -> SizeResult:
+             checkpoint_bytes: int, repeats: int, fresh: int = 0) -> SizeResult:
     with client_cls(socket, client_name="bench-attach-loader") as loader:
         t = time.perf_counter()
         final = None
@@ -165,11 +207,15 @@ def _measure(client_cls, socket: str, folder: Path, name: str, requested: int, s
             client.close()
         connect_s.append(t1 - t0)
         attach_s.append(t2 - t1)
+    fresh_connect = fresh_attach = None
+    if fresh:
+        fresh_connect, fresh_attach = _fresh_attaches(socket, name, info.key, fresh, info.num_tensors)
     return SizeResult(
         requested_bytes=requested, checkpoint_bytes=checkpoint_bytes, resident_bytes=info.nbytes,
         num_tensors=info.num_tensors, hidden_size=shape.hidden_size, load_s=load_s,
         load_wall_s=load_wall_s, load_gb_s=gb_per_s(info.nbytes, load_s),
         connect_ms=_stats_ms(connect_s), attach_ms=_stats_ms(attach_s),
+        fresh_connect_ms=fresh_connect, fresh_attach_ms=fresh_attach,
     )
 
 
@@ -202,7 +248,13 @@ def _parse_sizes(text: str) -> list[tuple[str, int]]:
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where to write the synthetic checkpoints (default: a temporary folder, removed after).")
 @click.option("--max-bytes", type=SIZE, default=0, help="Daemon --max-bytes (default: unlimited).")
-def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Path | None, max_bytes: int) -> None:
+@click.option("--layers", type=click.IntRange(min=1), default=NUM_LAYERS, show_default=True,
+              help="Decoder layers of the synthetic model (table entries: 6 per layer + 3; 48 gives 291).")
+@click.option("--fresh", type=click.IntRange(min=0), default=3, show_default=True,
+              help="More attaches per size, each from a new process that has imported torch only "
+                   "(Client() with its imports, then the first attach).")
+def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Path | None, max_bytes: int,
+                 layers: int, fresh: int) -> None:
     """Attach latency vs model size on host_shm, and load throughput in GB/s."""
     from resident.cli.daemon_process import DaemonStartError, start_detached, wait_exit
     from resident.daemon.client import Client
@@ -218,7 +270,7 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
     try:
         folders = []
         for label, size in requested:
-            shape = LlamaShape.for_bytes(size)
+            shape = LlamaShape.for_bytes(size, num_hidden_layers=layers)
             folder = data_dir / f"llama-{label}"
             t = time.perf_counter()
             nbytes = write_checkpoint(folder, shape)
@@ -230,7 +282,7 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
         except DaemonStartError as e:
             raise click.ClickException(str(e)) from None
         for size, shape, folder, nbytes in folders:
-            r = _measure(Client, config.socket, folder, folder.name, size, shape, nbytes, repeats)
+            r = _measure(Client, config.socket, folder, folder.name, size, shape, nbytes, repeats, fresh)
             click.echo(f"{folder.name}: load {r.load_gb_s:.2f} GB/s, attach median "
                        f"{r.attach_ms['median']:.2f} ms", err=True)
             results.append(r)
@@ -247,13 +299,18 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
         if work_dir is None:
             shutil.rmtree(data_dir, ignore_errors=True)
 
+    def fresh_ms(stats: dict | None) -> str:
+        return f"{stats['median']:.2f}" if stats else "-"
+
     rows = [(format_bytes(r.resident_bytes), r.num_tensors, f"{r.load_s:.3f}", f"{r.load_gb_s:.2f}",
-             f"{r.connect_ms['median']:.2f}", f"{r.attach_ms['median']:.2f}", f"{r.attach_ms['p90']:.2f}")
+             f"{r.connect_ms['median']:.2f}", f"{r.attach_ms['median']:.2f}", f"{r.attach_ms['p90']:.2f}",
+             fresh_ms(r.fresh_connect_ms), fresh_ms(r.fresh_attach_ms))
             for r in results]
     click.echo(format_table(("SIZE", "TENSORS", "LOAD S", "LOAD GB/S", "CONNECT MS", "ATTACH MS p50",
-                             "ATTACH MS p90"), rows))
+                             "ATTACH MS p90", "FRESH CONNECT MS", "FRESH ATTACH MS"), rows))
     if json_path is not None:
-        doc = {"benchmark": "attach", "backend": "host_shm", "repeats": repeats, "machine": _machine(),
+        doc = {"benchmark": "attach", "backend": "host_shm", "repeats": repeats, "fresh": fresh, "layers": layers,
+               "machine": _machine(),
                "results": [asdict(r) for r in results]}
         json_path.write_text(json.dumps(doc, indent=2))
         click.echo(f"wrote {json_path}")
