@@ -17,11 +17,9 @@ Requests the workers failed during either (must be 0) make the command exit 1.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from resident.cli.bench_common import finish_run
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +219,8 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
                 daemon.wait()
         store.close()
     _report(results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2))
-        click.echo(f"wrote {json_path}")
-    if not ok:
-        click.echo(f"bench handover FAILED ({results.get('error', '')}; {results.get('failures', '?')} failed "
-                   f"requests); logs in {work}", err=True)
-        sys.exit(1)
-    shutil.rmtree(work, ignore_errors=True)
+    finish_run(results, json_path, ok, f"bench handover FAILED ({results.get('error', '')}; "
+               f"{results.get('failures', '?')} failed requests)", work)
 
 
 def _report(r: dict[str, Any]) -> None:

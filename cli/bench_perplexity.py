@@ -11,7 +11,6 @@ each one's change against the first.
 """
 from __future__ import annotations
 
-import gc
 import importlib
 import inspect
 import json
@@ -70,39 +69,24 @@ def perplexity(runner, token_ids: list[int], chunk: int, block_size: int) -> dic
 
 
 def run_variant(model: str, device: str, dtype: str, quantization: str, token_ids: list[int], chunk: int) -> dict:
-    import torch
-
-    from resident.cli.bench_throughput import _load
+    from resident.cli.bench_common import loaded_variant
     from resident.worker.config import ModelConfig
     from resident.worker.engine_config import EngineConfig
     from resident.worker.model_runner import ModelRunner
 
-    loaded, tensors = _load(model, dtype, quantization, device)
-    runner = None
-    try:
-        model_config = ModelConfig.from_hf(loaded.config)
+    with loaded_variant(model, dtype, quantization, device) as v:
+        model_config = ModelConfig.from_hf(v.loaded.config)
         block_size = 16
         max_len = len(token_ids) + block_size
         engine_config = EngineConfig(block_size=block_size, num_kv_blocks=-(-max_len // block_size),
                                      max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=max_len,
                                      enable_prefix_caching=False)
-        runner = ModelRunner(model_config, engine_config, tensors, device=device, cuda_graphs="off")
-        result = perplexity(runner, token_ids, chunk, block_size)
-        result.update(quantization=quantization, dtype=loaded.dtype, resident_bytes=loaded.nbytes)
+        v.runner = ModelRunner(model_config, engine_config, v.tensors, device=device, cuda_graphs="off")
+        result = perplexity(v.runner, token_ids, chunk, block_size)
+        result.update(quantization=quantization, dtype=v.loaded.dtype, resident_bytes=v.loaded.nbytes)
         log.info("%s: perplexity %.4f over %d tokens (top-1 %.1f%%)", quantization, result["perplexity"],
                  result["tokens"], 100 * result["top1_accuracy"])
         return result
-    finally:
-        close = getattr(runner, "close", None)
-        if close is not None:
-            close()
-        runner = None  # noqa: F841 - drop every view before the slabs go
-        tensors.clear()
-        gc.collect()
-        for s in loaded.slabs:
-            s.close()
-        if device == "cuda":
-            torch.cuda.empty_cache()
 
 
 @click.command("perplexity")

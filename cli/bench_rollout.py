@@ -13,11 +13,9 @@ start; bytes the daemon read from disk during the rollout (0: the replicas attac
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from resident.cli.bench_common import finish_run
 
 log = logging.getLogger(__name__)
 
@@ -218,14 +218,9 @@ def bench_rollout(model: str | None, device: str, replicas: int, standby: int, l
         if not socket:
             stop_private_daemon(sock, env)
     _report(results)
-    if json_path:
-        json_path.write_text(json.dumps(results, indent=2))
-        click.echo(f"wrote {json_path}")
-    if not ok:
-        click.echo(f"bench rollout FAILED ({results.get('error') or results.get('rollout_message', '')}, "
-                   f"{results.get('failures', '?')} failed requests); logs in {work}", err=True)
-        sys.exit(1)
-    shutil.rmtree(work, ignore_errors=True)
+    reason = results.get("error") or results.get("rollout_message", "")
+    finish_run(results, json_path, ok,
+               f"bench rollout FAILED ({reason}, {results.get('failures', '?')} failed requests)", work)
 
 
 def _ms(values: list[float]) -> str:

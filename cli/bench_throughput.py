@@ -16,7 +16,6 @@ The reported fraction is that bound over the measured step time.
 """
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import random
@@ -75,16 +74,6 @@ def kv_bytes_per_token(model_config, dtype) -> int:
     return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
 
 
-def _load(model: str, dtype: str, quantization: str, device: str):
-    from resident.daemon.loader import LoadSpec, load
-    from resident.daemon.memory import get_backend
-
-    backend = get_backend("cuda_vmm" if device == "cuda" else "host_shm")
-    loaded = load(LoadSpec(model, dtype=dtype, quantization=quantization), backend)
-    tensors = loaded.table.views([s.readable() for s in loaded.slabs])
-    return loaded, tensors
-
-
 def prefill_steps_bound(batch: int, context: int, max_num_batched_tokens: int) -> int:
     """Engine steps the prefill of `batch` prompts of `context` tokens can take at most."""
     return -(-(batch * (context + 1)) // max_num_batched_tokens) + 1
@@ -133,59 +122,56 @@ def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: i
             "mean_seq_len": context + 1 + warmup + (steps - 1) / 2}
 
 
+def engine_config_for(batch_sizes: list[int], context: int, warmup: int, steps: int, block_size: int,
+                      device: str):
+    """The EngineConfig a throughput run needs: every batch size's sequences fit at once, prefill included."""
+    from resident.worker.engine_config import EngineConfig
+
+    budget = 8192 if device == "cuda" else 2048
+    max_model_len = (context + warmup + steps + 4 + prefill_steps_bound(max(batch_sizes), context, budget)
+                     + 2 * block_size)
+    per_seq = -(-max_model_len // block_size)
+    return EngineConfig(
+        block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=budget, max_model_len=max_model_len, enable_prefix_caching=False)
+
+
+def add_roofline(r: dict, tensors: dict, batch: int, model_config, kv_dtype, bandwidth: float) -> dict:
+    """Adds to a _measure row the bytes a step must read and its fraction of the roofline."""
+    w = weight_bytes_per_step(tensors, batch)
+    kv = int(batch * r["mean_seq_len"] * kv_bytes_per_token(model_config, kv_dtype))
+    r.update(weight_bytes=w, kv_bytes=kv, bytes_per_step=w + kv, roofline_step_s=(w + kv) / bandwidth)
+    r["roofline_fraction"] = r["roofline_step_s"] / r["step_s"]
+    return r
+
+
 def run_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int], context: int,
                    warmup: int, steps: int, bandwidth: float, block_size: int = 16) -> dict:
     """One weight variant: load, build the engine, measure every batch size."""
-    import torch
-
+    from resident.cli.bench_common import loaded_variant
     from resident.worker.config import ModelConfig
     from resident.worker.engine import LLMEngine
-    from resident.worker.engine_config import EngineConfig
     from resident.worker.model_runner import ModelRunner
 
-    loaded, tensors = _load(model, dtype, quantization, device)
-    runner = None
-    try:
-        model_config = ModelConfig.from_hf(loaded.config)
-        budget = 8192 if device == "cuda" else 2048
-        max_model_len = (context + warmup + steps + 4 + prefill_steps_bound(max(batch_sizes), context, budget)
-                         + 2 * block_size)
-        per_seq = -(-max_model_len // block_size)
-        engine_config = EngineConfig(
-            block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
-            max_num_batched_tokens=budget, max_model_len=max_model_len,
-            enable_prefix_caching=False)
-        runner = ModelRunner(model_config, engine_config, tensors, device=device)
-        runner.warmup()
-        capture = getattr(runner, "capture_graphs", None)  # decode CUDA graphs, as `resident serve` does
-        if capture is not None:
-            capture()
-        engine = LLMEngine(engine_config, runner)
-        kv_dtype = tensors[EMBED].dtype
+    with loaded_variant(model, dtype, quantization, device) as v:
+        model_config = ModelConfig.from_hf(v.loaded.config)
+        engine_config = engine_config_for(batch_sizes, context, warmup, steps, block_size, device)
+        v.runner = ModelRunner(model_config, engine_config, v.tensors, device=device)
+        v.runner.warmup()
+        if hasattr(v.runner, "capture_graphs"):  # decode CUDA graphs, as `resident serve` does
+            v.runner.capture_graphs()
+        v.engine = LLMEngine(engine_config, v.runner)
+        kv_dtype = v.tensors[EMBED].dtype
         rows = []
         for b in batch_sizes:
-            r = _measure(engine, b, context, warmup, steps, model_config.vocab_size, device)
-            w = weight_bytes_per_step(tensors, b)
-            kv = int(b * r["mean_seq_len"] * kv_bytes_per_token(model_config, kv_dtype))
-            r.update(weight_bytes=w, kv_bytes=kv, bytes_per_step=w + kv, roofline_step_s=(w + kv) / bandwidth)
-            r["roofline_fraction"] = r["roofline_step_s"] / r["step_s"]
+            r = add_roofline(_measure(v.engine, b, context, warmup, steps, model_config.vocab_size, device),
+                             v.tensors, b, model_config, kv_dtype, bandwidth)
             rows.append(r)
             log.info("%s batch %d: %.1f tokens/s, %.2f ms/step, %.0f%% of the roofline", quantization, b,
                      r["tokens_per_s"], r["step_s"] * 1e3, 100 * r["roofline_fraction"])
-        return {"quantization": quantization, "dtype": loaded.dtype, "load_s": loaded.load_s,
-                "load_gb_s": loaded.bytes_read / 1e9 / max(loaded.load_s, 1e-9), "resident_bytes": loaded.nbytes,
-                "results": rows}
-    finally:
-        close = getattr(runner, "close", None)  # frees the GPU KV cache and graphs now
-        if close is not None:
-            close()
-        engine = runner = None  # noqa: F841 - drop every view before the slabs go
-        tensors.clear()
-        gc.collect()
-        for s in loaded.slabs:
-            s.close()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        return {"quantization": quantization, "dtype": v.loaded.dtype, "load_s": v.loaded.load_s,
+                "load_gb_s": v.loaded.bytes_read / 1e9 / max(v.loaded.load_s, 1e-9),
+                "resident_bytes": v.loaded.nbytes, "results": rows}
 
 
 def _csv_ints(value: str) -> list[int]:

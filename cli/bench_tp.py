@@ -17,8 +17,7 @@ import logging
 
 import torch
 
-from resident.cli.bench_throughput import (EMBED, _measure, kv_bytes_per_token, prefill_steps_bound,
-                                           weight_bytes_per_step)
+from resident.cli.bench_throughput import EMBED, _measure, add_roofline, engine_config_for
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,6 @@ def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, ba
 
     from resident.daemon.loader import LoadSpec
     from resident.worker.engine import LLMEngine
-    from resident.worker.engine_config import EngineConfig
     from resident.worker.entrypoint import ServeConfig
     from resident.worker.tp_executor import TPGroup
 
@@ -45,24 +43,15 @@ def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, ba
         store = group.open_store()
         load_s = time.monotonic() - t0
         tensors, model_config = store.tensors, group.model_config
-        budget = 8192 if device == "cuda" else 2048
-        max_model_len = (context + warmup + steps + 4 + prefill_steps_bound(max(batch_sizes), context, budget)
-                         + 2 * block_size)
-        per_seq = -(-max_model_len // block_size)
-        engine_config = EngineConfig(
-            block_size=block_size, num_kv_blocks=per_seq * max(batch_sizes), max_num_seqs=max(batch_sizes),
-            max_num_batched_tokens=budget, max_model_len=max_model_len, enable_prefix_caching=False)
+        engine_config = engine_config_for(batch_sizes, context, warmup, steps, block_size, device)
         runner = group.build_runner(tensors, engine_config=engine_config, cuda_graphs="lazy")
         runner.warmup()
         runner.capture_graphs()
         engine = LLMEngine(engine_config, runner)
         rows = []
         for b in batch_sizes:
-            r = _measure(engine, b, context, warmup, steps, model_config.vocab_size, dev)
-            w = weight_bytes_per_step(tensors, b)
-            kv = int(b * r["mean_seq_len"] * kv_bytes_per_token(model_config, tensors[EMBED].dtype))
-            r.update(weight_bytes=w, kv_bytes=kv, bytes_per_step=w + kv, roofline_step_s=(w + kv) / bandwidth)
-            r["roofline_fraction"] = r["roofline_step_s"] / r["step_s"]
+            r = add_roofline(_measure(engine, b, context, warmup, steps, model_config.vocab_size, dev), tensors, b,
+                             model_config, tensors[EMBED].dtype, bandwidth)
             rows.append(r)
             log.info("TP=%d %s batch %d: %.1f tokens/s, %.2f ms/step", tensor_parallel_size, quantization, b,
                      r["tokens_per_s"], r["step_s"] * 1e3)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,17 +74,6 @@ def _pick_port(pid: int, asked: int) -> tuple[str, int]:
     if len(listening) != 1:
         raise SnapshotError(f"pid {pid} listens on {listening or 'no TCP port'}; pass --url to name the port")
     return listening[0]
-
-
-def _stop_tree(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 30
-    while any(criu.pid_state(p) not in (None, "Z") for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def create_snapshot(config: CreateConfig) -> CreateResult:
@@ -162,7 +150,7 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
     if config.leave_running:
         timings.update(_resume(admin, cuda, config.resume_timeout_s))
     else:
-        _stop_tree(tree)
+        criu.kill_tree(tree, wait_s=30)
     return CreateResult(manifest, timings)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
 import socket
 import tempfile
 import time
@@ -150,14 +149,6 @@ def _check_port(manifest: Manifest) -> None:
             raise SnapshotError(f"cannot bind {manifest.host}:{manifest.port}: {e}") from None
 
 
-def _kill_tree(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def restore_snapshot(config: RestoreConfig) -> RestoreResult:
     manifest, binary = check_host(config)
     t0 = time.monotonic()
@@ -181,7 +172,7 @@ def restore_snapshot(config: RestoreConfig) -> RestoreResult:
     except BaseException as e:
         logger.error("restore failed after CRIU brought the worker back (%s); killing pids %s", e,
                      list(manifest.tree_pids))
-        _kill_tree(list(manifest.tree_pids))
+        criu.kill_tree(list(manifest.tree_pids))
         if isinstance(e, (WorkerError, RuntimeError)):
             raise SnapshotError(f"{e} (the restored worker was stopped; CRIU log: {log})") from e
         raise

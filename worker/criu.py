@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -240,6 +241,16 @@ def _log_tail(path: Path, n: int = 15) -> str:
     return "\n".join((errors or lines)[-n:])
 
 
+def _run(binary: CriuBinary, args: list[str], timeout_s: float, what: str, log_path: Path) -> float:
+    """Run criu with args; its seconds, or CriuError naming `what` with the log's errors."""
+    t = time.monotonic()
+    proc = binary.run(args, timeout_s)
+    seconds = time.monotonic() - t
+    if proc.returncode != 0:
+        raise CriuError(f"{what} failed (exit {proc.returncode}); from {log_path}:\n{_log_tail(log_path)}")
+    return seconds
+
+
 def dump(binary: CriuBinary, pid: int, images_dir: Path, options: CriuOptions, log_path: Path,
          leave_running: bool, timeout_s: float = 600.0) -> CriuResult:
     """`criu dump` of the tree rooted at `pid` into images_dir (which must exist and be empty)."""
@@ -247,12 +258,7 @@ def dump(binary: CriuBinary, pid: int, images_dir: Path, options: CriuOptions, l
             "-v4", *options.common_args()]
     if leave_running:
         args.append("--leave-running")
-    t = time.monotonic()
-    proc = binary.run(args, timeout_s)
-    seconds = time.monotonic() - t
-    if proc.returncode != 0:
-        raise CriuError(f"criu dump of pid {pid} failed (exit {proc.returncode}); from {log_path}:\n"
-                        f"{_log_tail(log_path)}")
+    seconds = _run(binary, args, timeout_s, f"criu dump of pid {pid}", log_path)
     logger.info("criu dump of pid %d: %.2f s", pid, seconds)
     return CriuResult(seconds, log_path, pid, tuple(args))
 
@@ -263,12 +269,7 @@ def restore(binary: CriuBinary, images_dir: Path, options: CriuOptions, log_path
     pidfile = log_path.with_suffix(".pid")
     args = ["restore", "--images-dir", str(images_dir), "--log-file", str(log_path), "-v4",
             "--restore-detached", "--pidfile", str(pidfile), *options.common_args()]
-    t = time.monotonic()
-    proc = binary.run(args, timeout_s)
-    seconds = time.monotonic() - t
-    if proc.returncode != 0:
-        raise CriuError(f"criu restore from {images_dir} failed (exit {proc.returncode}); from {log_path}:\n"
-                        f"{_log_tail(log_path)}")
+    seconds = _run(binary, args, timeout_s, f"criu restore from {images_dir}", log_path)
     pid = int(pidfile.read_text().strip())
     logger.info("criu restore of pid %d: %.2f s", pid, seconds)
     return CriuResult(seconds, log_path, pid, tuple(args))
@@ -283,6 +284,19 @@ def pid_state(pid: int) -> str | None:
     return text[text.rindex(")") + 2]
 
 
+def kill_tree(pids: Sequence[int], wait_s: float = 0.0) -> None:
+    """SIGKILL each of pids (gone ones are fine); with wait_s, wait up to that long until each is
+    gone or a zombie (its parent may never reap it)."""
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while any(pid_state(p) not in (None, "Z") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def wait_pids_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
     """Wait until none of `pids` exists (zombies count as existing); returns those still there."""
     deadline = time.monotonic() + timeout_s
@@ -294,5 +308,5 @@ def wait_pids_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
 
 
 __all__ = ["CriuBinary", "CriuError", "CriuLookup", "CriuOptions", "CriuResult", "INSTALL_HINT", "MIN_CRIU_VERSION",
-           "STAMP_FILE", "default_criu_dir", "dump", "fd_targets", "find_criu", "format_version", "options_for",
-           "pid_state", "process_tree", "restore", "wait_pids_gone"]
+           "STAMP_FILE", "default_criu_dir", "dump", "fd_targets", "find_criu", "format_version", "kill_tree",
+           "options_for", "pid_state", "process_tree", "restore", "wait_pids_gone"]
