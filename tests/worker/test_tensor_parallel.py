@@ -202,6 +202,45 @@ def test_tp2_ranks_attach_their_shards_from_a_real_daemon(tiny_model, short_tmp)
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
 
 
+def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
+    """A TP group started with a KV cache too small for the workload grows it after start
+    (`map_kv_blocks` from another thread, as the growth thread calls it, then `grow_kv_cache`
+    between two steps): every rank takes the new blocks — a rank that did not would fail on
+    the first step writing past its old cache — and the group then computes TP=1's logits
+    and greedy tokens with blocks beyond the old size."""
+    import threading
+
+    path = tiny_model("qwen2")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (11, 25)]
+    seqs = [p + [rng.randrange(256) for _ in range(NUM_FORCED)] for p in prompts]
+    full = fused_weights_from_hf_folder(path)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tp1 = ModelRunner(cfg, engine_config(), full)
+    want_logits, want_tokens = forced_logits(tp1, seqs), generate(tp1, prompts, 24)
+
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    small = EngineConfig(block_size=BLOCK, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=256,
+                         max_model_len=128)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        runner = group.build_runner(store.tensors, engine_config=small, max_num_kv_blocks=64)
+        assert runner.kv_cache.num_blocks == 16   # forced_logits uses blocks up to 31, generate up to 63
+        mapper = threading.Thread(target=runner.map_kv_blocks, args=(64,))   # the growth thread's half
+        mapper.start()
+        mapper.join()
+        runner.grow_kv_cache(64)                                             # the engine thread's half
+        assert runner.kv_cache.num_blocks == runner.num_blocks == 64
+        got_logits, got_tokens = forced_logits(runner, seqs), generate(runner, prompts, 24)
+        runner.close()
+        store.close()
+    finally:
+        group.close()
+    assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
+
+
 def test_unsplittable_model_fails_before_any_rank_starts(tiny_model):
     path = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
     serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=3)

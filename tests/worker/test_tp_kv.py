@@ -1,0 +1,157 @@
+"""The KV cache of a tensor-parallel group (worker/tp_kv.py), on CPU with the GPU queries
+stubbed: the same sizing logic a 2-GPU group runs, seen from rank 0 with the other rank's
+answers to the group's all-min scripted.
+
+- The activation/graph headroom comes from the KV profile cache when rank 0 found it there
+  (no rank builds a probe), else it is measured, the largest rank's value is used by all and
+  stored under a key of the rank-local config and the TP size (a TP=1 worker of the same
+  model, or a TP=4 group, does not hit it);
+- every rank gets the smallest rank's block count, and an address reservation for growth;
+- growth after ready is all-or-none: one rank that could not map the blocks stops every
+  rank from taking them.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from resident.worker import gpu_memory as gm
+from resident.worker import tp_kv
+from resident.worker.config import ModelConfig
+from resident.worker.distributed import ParallelError
+from resident.worker.kv_profile_cache import KvProfileCache
+
+MiB = 2**20
+GPU = "NVIDIA H200 (stub)"
+KW = dict(block_size=16, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, utilization=0.9,
+          cuda_graphs="lazy", num_kv_blocks=None)
+
+
+class ScriptedGroup:
+    """Rank 0 of a 2-rank group whose peer answers every all_min with the next scripted value."""
+
+    rank, size = 0, 2
+
+    def __init__(self, peer: list[int]) -> None:
+        self.peer = list(peer)
+        self.seen: list[int] = []
+
+    def all_min(self, value: int) -> int:
+        self.seen.append(value)
+        return min(value, self.peer.pop(0))
+
+
+class Probe:
+    def __init__(self, peak: int, built: list) -> None:
+        self.peak = peak
+        built.append(self)
+        self.closed = False
+
+    def profile_peak_bytes(self) -> int:
+        return self.peak
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """A 16 GiB GPU with 10 GiB free, 2 MiB granularity; no CUDA needed."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: GPU)
+    monkeypatch.setattr(gm, "gpu_memory_info", lambda index: (10 << 30, 16 << 30))
+    monkeypatch.setattr(gm, "vmm_granularity", lambda index: 2 * MiB)
+
+
+@pytest.fixture
+def rank_local(tiny_model):
+    path = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    full = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    weights = {"model.embed_tokens.weight": torch.empty(128, 64, dtype=torch.bfloat16)}
+    return full, full.for_tp(2), weights
+
+
+def test_measured_headroom_is_the_largest_ranks_and_is_cached_for_the_same_group_only(stub_gpu, rank_local,
+                                                                                    tmp_path):
+    full, local, weights = rank_local
+    cache = KvProfileCache(tmp_path / "kv-profile.json")
+    built: list[Probe] = []
+    # The peer measured 300 MiB (all_min of negatives = the largest), and could hold 40 blocks.
+    group = ScriptedGroup([-300 * MiB, 40])
+    plan = tp_kv.plan_rank_kv(group, local, weights, "cuda:0", dict(KW), lambda ec: Probe(100 * MiB, built),
+                              None, cache)
+    assert len(built) == 1 and built[0].closed
+    assert plan.headroom_source == "measured" and plan.budget.headroom_bytes == 300 * MiB
+    assert set(plan.timings) >= {"measure", "probe_build", "profile_forward"}
+    assert plan.num_kv_blocks == 40                       # the smallest rank's
+    assert plan.max_num_kv_blocks == 16 * 8               # room to grow to max_num_seqs full requests
+
+    key = tp_kv.tp_headroom_key(group, local, weights, "cuda:0", KW)
+    assert key.tensor_parallel_size == 2 and json.loads(key.model)["num_heads"] == full.num_heads // 2
+    assert cache.lookup(key) == 300 * MiB
+    # Not for a TP=1 worker of the same model, nor for another group size.
+    tp1 = tp_kv.tp_headroom_key(type("G", (), {"size": 1})(), full, weights, "cuda:0", KW)
+    tp4 = tp_kv.tp_headroom_key(type("G", (), {"size": 4})(), local, weights, "cuda:0", KW)
+    assert cache.lookup(tp1) is None and cache.lookup(tp4) is None
+
+
+def test_cached_headroom_builds_no_probe_on_any_rank(stub_gpu, rank_local):
+    _, local, weights = rank_local
+    built: list[Probe] = []
+    group = ScriptedGroup([10**9])
+    plan = tp_kv.plan_rank_kv(group, local, weights, "cuda:0", dict(KW, cache_lookup_s=0.001),
+                              lambda ec: Probe(1, built), 250 * MiB)
+    assert built == [] and group.seen == [plan.num_kv_blocks]   # one all_min: the block count, no headroom vote
+    assert plan.headroom_source == "cached" and plan.budget.headroom_bytes == 250 * MiB
+    assert plan.timings["cache_lookup"] == 0.001
+
+
+def test_too_little_memory_on_one_rank_names_the_fix(stub_gpu, rank_local, monkeypatch):
+    _, local, weights = rank_local
+    monkeypatch.setattr(gm, "gpu_memory_info", lambda index: (1 << 30, 16 << 30))   # 15 of 16 GiB used
+    with pytest.raises(gm.ModelDoesNotFit, match="raise --gpu-memory-utilization"):
+        tp_kv.plan_rank_kv(ScriptedGroup([]), local, weights, "cuda:0", dict(KW), lambda ec: Probe(1, []), MiB)
+
+
+class Runner:
+    def __init__(self) -> None:
+        self.grown: list[int] = []
+
+    def grow_kv_cache(self, n: int) -> None:
+        self.grown.append(n)
+
+
+def test_growth_is_all_or_none():
+    runner = Runner()
+    tp_kv.grow_in_lockstep(ScriptedGroup([1]), runner, 96, None)
+    assert runner.grown == [96]
+
+    with pytest.raises(ParallelError, match="another rank could not map them"):
+        tp_kv.grow_in_lockstep(ScriptedGroup([0]), runner, 128, None)   # the peer's mapping failed
+    group = ScriptedGroup([1])
+    with pytest.raises(ParallelError, match=r"this rank \(rank 0\) could not map them: out of memory"):
+        tp_kv.grow_in_lockstep(group, runner, 128, MemoryError("out of memory"))
+    assert group.seen == [0]            # it told the others, so they do not grow either
+    assert runner.grown == [96]
+
+
+def test_mapper_maps_off_the_calling_thread_and_reports_its_error_once():
+    import threading
+
+    seen: list[tuple[int, str]] = []
+
+    class Slow:
+        def map_kv_blocks(self, n: int) -> None:
+            seen.append((n, threading.current_thread().name))
+            if n > 100:
+                raise MemoryError("cuMemCreate failed")
+
+    mapper = tp_kv.KVMapper()
+    mapper.start(Slow(), 64)
+    assert mapper.wait() is None
+    mapper.start(Slow(), 128)
+    assert isinstance(mapper.wait(), MemoryError)
+    assert mapper.wait() is None
+    assert [n for n, _ in seen] == [64, 128] and all(name == "tp-kv-map" for _, name in seen)
