@@ -141,15 +141,19 @@ class BlockManager:
         self._ref_counts[block] = 1
         return block
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed KV in the prefix cache."""
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's blocks that are now full of computed KV in the prefix cache
+        (of its first `num_tokens` tokens, default all computed ones: a speculative step may
+        hold a block back until the draft's KV of it is complete, see scheduler.py)."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
         blocks = self._req_blocks.get(rid)
         if not blocks:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_computed = request.num_computed_tokens if num_tokens is None else min(num_tokens,
+                                                                                  request.num_computed_tokens)
+        num_full = num_computed // self.block_size
         hashes = self._full_block_hashes(request, num_full * self.block_size)
         for i in range(self._req_num_registered[rid], num_full):
             block, h = blocks[i], hashes[i]

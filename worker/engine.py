@@ -52,7 +52,8 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.num_speculative_tokens = num_speculative_tokens
-        self.scheduler = Scheduler(config, num_speculative_tokens)
+        # A draft model owes one catch-up token after an all-accepted step (scheduler.py).
+        self.scheduler = Scheduler(config, num_speculative_tokens, getattr(runner, "num_catch_up_tokens", 0))
         self.eos_token_ids: frozenset[int] = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset()
         if tokenizer is not None and detokenizer_factory is None:
             from resident.worker.detokenizer import IncrementalDetokenizer

@@ -13,6 +13,15 @@ count 1 + K tokens. If the blocks for the drafts are not free, it decodes withou
 before anything is preempted. After the step its computed tokens advance by the chunk plus
 the accepted drafts; blocks beyond its committed tokens (rejected drafts' KV) are freed.
 
+A draft model lags one token behind a request whose drafts were all accepted (it never fed
+its last draft; spec_decode/draft.py): its next chunk is preceded by that catch-up token in
+the draft's forward pass (`num_catch_up_tokens` = 1; 0 for prompt lookup). Scheduled with
+drafts, the request's 1 + k budgeted tokens cover it; scheduled without, it counts 2 tokens
+(and waits for a step with room for them), so no forward pass, the draft's included,
+computes more than max_num_batched_tokens tokens. Until the draft caught up, the block
+holding that position is kept out of the prefix cache: a request ending right after such a
+step leaves no cached block without the draft's KV.
+
 Order within a step:
   1. Running requests, oldest arrival first. When blocks run out, the newest running
      request is preempted (blocks freed, num_computed_tokens reset, put back at the front
@@ -43,11 +52,16 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, config: EngineConfig, num_speculative_tokens: int = 0, num_catch_up_tokens: int = 0) -> None:
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if num_catch_up_tokens not in (0, 1):
+            raise ValueError(f"num_catch_up_tokens must be 0 (prompt lookup) or 1 (a draft model), "
+                             f"got {num_catch_up_tokens}")
         self.config = config
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_catch_up_tokens = num_catch_up_tokens if num_speculative_tokens else 0
+        self._lagging: set[str] = set()  # requests whose draft owes a catch-up token (module doc)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -93,7 +107,11 @@ class Scheduler:
             num_spec = self._num_spec_tokens(request, budget)
             if num_spec and self.block_manager.allocate_slots(request, 1 + num_spec):
                 chunks.append((request, 1, num_spec))
-                budget -= 1 + num_spec
+                budget -= 1 + num_spec   # covers the draft's catch-up token too (1 <= num_spec)
+                i += 1
+                continue
+            lag = 1 if request.request_id in self._lagging else 0
+            if num_new + lag > budget:   # decoding (lag implies it): wait for a step with room
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(request, num_new):
@@ -104,7 +122,7 @@ class Scheduler:
                     break
             else:
                 chunks.append((request, num_new, 0))
-                budget -= num_new
+                budget -= num_new + lag
                 i += 1
         if not preempted:
             budget = self._admit_waiting(budget, chunks)
@@ -171,8 +189,11 @@ class Scheduler:
         finished: set[str] = set()
         if scheduled:  # runners are never handed an empty batch; finished ids wait for work
             finished, self._finished_ids = self._finished_ids, set()
+        # The budget's count: the target's chunks and drafts, and the draft's catch-up tokens
+        # of requests without drafts (those of requests with drafts fit in their 1 + k).
+        catch_up = sum(1 for r, _, k in chunks if not k and r.request_id in self._lagging)
         return SchedulerOutput(scheduled=scheduled,
-                               num_batched_tokens=sum(n + k for _, n, k in chunks),
+                               num_batched_tokens=sum(n + k for _, n, k in chunks) + catch_up,
                                finished_request_ids=finished)
 
     def update_from_output(self, out: SchedulerOutput,
@@ -184,6 +205,7 @@ class Scheduler:
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished while the step ran
+            self._lagging.discard(sched.request_id)   # the draft's pass caught up with this chunk
             spec = runner_out.spec.get(sched.request_id) if sched.num_spec_tokens else None
             if spec is not None:
                 if spec.num_proposed > sched.num_spec_tokens:
@@ -195,7 +217,11 @@ class Scheduler:
                 request.advance(sched.num_tokens + spec.num_accepted)
                 request.record_spec_step(spec.num_proposed, spec.num_accepted)
                 self.block_manager.trim(request, request.num_tokens)
-                self.block_manager.cache_full_blocks(request)
+                num_valid = request.num_computed_tokens
+                if self.num_catch_up_tokens and spec.num_proposed and spec.num_accepted == spec.num_proposed:
+                    self._lagging.add(sched.request_id)   # the draft never fed its last draft
+                    num_valid -= 1   # that position's block is cached once the draft caught up
+                self.block_manager.cache_full_blocks(request, num_valid)
                 sampled.append((request, len(spec.token_ids)))
                 continue
             request.advance(sched.num_tokens)
@@ -217,6 +243,7 @@ class Scheduler:
         self.block_manager.add_blocks(num_new)
 
     def _preempt(self, request: Request) -> None:
+        self._lagging.discard(request.request_id)   # recomputed from scratch (or cached blocks)
         self.block_manager.free(request)
         request.preempt()
         self.waiting.appendleft(request)
@@ -232,6 +259,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        self._lagging.discard(request_id)
         self.block_manager.free(request)
         request.finish(status)
         self._finished_ids.add(request_id)

@@ -9,10 +9,11 @@ k drafts then gets k draft forward passes: the first is that mirrored chunk (its
 token's logits give d_1), each further one feeds the previous draft token. Draft KV of
 rejected drafts lies beyond the request's committed tokens and is rewritten when those
 positions are computed again. One case is caught up lazily: when all k drafts are
-accepted the draft never computed d_k, so the next step feeds it again before the new token.
-(Should such a request leave right after that step, a block later served from the prefix
-cache lacks the draft's KV of that one position: proposals get worse there, outputs never
-change — the target verifies everything.)
+accepted the draft never computed d_k, so the next step feeds it again before the new token
+(`SpecDecodeRunner.num_catch_up_tokens`): the scheduler counts that token in the step's
+budget and keeps the block holding d_k's position out of the prefix cache until the draft
+caught up, so a request leaving right after such a step leaves no cached block without the
+draft's KV (see scheduler.py).
 """
 from __future__ import annotations
 

@@ -61,6 +61,12 @@ class SpecDecodeRunner:
         return self.target.kv_cache
 
     @property
+    def num_catch_up_tokens(self) -> int:
+        """Tokens the draft may feed before a request's chunk (draft.py's catch-up; the
+        scheduler budgets them): 1 with a draft model, 0 with prompt lookup."""
+        return 1 if self.draft_runner is not None else 0
+
+    @property
     def kv_caches(self) -> list[Any]:
         """Every KV cache of this step: the target's, then the draft's (snapshots unmap both)."""
         return [r.kv_cache for r in self._runners()]
