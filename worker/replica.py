@@ -1,7 +1,7 @@
 """One replica of a supervised `resident serve`: the normal worker, serving on a listening
 socket it inherited from its supervisor, with a private admin socket (admin.py).
 
-Start-up is the worker's own (entrypoint._build: attach the daemon's resident weights or
+Start-up is the worker's own (startup.build_worker: attach the daemon's resident weights or
 load them, verify, tokenizer, KV cache, warm-up). Then a replica either accepts on the
 shared socket at once, or — started as a standby — waits warm without accepting until its
 supervisor promotes it. Leaving (POST /drain on the admin socket, or SIGTERM) hands the
@@ -31,18 +31,11 @@ from aiohttp import web
 
 from resident.worker.admin import AdminServer, ReplicaState
 from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.entrypoint import (
-    ServeConfig,
-    _build,
-    _in_thread,
-    _start_kv_growth,
-    _Startup,
-    _Worker,
-    prepare_process,
-    process_start_time,
-)
+from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
+from resident.worker.serve_config import ServeConfig
+from resident.worker.startup import StartupTimer, Worker, build_worker, in_thread, process_start_time, start_kv_growth
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +85,7 @@ def decode_payload(text: str) -> tuple[ServeConfig, ReplicaOptions]:
 class Replica:
     """The replica's life: start-up, serving or standby, drain. Implements admin.ReplicaControl."""
 
-    def __init__(self, config: ServeConfig, options: ReplicaOptions, startup: _Startup) -> None:
+    def __init__(self, config: ServeConfig, options: ReplicaOptions, startup: StartupTimer) -> None:
         self.config = config
         self.options = options
         self.startup = startup
@@ -101,7 +94,7 @@ class Replica:
         self.server_state = ServerState(served_model_names=(config.model_name,), metrics=self.metrics,
                                         api_key=config.api_key, model_root=config.model)
         self.closer = ConnectionCloser(options.drain_grace_s)
-        self.worker: _Worker | None = None
+        self.worker: Worker | None = None
         self.sock = socket.socket(fileno=options.listen_fd)
         self.sock.setblocking(False)
         self._runner: web.AppRunner | None = None
@@ -185,7 +178,7 @@ class Replica:
             await admin.stop()
 
     async def _run(self, admin: AdminServer) -> int:
-        build = _in_thread(_build, self.config, self.startup, self.metrics)
+        build = in_thread(build_worker, self.config, self.startup, self.metrics)
         drain = asyncio.ensure_future(self._drain.wait())
         await asyncio.wait([build, drain], return_when=asyncio.FIRST_COMPLETED)
         if not build.done():
@@ -215,7 +208,7 @@ class Replica:
         admin.snapshot = SnapshotControl(self.server_state, self.worker, self.config)
         # GPU: grow the KV cache to this replica's share, chunk by chunk as the GPU has room
         # (an outgoing replica's cache is unmapped only when it exits; kv_budget.py).
-        self._growth = _start_kv_growth(self.worker, self.metrics, self.config.gpu_memory_utilization)
+        self._growth = start_kv_growth(self.worker, self.metrics, self.config.gpu_memory_utilization)
         if self.options.standby:
             self.state = ReplicaState.STANDBY
         else:

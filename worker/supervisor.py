@@ -39,10 +39,10 @@ import aiohttp
 
 from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.replica import ENV_PAYLOAD, ReplicaOptions, encode_payload
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
+from resident.worker.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

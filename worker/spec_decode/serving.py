@@ -1,5 +1,5 @@
 """`resident serve --speculative-model ...`: the draft's weights, the KV budget shared with
-it, and the runner wrapped for speculation. Kept out of entrypoint.py, which calls these.
+it, and the runner wrapped for speculation. Kept out of startup.py, which calls these.
 
 Draft weights come from the store's pair when the daemon (or LocalStore) holds target and
 draft as one model (`WeightStore.draft`, see docs/internals.md); otherwise the draft is

@@ -1,0 +1,120 @@
+"""ServeConfig: what one `resident serve` worker (or one supervised replica) is told to do,
+validated in `__post_init__` so the CLI can refuse a bad flag before anything heavy loads.
+
+Torch-free: the CLI, the supervisor and the launcher build and pass it around.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("none", "fp8_per_tensor")
+PRELOAD_MODES = ("auto", "require", "off")
+CUDA_GRAPH_MODES = ("eager", "lazy", "off")    # = cuda_graphs.GRAPH_MODES (kept torch-free here)
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
+#: GPU KV cache mapped before /ready (see the module doc); 0 maps the whole budget at start.
+DEFAULT_KV_CACHE_INITIAL_BYTES = 4 * 2**30
+#: --max-model-len default on CPU when the model allows more.
+CPU_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    served_model_name: str = ""               # default: `model` as given
+    host: str = "127.0.0.1"
+    port: int = 8000                          # 0 = ephemeral (see the "listening on" line)
+    port_file: str | None = None
+    api_key: str | None = None
+    dtype: str = "auto"                       # auto keeps the checkpoint's dtype
+    quantization: str = "none"
+    revision: str | None = None
+    hub_cache: str | None = None
+    preload: str = "auto"
+    socket: str | None = None                 # the daemon's socket; required unless preload == "off"
+    device: str = "auto"                      # auto | cpu | cuda | cuda:N
+    gpu_memory_utilization: float = 0.9       # share of the whole GPU this worker may fill (GPU)
+    cuda_graphs: str = "lazy"                 # eager | lazy | off (GPU)
+    cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
+    max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    num_kv_blocks: int | None = None          # overrides kv_cache_memory_bytes (GPU: all mapped at start)
+    kv_cache_initial_bytes: int = DEFAULT_KV_CACHE_INITIAL_BYTES   # GPU: mapped before /ready, rest after
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    drain_timeout_s: float = 30.0
+    chat_template_file: str | None = None
+    trust_request_chat_template: bool = False
+    verify_sample: int = 16                   # tensors whose CRC-32 is checked at start (-1 = all)
+    notify_socket: str | None = None          # $NOTIFY_SOCKET, read by the CLI
+    process_start_time: float | None = None   # unix time the process started (None: now)
+    speculative_model: str | None = None      # a draft model, or "[ngram]" (worker/spec_decode/)
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    tensor_parallel_size: int = 1             # > 1: this process is rank 0 of a group (worker/tp_executor.py)
+    kv_profile_cache: str = "auto"            # GPU headroom cache: auto ($XDG_CACHE_HOME/resident) | off | a path
+    kv_pool_units: float | None = None        # supervised replica: KV slices of the shared GPU (kv_budget.py)
+    kv_start_share: float = 1.0               # supervised replica: share of its KV slice mapped before /ready
+    admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("serve: MODEL is empty; pass a model folder or a hub id")
+        for name, value, valid in (("dtype", self.dtype, DTYPES), ("quantization", self.quantization, QUANTIZATIONS),
+                                   ("preload", self.preload, PRELOAD_MODES)):
+            if value not in valid:
+                raise ValueError(f"unknown --{name} {value!r}; valid: {', '.join(valid)}")
+        if self.preload != "off" and not self.socket:
+            raise ValueError("--preload auto|require needs the daemon's socket path (--socket or $RESIDENT_SOCKET)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_cache_initial_bytes < 0:
+            raise ValueError(f"--kv-cache-initial must be >= 0 (0: map the whole KV cache at start), "
+                             f"got {self.kv_cache_initial_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
+        from resident.worker.device import check_device_name  # no torch: the CLI builds this config
+
+        check_device_name(self.device)
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"unknown --cuda-graphs {self.cuda_graphs!r}; valid: {', '.join(CUDA_GRAPH_MODES)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
+            raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
+                             "(107 bytes); choose a shorter path")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
+            raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet; "
+                             "drop --speculative-model or serve with one GPU")
+
+    @property
+    def speculative(self) -> Any:
+        """The SpecConfig, or None without --speculative-model."""
+        from resident.worker.spec_decode.config import SpecConfig  # torch-free
+
+        return SpecConfig.from_cli(self.speculative_model, self.num_speculative_tokens,
+                                   self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+__all__ = ["CPU_MAX_MODEL_LEN", "CUDA_GRAPH_MODES", "DEFAULT_KV_CACHE_INITIAL_BYTES", "DEFAULT_KV_CACHE_MEMORY_BYTES",
+           "DTYPES", "PRELOAD_MODES", "QUANTIZATIONS", "ServeConfig"]

@@ -1,0 +1,327 @@
+"""A worker's start-up, shared by `resident serve` (entrypoint.py) and each supervised replica
+(replica.py): the phase timer, the process's start time, and `build_worker` — everything
+between the imports and /ready: obtain the weights (attach from the daemon or load;
+tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), verify sampled
+checksums, load the tokenizer, size and allocate the KV cache, wrap the runner for
+speculative decoding, warm up, capture CUDA graphs. After /ready, `start_kv_growth` maps
+the rest of a GPU KV cache in the background (see entrypoint.py's module doc).
+
+Log lines others parse: "kv_alloc breakdown: ..." (`resident bench restart`, tests).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from resident.worker.metrics import ServerMetrics
+from resident.worker.serve_config import CPU_MAX_MODEL_LEN, ServeConfig
+
+logger = logging.getLogger(__name__)
+
+#: GPU KV cache mapped per background growth step (one short pause of the engine thread each).
+KV_GROWTH_CHUNK_BYTES = 2 * 2**30
+
+
+def process_start_time() -> float:
+    """When this process started (unix time), from the kernel's record.
+
+    The process's age is /proc/uptime minus its start in clock ticks since boot (10 ms
+    resolution); psutil's create_time adds that to /proc/stat's boot time, which is whole
+    seconds and can put the start up to a second early.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+class StartupTimer:
+    """Times the start-up phases; phase durations in seconds."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.phases: dict[str, float] = {}
+        self._mark = time.time()
+
+    def begin(self) -> None:
+        self._mark = time.time()
+
+    def end(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = now - self._mark
+        self._mark = now
+
+    def summary(self) -> str:
+        parts = [f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.phases.items() if k != "total"]
+        return f"ready in {self.phases['total']:.2f} s ({', '.join(parts)})"
+
+
+@dataclass
+class Worker:
+    store: Any
+    engine: Any
+    serving: Any
+    runner: Any = None
+    tp: Any = None                # rank 0's TPGroup (tensor parallel), closed after the store
+    kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
+    kv_block_bytes: int = 0       # one block, all layers, keys and values
+    draft_store: Any = None       # the speculative draft's own store, when not paired with the target
+    llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
+    kv_growth: Any = None         # the background KV growth thread, while it runs (GPU)
+
+
+def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
+    from resident.worker.kv_cache import bytes_per_block
+
+    per_seq = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(model_config, dtype, config.block_size)
+    blocks = config.kv_cache_memory_bytes // per_block
+    if blocks < per_seq:
+        raise ValueError(
+            f"--kv-cache-memory {config.kv_cache_memory_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
+            f"{config.block_size} tokens, fewer than one request of --max-model-len {max_model_len} needs "
+            f"({per_seq} blocks = {per_seq * per_block / 2**20:.1f} MiB); raise --kv-cache-memory or lower "
+            "--max-model-len")
+    # More than every running sequence at full length can never be used.
+    return min(blocks, per_seq * config.max_num_seqs)
+
+
+def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
+    """Everything between import and ready; runs in a thread (the event loop serves probes)."""
+    from resident.daemon.loader import LoadSpec
+    from resident.worker.async_engine import AsyncEngine
+    from resident.worker.config import ModelConfig
+    from resident.worker.engine import LLMEngine
+    from resident.worker.device import resolve_device, weights_on
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.gpu_memory import initial_kv_blocks, plan_gpu_kv_cache
+    from resident.worker.kv_cache import bytes_per_block
+    from resident.worker.kv_profile_cache import KvProfileCache, resolve_cache_path
+    from resident.worker.model_runner import ModelRunner
+    from resident.worker.openai_serving import OpenAIServing
+    from resident.worker.protocol import ServingOptions
+    from resident.worker.tokenizer import Tokenizer
+    from resident.worker.weight_store import open_store
+
+    startup.begin()
+    # This thread's current device too: the daemon client maps weights onto it.
+    device = resolve_device(config.device)
+    from resident.worker.spec_decode import serving as spec_serving
+
+    spec_cfg = config.speculative
+    spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
+                    quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache,
+                    draft=spec_cfg.draft_model if spec_cfg is not None else None)
+    tp = None
+    if config.tensor_parallel_size > 1:
+        from resident.worker.tp_executor import TPGroup
+
+        tp = TPGroup(config, spec, device)   # spawns ranks 1..N-1; each opens only its shard
+    store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device))
+    draft = None
+    try:
+        draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
+        metrics.set_weights_source(store.source)
+        startup.end("weights")
+        checked = store.verify(config.verify_sample)
+        logger.info("verified the checksums of %d/%d tensors", checked, len(store.tensors))
+        startup.end("verify")
+        template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
+        tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
+        startup.end("tokenizer")
+
+        model_config = ModelConfig.from_hf(store.config).for_tp(config.tensor_parallel_size)
+        weights = weights_on(store.tensors, device)
+        max_model_len = config.max_model_len or min(
+            model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if device.type == "cpu" else 1 << 30)
+        if max_model_len > model_config.max_position_embeddings:
+            logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
+                           max_model_len, model_config.max_position_embeddings)
+        dtype = store.tensors["model.embed_tokens.weight"].dtype
+        max_kv_blocks = None
+        block_bytes = bytes_per_block(model_config, dtype, config.block_size)
+        plan_timings: dict[str, float] = {}
+        headroom_source = ""
+        t_plan = time.monotonic()
+        if device.type == "cuda":
+            cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
+            planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(plan_gpu_kv_cache, model_config,
+                                                                                 weights, device)
+            plan = planner(
+                block_size=config.block_size, max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                utilization=config.gpu_memory_utilization, cuda_graphs=config.cuda_graphs,
+                num_kv_blocks=config.num_kv_blocks,
+                headroom_cache=KvProfileCache(cache_path) if cache_path is not None else None)
+            plan_timings, headroom_source = plan.timings, plan.headroom_source
+            kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
+            num_kv_blocks = kv_target_blocks
+            if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:   # TP grows too (tp_kv.py)
+                num_kv_blocks = initial_kv_blocks(kv_target_blocks, block_bytes, config.kv_cache_initial_bytes,
+                                                  -(-max_model_len // config.block_size))
+            if config.kv_pool_units is not None and config.num_kv_blocks is None and tp is None:
+                from resident.worker.kv_budget import gpu_replica_kv_blocks   # a replica sharing the GPU
+
+                kv_target_blocks, num_kv_blocks = gpu_replica_kv_blocks(
+                    plan.budget, weights_bytes=sum(t.numel() * t.element_size() for t in weights.values()),
+                    weights_shared=store.source == "daemon", pool_units=config.kv_pool_units,
+                    start_share=config.kv_start_share, free_blocks=plan.num_kv_blocks,
+                    max_blocks=plan.max_num_kv_blocks, block_bytes=block_bytes,
+                    initial_bytes=config.kv_cache_initial_bytes, min_blocks=-(-max_model_len // config.block_size))
+        else:
+            num_kv_blocks = kv_target_blocks = _kv_blocks(config, model_config, dtype, max_model_len)
+        if draft is not None and config.num_kv_blocks is None:   # the draft's KV cache is as long
+            share = spec_serving.target_share_of_kv(draft, block_bytes, config.block_size)
+            kv_target_blocks = max(-(-max_model_len // config.block_size), int(kv_target_blocks * share))
+            num_kv_blocks = min(num_kv_blocks, kv_target_blocks)
+        t_runner = time.monotonic()
+        engine_config = EngineConfig(
+            block_size=config.block_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+        if tp:
+            runner = tp.build_runner(weights, engine_config=engine_config, cuda_graphs=config.cuda_graphs,
+                                     max_num_kv_blocks=max_kv_blocks)
+        else:
+            runner = ModelRunner(model_config, engine_config, weights, device=str(device),
+                                 cuda_graphs=config.cuda_graphs, max_num_kv_blocks=max_kv_blocks)
+        target_runner, runner = runner, spec_serving.wrap_runner(spec_cfg, runner, draft, device, config.cuda_graphs,
+                                                                 max_kv_blocks)
+        engine = LLMEngine(engine_config, runner, tokenizer,
+                           num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0)
+        startup.end("kv_alloc")
+        log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, target_runner.kv_cache.alloc_s,
+                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
+        runner.warmup()
+        startup.end("warmup")
+        runner.capture_graphs()
+        startup.end("graphs")
+    except BaseException:
+        store.close()
+        if draft is not None and draft.store is not None:
+            draft.store.close()
+        if tp:
+            tp.close()
+        raise
+
+    if spec_cfg is not None:
+        metrics.observe_spec(0, 0, 0)   # the resident_worker_spec_* series exist from ready on
+
+    def on_step(stats: Any) -> None:
+        metrics.observe_engine(stats.num_running, stats.num_waiting, stats.kv_usage)
+        if spec_cfg is not None:
+            metrics.observe_spec(stats.spec_num_drafts, stats.spec_num_proposed, stats.spec_num_accepted)
+
+    opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
+                          trust_request_chat_template=config.trust_request_chat_template)
+    async_engine = AsyncEngine(engine, on_step=on_step)
+    serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
+    worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
+                     draft_store=draft.store if draft is not None else None)
+    worker.llm_engine = engine
+    return worker
+
+
+def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],
+                  num_blocks: int, target_blocks: int, block_bytes: int, headroom_source: str = "") -> None:
+    """One line splitting the kv_alloc phase: GPU planning (memory measure, probe runner,
+    profile forward — or the headroom cache's lookup), then the runner (model build, VMM
+    reserve, map + zero of the initial KV)."""
+    parts = [f"plan {plan_total_s:.2f} s" + (f", headroom {headroom_source}" if headroom_source else "")]
+    if plan_s:
+        parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in plan_s.items()) + ")"
+    parts.append(f"runner {runner_s:.2f} s (" + ", ".join(
+        [f"{k.replace('_', '+')} {v:.3f}" for k, v in cache_s.items()]
+        + [f"model and the rest {runner_s - sum(cache_s.values()):.2f}"]) + ")")
+    logger.info("kv_alloc breakdown: %s; %d blocks (%.2f GiB) mapped at start of %d (%.2f GiB)%s", "; ".join(parts),
+                num_blocks, num_blocks * block_bytes / 2**30, target_blocks, target_blocks * block_bytes / 2**30,
+                ", the rest grows in the background after ready" if target_blocks > num_blocks else "")
+
+
+def start_kv_growth(worker: Worker, metrics: ServerMetrics, utilization: float = 1.0) -> threading.Thread | None:
+    """Export the KV cache's size, and grow it to its full budget in the background (GPU),
+    each chunk only once the whole GPU has room for it under `utilization` (kv_budget.GrowthGate:
+    a draining replica may still hold its KV cache)."""
+    from prometheus_client import Gauge
+
+    from resident.worker.async_engine import KVGrowth
+
+    kv_bytes = Gauge("resident_worker_kv_cache_bytes", "KV-cache memory in use by the engine (grows after start).",
+                     registry=metrics.registry)
+    kv_blocks = Gauge("resident_worker_kv_cache_blocks", "KV-cache blocks the scheduler may hand out.",
+                      registry=metrics.registry)
+    growth_s = Gauge("resident_worker_kv_cache_growth_seconds",
+                     "Seconds the background KV-cache growth after ready took (0 until done or when none).",
+                     registry=metrics.registry)
+    runner = worker.runner
+    if runner is None:
+        return None
+    kv_bytes.set(runner.kv_cache_bytes)
+    start = worker.engine.num_kv_blocks
+    kv_blocks.set(start)
+    if worker.kv_target_blocks <= start:
+        return None
+
+    def on_chunk(num_blocks: int) -> None:
+        kv_bytes.set(runner.kv_cache_bytes)
+        kv_blocks.set(num_blocks)
+
+    def on_done(num_blocks: int, seconds: float) -> None:
+        growth_s.set(seconds)
+        logger.info("KV cache growth done: %d -> %d blocks (%.2f GiB) in %.2f s after ready", start, num_blocks,
+                    num_blocks * worker.kv_block_bytes / 2**30, seconds)
+
+    from resident.worker.gpu_memory import gpu_memory_info
+    from resident.worker.kv_budget import GrowthGate, start_gated_growth
+
+    chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)
+    device = getattr(getattr(runner, "device", None), "index", None) or 0
+    # No slack for the VMM rounding (2 MiB per layer and k/v): a lone worker's target already
+    # counts it, and the headroom of the limit it could pass by is far larger.
+    gate = GrowthGate(partial(gpu_memory_info, device), utilization)
+    return start_gated_growth(worker.engine, KVGrowth(worker.kv_target_blocks, chunk, on_chunk, on_done),
+                              worker.kv_block_bytes, gate)
+
+
+def in_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """Run fn in a daemon thread (so a SIGTERM during start-up need not wait for it)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=target, name="resident-startup", daemon=True).start()
+    return fut
+
+
+__all__ = ["KV_GROWTH_CHUNK_BYTES", "StartupTimer", "Worker", "build_worker", "in_thread", "log_kv_alloc",
+           "process_start_time", "start_kv_growth"]
