@@ -203,6 +203,11 @@ class RemoteStore(WeightStore):
         the daemon connection. Raises memory.RemapUnsupported (nothing changed) for weights
         that cannot be re-mapped at the same address."""
         self.mapping.unmap()
+        self._end_session()
+        self._watcher.join()
+
+    def _end_session(self) -> None:
+        """Stop watching, release the lease and close the daemon connection."""
         with self._swap:
             self._closing.set()
             client = self._client
@@ -212,7 +217,6 @@ class RemoteStore(WeightStore):
             logger.info("release of lease %s: %s", self.lease_id, e)
         finally:
             client.close()
-        self._watcher.join()
 
     def attach_again(self, client: Any) -> None:
         """After `detach`: lease the same model key on `client` and map its slabs at the
@@ -285,15 +289,7 @@ class RemoteStore(WeightStore):
         self.tensors = {}
         if self.mapping is not None and not self.mapping.mapped:
             return   # detached (snapshot): the lease and the session ended already
-        with self._swap:
-            self._closing.set()
-            client = self._client
-        try:
-            client.release(self.lease_id)
-        except DaemonError as e:  # the lease ends with the connection anyway
-            logger.info("release of lease %s: %s", self.lease_id, e)
-        finally:
-            client.close()
+        self._end_session()
 
 
 def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
