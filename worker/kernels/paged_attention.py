@@ -67,6 +67,20 @@ def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok,
 
 
 @triton.jit
+def _attend_range(q, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo, hi, q_pos, qk_scale, window, d,
+                  dmask, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax over keys [lo, hi) from a fresh start; returns (m_i, l_i, acc)."""
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, j, hi,
+                                     q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, CAUSAL, USE_WINDOW, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                    sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
                    REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -93,15 +107,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     qmask = hmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    head_off = kvh.to(tl.int64) * sc_head
-    for j in range(lo, hi, BLOCK_N):
-        # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off,
-                                     j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW,
-                                     PREC)
+    # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
+    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, kvh.to(tl.int64) * sc_head,
+                                  lo, hi, q_pos, qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
+                                  False, USE_WINDOW, PREC)
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
@@ -165,14 +174,9 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx + t0 - window + 1, 0)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    head_off = kvh.to(tl.int64) * sc_head
-    for j in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off,
-                                     j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW,
-                                     PREC)
+    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, kvh.to(tl.int64) * sc_head,
+                                  lo, hi, q_pos, qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
+                                  True, USE_WINDOW, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=qmask)
