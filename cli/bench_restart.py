@@ -15,6 +15,14 @@ timed inside the process from its start, the clock of the worker's import phase,
 wall time overstates by the interpreter's teardown), the daemon's preload throughput (GB/s)
 and the warm workers' attach time (and the daemon's share of it). Prints a table, writes JSON (`--json`) and a stacked-bar
 picture of the phases (`--plot`: PNG with matplotlib, or SVG without any dependency).
+
+`--tensor-parallel-size N` measures a TP group (`resident serve --tensor-parallel-size N`)
+instead: cold = every rank loads its own shard (`--preload off`), warm = every rank attaches
+its shard from a daemon that holds the model as N shards (`preload load
+--tensor-parallel-size N`, rank r's on cuda:r); hf does not apply. Per run, besides rank 0's
+phases: how long the group took to form (the other ranks' spawn, import, rendezvous; inside
+rank 0's "weights" phase), each other rank's own start-up (import, group, shard) and every
+rank's attach time.
 A variant that fails is recorded with its error; the others still run.
 """
 from __future__ import annotations
@@ -45,6 +53,9 @@ _STAGED = re.compile(r"staged load: .*")
 _KV_BREAKDOWN = re.compile(r"kv_alloc breakdown: (.*)")
 _HEADROOM = re.compile(r"kv_alloc breakdown: plan [0-9.]+ s, headroom ([a-z]+)")
 _PREINIT = re.compile(r"CUDA context (?:of|pre-creation for) cuda:\d+ .*")
+#: Tensor parallel (worker/tp_executor.py): the group's formation on rank 0, each other rank's start.
+_TP_GROUP = re.compile(r"tensor-parallel group of \d+ ranks formed in ([0-9.]+) s")
+_TP_RANK = re.compile(r"rank (\d+) start-up phases: import=([0-9.]+) group=([0-9.]+) shard=([0-9.]+) source=(\w+)")
 _HF_RESULT = "RESIDENT_HF_RESULT "
 _HF_SCRIPT = r'''
 import json, sys, time
@@ -151,9 +162,15 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
         w.kill()
     row = {"ready_s": ready, "first_token_s": first, "phases": phases}
     text = w.log_path.read_text(errors="replace")
-    m = _ATTACH.search(text)
-    if m:
-        row["attach_s"] = float(m.group(1))
+    attaches = [float(a) for a in _ATTACH.findall(text)]
+    if attaches:
+        row["attach_s"] = attaches[0]   # rank 0's (it attaches first); every rank's below under TP
+    tp_group = _TP_GROUP.search(text)
+    if tp_group:
+        row["tp_group_s"] = float(tp_group.group(1))
+        row["attach_s_per_rank"] = attaches
+        row["tp_ranks"] = [{"rank": int(r), "import_s": float(i), "group_s": float(g), "shard_s": float(sh),
+                            "source": src} for r, i, g, sh, src in _TP_RANK.findall(text)]
     for key, pattern, group in (("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
                                 ("cuda_preinit", _PREINIT, 0)):
         found = pattern.search(text)
@@ -164,7 +181,7 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
 
 def _summary(rows: list[dict]) -> dict:
     out: dict = {"runs": rows}
-    for k in ("ready_s", "first_token_s", "attach_s"):
+    for k in ("ready_s", "first_token_s", "attach_s", "tp_group_s"):
         vals = [r[k] for r in rows if k in r]
         if vals:
             out[k] = statistics.median(vals)
@@ -194,14 +211,15 @@ def _warm_page_cache(folder: Path) -> float:
     return time.monotonic() - t
 
 
-def _preload(model: str, sock: str, dtype: str, quantization: str) -> dict:
+def _preload(model: str, sock: str, dtype: str, quantization: str, tensor_parallel_size: int = 1) -> dict:
     from resident.daemon.client import Client
 
     t = time.monotonic()
     final = None
     read = 0
     with Client(sock, client_name="resident-bench") as client:
-        for event in client.load(model, dtype=dtype, quantization=quantization):
+        for event in client.load(model, dtype=dtype, quantization=quantization,
+                                 tensor_parallel_size=tensor_parallel_size):
             if event.done:
                 final = event
             else:
@@ -246,19 +264,28 @@ def _gpu_name() -> str:
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--quantization", default="none", show_default=True)
-@click.option("--variants", default=",".join(VARIANTS), show_default=True, help="Which of hf,cold,warm to run.")
+@click.option("--variants", default=None, help="Which of hf,cold,warm to run [default: all; cold,warm with TP > 1].")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=click.IntRange(min=1), default=1,
+              show_default=True, help="Measure a tensor-parallel group of N ranks (cuda:0..N-1 on cuda).")
 @click.option("--serve-args", default=None,
               help="Extra `resident serve` arguments for cold and warm [default on cuda: --max-model-len 4096].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw the start-up phases as stacked bars (.png needs matplotlib; .svg needs nothing).")
-def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str, variants: str,
-                  serve_args: str | None, json_path: Path | None, plot_path: Path | None) -> None:
+def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str, variants: str | None,
+                  tensor_parallel_size: int, serve_args: str | None, json_path: Path | None,
+                  plot_path: Path | None) -> None:
     """Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon."""
+    tp = tensor_parallel_size
+    if variants is None:
+        variants = ",".join(v for v in VARIANTS if tp == 1 or v != "hf")
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     bad = [v for v in chosen if v not in VARIANTS]
     if bad or not chosen:
         raise click.UsageError(f"--variants: unknown {bad or chosen}; valid: {', '.join(VARIANTS)}")
+    if tp > 1 and "hf" in chosen:
+        raise click.UsageError(f"--variants hf: HF transformers has no tensor parallelism to compare with "
+                               f"--tensor-parallel-size {tp}; use --variants cold,warm")
     if model is None:
         from resident.cli.prepare import default_cache_dir, prepare_default_model
 
@@ -270,10 +297,14 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     extra = shlex.split(serve_args) if serve_args is not None else (["--max-model-len", "4096"] if device == "cuda" else [])
-    base = ["--dtype", dtype, "--quantization", quantization, *(["--device", "cuda"] if device == "cuda" else []), *extra]
+    base = ["--dtype", dtype, "--quantization", quantization, *(["--device", "cuda"] if device == "cuda" else []),
+            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *extra]
     cli = [sys.executable, "-m", "resident.cli.main"]
     results: dict = {"benchmark": "restart", "model": model, "device": device, "dtype": dtype,
-                     "quantization": quantization, "runs": runs, "gpu": _gpu_name() if device == "cuda" else ""}
+                     "quantization": quantization, "runs": runs, "tensor_parallel_size": tp,
+                     "gpu": _gpu_name() if device == "cuda" else ""}
+    if tp > 1 and results["gpu"]:
+        results["gpu"] += f" x{tp}, TP={tp}"   # shows in the plot's title
     try:
         if os.path.isdir(model):
             results["page_cache_warm_read_s"] = _warm_page_cache(Path(model))
@@ -288,7 +319,7 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
             subprocess.run([*cli, "preload", "start", "--socket", sock, "--http", "127.0.0.1:0",
                             "--backend", backend], env=env, check=True, stdout=subprocess.DEVNULL)
             try:
-                results["preload"] = _preload(model, sock, dtype, quantization)
+                results["preload"] = _preload(model, sock, dtype, quantization, tp)
             except Exception as e:  # noqa: BLE001 - recorded
                 results["preload"] = {"error": f"{type(e).__name__}: {e}"}
             daemon_log = Path(sock + ".log")
@@ -336,7 +367,9 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
 
 def _report(results: dict, variants: list[str]) -> None:
     floor = results.get("floor", {})
-    click.echo(f"model {results['model']} on {results['device']} {results.get('gpu', '')}; median of "
+    tp = results.get("tensor_parallel_size", 1)
+    click.echo(f"model {results['model']} on {' '.join(x for x in (results['device'], results.get('gpu')) if x)}"
+               + (f"; tensor parallel: {tp} ranks" if tp > 1 else "") + f"; median of "
                f"{results['runs']}; floor: import torch {floor.get('import_torch_s', 0):.2f} s"
                + (f", + CUDA init {floor['import_torch_cuda_init_s']:.2f} s" if "import_torch_cuda_init_s" in floor
                   else "")
@@ -370,3 +403,9 @@ def _report(results: dict, variants: list[str]) -> None:
         for key in ("kv_alloc_breakdown", "cuda_preinit"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
+        if "tp_group_s" in r:
+            ranks = "; ".join(f"rank {x['rank']}: import {x['import_s']:.2f} s, group {x['group_s']:.2f} s, shard "
+                              f"{x['shard_s']:.2f} s ({x['source']})" for x in last.get("tp_ranks", []))
+            attach = ", ".join(f"{a * 1e3:.1f}" for a in last.get("attach_s_per_rank", []))
+            click.echo(f"{'':<28}  TP group formed in {r['tp_group_s']:.2f} s (in rank 0's weights phase)"
+                       + (f"; {ranks}" if ranks else "") + (f"; attach per rank (ms): {attach}" if attach else ""))

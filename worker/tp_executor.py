@@ -279,6 +279,7 @@ class TPGroup:
 
     def __init__(self, config: Any, spec: LoadSpec, device: torch.device) -> None:
         size = config.tensor_parallel_size
+        t0 = time.monotonic()
         self.model_config = check_tp_config(spec, size)
         self.devices = rank_devices(device, size)
         self.config, self.spec = config, spec
@@ -309,6 +310,9 @@ class TPGroup:
                     ", ".join(str(p.pid) for p in self._procs))
         self.group = ParallelGroup(ParallelConfig(0, size, backend_for(device), store_port=self._store.port),
                                    store=self._store)
+        self.formed_s = time.monotonic() - t0
+        logger.info("tensor-parallel group of %d ranks formed in %.2f s (spawning the other ranks, their import "
+                    "of torch, the rendezvous)", size, self.formed_s)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -378,6 +382,15 @@ class TPGroup:
         self.group.close()
 
 
+def _process_start_time() -> float:
+    """When this process started (unix time), from the kernel's record (clock ticks since boot)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rpartition(")")[2].split()[19])
+    with open("/proc/uptime") as f:
+        uptime_s = float(f.read().split()[0])
+    return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def _watch_parent(fd: int) -> None:
     while os.read(fd, 1):
         pass
@@ -386,6 +399,7 @@ def _watch_parent(fd: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """A child rank: join the group, open this rank's shard, serve rank 0's commands."""
+    imported_s = time.time() - _process_start_time()   # interpreter start and `import torch`
     args = argv if argv is not None else sys.argv[1:]
     launch = RankLaunch(**json.loads(args[0]))
     logging.basicConfig(level=logging.INFO,
@@ -398,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
 
     device = resolve_device(launch.devices[launch.rank])
     spec = LoadSpec(**{k: tuple(v) if k == "devices" else v for k, v in launch.spec.items()})
+    t_group = time.time()
     group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
                                          store_port=launch.store_port))
+    group_s = time.time() - t_group
     store = None
     try:
         model_config = check_tp_config(spec, launch.size)
@@ -407,8 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         cmd = _receive(commands)
         if cmd[0] != "open":   # rank 0 stopped during start-up
             return 0
+        t_store = time.time()
         store = open_rank_store(spec, launch.preload, launch.socket, launch.devices, launch.rank,
                                 launch.verify_sample)
+        # One line `resident bench restart` reads (the other ranks' share of a group's start).
+        logger.info("rank %d start-up phases: import=%.3f group=%.3f shard=%.3f source=%s", launch.rank, imported_s,
+                    group_s, time.time() - t_store, store.source)
         _serve_commands(commands, group, model_config, weights_on(store.tensors, device), str(device))
     finally:
         if store is not None:

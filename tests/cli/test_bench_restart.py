@@ -123,3 +123,31 @@ def test_plot_segments_and_png_falls_back_to_svg(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     written = bench_plot.plot_phases(results, ["hf", "warm"], tmp_path / "p.png")
     assert written == tmp_path / "p.svg" and "(a) HF transformers" in written.read_text()
+
+
+def test_restart_of_a_tp2_group_cold_and_attached_to_the_daemons_shards(tiny_ckpt, tmp_path):
+    """`--tensor-parallel-size 2` (gloo on CPU): cold = both ranks load their own shard, warm =
+    both attach theirs from a daemon holding the model as 2 shards; the JSON carries rank 0's
+    phases, the group's formation, rank 1's own start-up and every rank's attach."""
+    out, pic = tmp_path / "tp.json", tmp_path / "tp.svg"
+    r = run(["restart", str(tiny_ckpt), "--runs", "1", "--tensor-parallel-size", "2", "--json", str(out),
+             "--plot", str(pic), "--serve-args", "--cpu-threads 1 --max-model-len 256"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tensor parallel: 2 ranks" in r.stdout and "TP group formed in" in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["tensor_parallel_size"] == 2 and "hf" not in doc   # HF has no TP to compare with
+    data_bytes = sum(t.numel() * t.element_size() for t in load_file(str(tiny_ckpt / "model.safetensors")).values())
+    assert data_bytes <= doc["preload"]["resident_bytes"] < 1.1 * data_bytes   # 2 halves (+ replicated norms)
+    for v, source in (("cold", "local"), ("warm", "daemon")):
+        res = doc[v]
+        assert "error" not in res
+        assert 0 < res["ready_s"] <= res["first_token_s"] < 120
+        assert {"import", "weights", "kv_alloc", "warmup"} <= set(res["phases"])
+        assert 0 < res["tp_group_s"] <= res["phases"]["weights"] + 0.05   # formed inside rank 0's weights phase
+        (rank1,) = res["runs"][0]["tp_ranks"]
+        assert rank1["rank"] == 1 and rank1["source"] == source and rank1["import_s"] > 0
+    assert len(doc["warm"]["runs"][0]["attach_s_per_rank"]) == 2
+    assert "(c) resident + daemon" in pic.read_text()
+
+    r = run(["restart", str(tiny_ckpt), "--tensor-parallel-size", "2", "--variants", "hf"])
+    assert r.returncode == 2 and "no tensor parallelism" in r.stderr
