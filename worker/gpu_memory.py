@@ -375,14 +375,15 @@ def initial_kv_blocks(num_kv_blocks: int, block_bytes: int, initial_bytes: int, 
 def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, block_size: int,
                       max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, utilization: float,
                       cuda_graphs: str, num_kv_blocks: int | None = None,
-                      headroom_cache: Any = None) -> GpuKVPlan:
+                      headroom_cache: Any = None, speculative: Any = None) -> GpuKVPlan:
     """Size the KV cache on `device` for --gpu-memory-utilization (or check --num-kv-blocks).
 
     Measures what the whole GPU uses now (the weights are already mapped), then the
     headroom with a probe runner (`ModelRunner.profile_peak_bytes`) — or reads it from
     `headroom_cache` (a `kv_profile_cache.KvProfileCache`) when an earlier start with the
     same key measured it — and gives the KV cache the rest, at most what max_num_seqs
-    requests of max_model_len tokens could use.
+    requests of max_model_len tokens could use. `speculative` (a spec_decode.profile.SpecProfile)
+    profiles a speculative step and the draft's passes too (the draft's KV share is the caller's).
     """
     from resident.worker.engine_config import EngineConfig
     from resident.worker.kv_profile_cache import decide_headroom, headroom_key
@@ -406,14 +407,16 @@ def plan_gpu_kv_cache(model_config: Any, weights: Any, device: torch.device, *, 
         probe = ModelRunner(model_config, probe_config, weights, device=str(device), cuda_graphs=cuda_graphs)
         t3 = time.monotonic()
         try:
-            return probe.profile_peak_bytes(), {"probe_build": t3 - t2, "profile_forward": time.monotonic() - t3}
+            peak = speculative.measure(probe, cuda_graphs) if speculative is not None else probe.profile_peak_bytes()
+            return peak, {"probe_build": t3 - t2, "profile_forward": time.monotonic() - t3}
         finally:
             probe.close()
             del probe
 
     key = headroom_key(model_config, weights, block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       cuda_graphs=cuda_graphs, gpu_name=torch.cuda.get_device_name(index))
+                       cuda_graphs=cuda_graphs, gpu_name=torch.cuda.get_device_name(index),
+                       speculative=speculative.fingerprint() if speculative is not None else "")
     decision = decide_headroom(key, headroom_cache, profile)
     headroom = decision.headroom_bytes
     timings = {"measure": t1 - t0, **decision.timings}

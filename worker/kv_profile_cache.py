@@ -15,7 +15,10 @@ CUDA-graph mode and kernel backend, the GPU's name, the torch, triton and reside
 versions (allocator, kernels and graph memory change with them) and a fingerprint of
 resident's own engine code (size and mtime of every .py file under worker/ and daemon/, so
 a development checkout that changes a layer between two starts of the same version
-measures again). A changed field is a miss, never a stale hit.
+measures again), and speculative decoding's settings (method, K, the draft's architecture
+and dtypes: `spec_decode.profile.SpecProfile.fingerprint`; empty without speculation), whose
+verification and draft passes need more headroom. A changed field is a miss, never a stale
+hit.
 
 The file is JSON (`{"version": 1, "entries": {digest: {...}}}`), written atomically
 (temporary file + rename), at most MAX_ENTRIES entries (least recently stored dropped). A
@@ -64,6 +67,7 @@ class HeadroomKey:
     gpu_name: str
     versions: tuple[tuple[str, str], ...]   # (package, version), sorted
     tensor_parallel_size: int = 1
+    speculative: str = ""   # SpecProfile.fingerprint(), "" without speculative decoding
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -80,7 +84,8 @@ class HeadroomKey:
     def describe(self) -> str:
         return (f"{self.gpu_name}, {'/'.join(self.weight_dtypes)} {self.quantization}, "
                 f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
-                f"max_num_batched_tokens {self.max_num_batched_tokens}, cuda_graphs {self.cuda_graphs}")
+                f"max_num_batched_tokens {self.max_num_batched_tokens}, cuda_graphs {self.cuda_graphs}"
+                + (", speculative" if self.speculative else ""))
 
 
 def model_fingerprint(model_config: Any) -> str:
@@ -90,7 +95,7 @@ def model_fingerprint(model_config: Any) -> str:
 
 def headroom_key(model_config: Any, weights: Mapping[str, Any], *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, cuda_graphs: str, gpu_name: str,
-                 kernel_backend: str = "auto", tensor_parallel_size: int = 1) -> HeadroomKey:
+                 kernel_backend: str = "auto", tensor_parallel_size: int = 1, speculative: str = "") -> HeadroomKey:
     """The key for a worker about to profile (weights: name -> tensor; only dtypes are read)."""
     dtypes = tuple(sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()}))
     quantized = any(name.endswith(".weight_scale") for name in weights)
@@ -99,7 +104,7 @@ def headroom_key(model_config: Any, weights: Mapping[str, Any], *, block_size: i
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
                        kernel_backend=kernel_backend, gpu_name=gpu_name, versions=package_versions(),
-                       tensor_parallel_size=tensor_parallel_size)
+                       tensor_parallel_size=tensor_parallel_size, speculative=speculative)
 
 
 def package_versions(names: tuple[str, ...] = ("torch", "triton", "resident")) -> tuple[tuple[str, str], ...]:

@@ -160,8 +160,9 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         t_plan = time.monotonic()
         if device.type == "cuda":
             cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
-            planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(plan_gpu_kv_cache, model_config,
-                                                                                 weights, device)
+            planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(
+                plan_gpu_kv_cache, model_config, weights, device,
+                speculative=spec_serving.headroom_profile(spec_cfg, draft, device))   # TP refuses speculation
             plan = planner(
                 block_size=config.block_size, max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -55,6 +55,22 @@ def target_share_of_kv(draft: DraftSource | None, target_block_bytes: int, block
     return target_block_bytes / (target_block_bytes + draft_bytes)
 
 
+def headroom_profile(spec: Any, draft: DraftSource | None, device: Any) -> Any:
+    """The GPU planner's `speculative` argument (spec_decode.profile.SpecProfile), or None
+    without speculation. A draft whose weights are not on `device` yet is moved there now,
+    before the planner measures what the GPU holds (wrap_runner then finds them there)."""
+    if spec is None:
+        return None
+    from resident.worker.device import weights_on
+    from resident.worker.spec_decode.profile import SpecProfile
+
+    if draft is None:
+        return SpecProfile(method=spec.method, num_speculative_tokens=spec.num_speculative_tokens)
+    draft.tensors = weights_on(draft.tensors, device)
+    return SpecProfile(method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+                       draft_config=draft.config, draft_weights=draft.tensors)
+
+
 def wrap_runner(spec: Any, runner: Any, draft: DraftSource | None, device: Any, cuda_graphs: str,
                 max_num_kv_blocks: int | None) -> Any:
     """The SpecDecodeRunner over `runner`, or `runner` itself without speculation."""
