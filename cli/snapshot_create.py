@@ -76,13 +76,19 @@ def _pick_port(pid: int, asked: int) -> tuple[str, int]:
     return listening[0]
 
 
-def create_snapshot(config: CreateConfig) -> CreateResult:
+def usable_criu(purpose: str) -> criu.CriuBinary:
+    """The CRIU to run, once this process has the privileges `purpose` ("for a snapshot") needs."""
     priv = privileges()
     if not priv.ok:
-        raise SnapshotError(f"no privileges for a snapshot: {priv.detail}; {priv.fix}")
+        raise SnapshotError(f"no privileges {purpose}: {priv.detail}; {priv.fix}")
     found = find_criu()
     if found.binary is None:
         raise SnapshotError(f"no usable CRIU: {found.reason()}")
+    return found.binary
+
+
+def create_snapshot(config: CreateConfig) -> CreateResult:
+    binary = usable_criu("for a snapshot")
     if criu.pid_state(config.pid) in (None, "Z"):
         raise SnapshotError(f"no running process with pid {config.pid}")
     if config.output.exists():
@@ -121,7 +127,7 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
             timings["cuda_checkpoint"] = cuda.lock_and_checkpoint()
         images = tmp / IMAGES
         images.mkdir(parents=True)
-        result = criu.dump(found.binary, config.pid, images, options, tmp / "dump.log", leave_running=True)
+        result = criu.dump(binary, config.pid, images, options, tmp / "dump.log", leave_running=True)
         timings["criu_dump"] = result.seconds
         ranges = address_ranges(worker.get("addresses"))
         leaked = criu_images.dumped_bytes_in(images, ranges)
@@ -132,7 +138,7 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
             model_key=str(worker.get("model_key", "")), device=device, pid=config.pid, tree_pids=tuple(tree),
             host=host, port=port, admin_socket=admin.path,
             daemon_socket=str(worker.get("daemon_socket") or daemon_socket),
-            kernel=os.uname().release, versions=versions(), criu_version=format_version(found.binary.version),
+            kernel=os.uname().release, versions=versions(), criu_version=format_version(binary.version),
             criu_options=options, address_ranges=tuple(ranges), image_bytes=criu_images.image_bytes(images),
             canary=worker.get("canary"),
             gpu=gpu,

@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from resident.cli.snapshot_create import SnapshotError
-from resident.cli.snapshot_doctor import privileges
+from resident.cli.snapshot_create import SnapshotError, usable_criu
 from resident.cli.snapshot_manifest import IMAGES, Manifest, ManifestError, gpu_facts, load_manifest, versions
 from resident.cli.snapshot_worker import AdminClient, WorkerError, wait_ready
 from resident.worker import criu
-from resident.worker.criu import CriuError, find_criu
+from resident.worker.criu import CriuError
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +59,7 @@ def check_host(config: RestoreConfig) -> tuple[Manifest, criu.CriuBinary]:
     if config.model_key and manifest.model_key != config.model_key:
         raise SnapshotError(f"{config.directory} is a snapshot of model key {manifest.model_key}, not "
                             f"{config.model_key}")
-    priv = privileges()
-    if not priv.ok:
-        raise SnapshotError(f"no privileges to restore: {priv.detail}; {priv.fix}")
-    found = find_criu()
-    if found.binary is None:
-        raise SnapshotError(f"no usable CRIU: {found.reason()}")
+    binary = usable_criu("to restore")
     kernel = os.uname().release
     if kernel != manifest.kernel:
         raise SnapshotError(f"the snapshot was taken on kernel {manifest.kernel}, this host runs {kernel}; "
@@ -82,7 +76,7 @@ def check_host(config: RestoreConfig) -> tuple[Manifest, criu.CriuBinary]:
     if still:
         raise SnapshotError("the snapshot's pids are still taken: " + "; ".join(_describe_pid(p) for p in still)
                             + ". Stop the original worker (and let its parent reap it) before restoring")
-    return manifest, found.binary
+    return manifest, binary
 
 
 def _check_gpu(manifest: Manifest) -> None:
