@@ -74,7 +74,8 @@ logger = logging.getLogger(__name__)
               help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the model over N ranks (GPUs cuda:D..cuda:D+N-1 from --device, or N CPU processes); "
-                   "N must divide the model's heads, kv heads, intermediate size and vocabulary.")
+                   "N must divide the model's heads, kv heads, intermediate size and vocabulary. With "
+                   "--data-parallel-size every replica is such a group (its rank r on cuda:D+r).")
 @click.option("--speculative-model", default=None,
               help="Speculative decoding: a draft model (folder or hub id, same vocabulary as MODEL) or "
                    "'[ngram]' for prompt lookup; needs --num-speculative-tokens.")
@@ -146,9 +147,6 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             admin_socket=os.path.abspath(admin_socket) if admin_socket else None)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    if tensor_parallel_size > 1 and (data_parallel_size is not None or standby_replicas or launcher):
-        raise click.UsageError("--tensor-parallel-size > 1 runs one worker group; it cannot be combined with "
-                               "--data-parallel-size, --standby-replicas or --launcher yet")
     if data_parallel_size is None and not standby_replicas and not launcher:
         sys.exit(run_server(config))
 

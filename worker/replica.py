@@ -8,6 +8,12 @@ supervisor promotes it. Leaving (POST /drain on the admin socket, or SIGTERM) ha
 connections back to the sibling replicas without failing a request (graceful.py), finishes
 in-flight work, releases the weights lease and exits 0.
 
+With --tensor-parallel-size N the replica is rank 0 of its own group: build_worker spawns
+ranks 1..N-1 (tp_executor.py), each attaching its own shard. They exit when the replica
+does (their lifeline is its pipe); leaving stops them first so their leases go with it. If
+one of them dies the replica exits at once with status 3 (tp_executor.RANK_DIED_EXIT) and
+the supervisor starts a new group.
+
 A replica is started as `python -m resident.worker.replica` (or forked by the launcher)
 with its configuration as JSON in $RESIDENT_REPLICA; it never talks to systemd (the
 supervisor removes $NOTIFY_SOCKET from its environment).
@@ -239,6 +245,10 @@ class Replica:
         if self._growth is not None:
             self._growth.join(10.0)   # it stops after the chunk it is mapping
         self.worker.store.close()
+        if self.worker.draft_store is not None:
+            self.worker.draft_store.close()
+        if self.worker.tp is not None:
+            self.worker.tp.close()   # a TP group leaves as a unit: its other ranks stop and release their shards
         logger.info("replica %d stopped (%s)", self.options.replica_id, self._drain_reason)
         return 0
 

@@ -175,8 +175,10 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:   # TP grows too (tp_kv.py)
                 num_kv_blocks = initial_kv_blocks(kv_target_blocks, block_bytes, config.kv_cache_initial_bytes,
                                                   -(-max_model_len // config.block_size))
-            if config.kv_pool_units is not None and config.num_kv_blocks is None and tp is None:
-                from resident.worker.kv_budget import gpu_replica_kv_blocks   # a replica sharing the GPU
+            if config.kv_pool_units is not None and config.num_kv_blocks is None:
+                # A replica sharing the GPU; a TP replica shares each of its N GPUs with the other
+                # replicas' same rank, and rank 0's GPU stands for all (same shapes on every rank).
+                from resident.worker.kv_budget import gpu_replica_kv_blocks
 
                 kv_target_blocks, num_kv_blocks = gpu_replica_kv_blocks(
                     plan.budget, weights_bytes=sum(t.numel() * t.element_size() for t in weights.values()),

@@ -17,6 +17,23 @@ while replicas come and go.
 - KV headroom for the extra replica of a rollout or a standby: see kv_budget.py (each replica
   gets the pool size and its start share; on a GPU it sizes and grows its own KV cache).
 - Sockets: the control socket and the replicas' admin sockets, named after the port (control.py).
+
+Tensor parallelism (`--tensor-parallel-size N`): every replica is a TP group, restarted as
+a unit. The replica process is rank 0 (scheduler, HTTP, admin socket); it spawns ranks
+1..N-1 as a single `resident serve` does (tp_executor.py) and they exit with it. A rank
+that dies takes its replica down (exit status 3), which the supervisor replaces like any
+crash; a rollout starts a whole new group, waits for its /ready, then drains the old one,
+whose ranks stop with it. Every rank of a new group attaches its own shard of the daemon's
+TP copy. On GPUs every replica's rank r runs on cuda:D+r (D from --device): the N GPUs are
+shared by all replicas — each GPU holds its rank's shard once (the daemon's) and one KV
+cache per replica, cut into the same slices as on one GPU (kv_budget.py), measured on rank
+0's GPU for every rank (they hold the same shapes). Replicas on disjoint sets of GPUs are
+not supported.
+
+The launcher (`--launcher`) refuses tensor parallelism. Forking rank 0 from it would be
+sound (it holds no CUDA context and no thread), but it gains nothing: ranks 1..N-1 must be
+rank 0's own children (it watches them, they watch its lifeline pipe), so they are fresh
+interpreters paying the full imports, and a group is ready only when its slowest rank is.
 """
 from __future__ import annotations
 
@@ -80,6 +97,10 @@ class SupervisorConfig:
         if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
             raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
         KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
+        if self.use_launcher and self.serve.tensor_parallel_size > 1:
+            raise ValueError("--launcher cannot start tensor-parallel replicas: a group's other ranks are fresh "
+                             "interpreters started by its rank 0, so forking rank 0 saves nothing; drop --launcher "
+                             "(or --tensor-parallel-size)")
 
     @property
     def replica_drain_timeout_s(self) -> float:
