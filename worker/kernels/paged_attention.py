@@ -108,9 +108,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
     # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
-    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, kvh.to(tl.int64) * sc_head,
-                                  lo, hi, q_pos, qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
-                                  False, USE_WINDOW, PREC)
+    head_off = kvh.to(tl.int64) * sc_head
+    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off, lo, hi, q_pos,
+                                  qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, False,
+                                  USE_WINDOW, PREC)
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
@@ -174,9 +175,10 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, qsl_ptr, out_
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx + t0 - window + 1, 0)
-    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, kvh.to(tl.int64) * sc_head,
-                                  lo, hi, q_pos, qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE,
-                                  True, USE_WINDOW, PREC)
+    head_off = kvh.to(tl.int64) * sc_head
+    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off, lo, hi, q_pos,
+                                  qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                                  USE_WINDOW, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * so_t + head[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=qmask)
