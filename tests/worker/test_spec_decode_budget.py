@@ -6,7 +6,7 @@ the acceptance it would have on a cold cache."""
 from __future__ import annotations
 
 import pytest
-from test_spec_decode import GREEDY, draft_spec, make_engine, prompts, run, target  # noqa: F401 (fixture)
+from test_spec_decode import draft_spec, make_engine, prompts, run, target  # noqa: F401 (target: a fixture)
 
 from resident.worker.engine_config import EngineConfig
 from resident.worker.outputs import ModelRunnerOutput, SpecResult

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_decode import GREEDY, draft_spec, make_engine, prompts, run, target  # noqa: F401 (fixture)
+from test_spec_decode import draft_spec, prompts, run, target  # noqa: F401 (target: a fixture)
 
 from resident.worker.config import ModelConfig
 from resident.worker.engine_config import EngineConfig
