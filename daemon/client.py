@@ -19,6 +19,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -100,12 +101,19 @@ class Client:
         self.client_name = client_name or f"pid-{os.getpid()}"
         self._fd_lock = threading.Lock()
         self._sock = self._connect_fd_socket()
+        # What an attach needs after its RPC returns is imported meanwhile (see _prefetch).
+        self._prefetch = threading.Thread(target=_prefetch_attach_modules, name="resident-client-prefetch",
+                                          daemon=True)
+        self._prefetch.start()
         try:
-            self.hello = self._say_hello()
-            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            # The gRPC connection is set up while the hello goes back and forth on the fd socket.
+            self._channel = _connected_channel(self.socket_path)
             self._stub = pb_grpc.WeightCacheStub(self._channel)
+            self.hello = self._say_hello()
         except BaseException:
             self._sock.close()
+            if hasattr(self, "_channel"):
+                self._channel.close()
             raise
         self._metadata = ((SESSION_METADATA, self.hello.session_token),)
         self._closed = False
@@ -138,7 +146,7 @@ class Client:
             raise error_from(e.code, e.message) from None
 
     def _say_hello(self) -> fpb.HelloReply:
-        from resident.daemon.server import daemon_version
+        from resident.daemon.version import daemon_version
 
         hello = fpb.Hello(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
                           client_name=self.client_name, client_version=daemon_version())
@@ -227,6 +235,8 @@ class Client:
         """Lease `model` (a name or key) and map its weights zero-copy; with `into` (an
         unmapped `SlabMapping` of the same slabs), map them at that mapping's addresses.
         A tensor-parallel model: rank `tp_rank`'s shard only; a paired one: target and draft."""
+        # Imported here, not at module level, so `resident preload status` stays light; the
+        # prefetch thread has (usually) imported them already.
         from resident.daemon.memory import SlabDesc, backend_class
         from resident.daemon.pairing import split_draft
         from resident.daemon.tensor_table import TensorTable, crc32_of
@@ -234,6 +244,7 @@ class Client:
         start = time.perf_counter()
         reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
                                                       protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank))
+        self._prefetch.join()
         self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
@@ -329,6 +340,41 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _connected_channel(socket_path: str) -> grpc.Channel:
+    """A channel to the daemon's gRPC socket that starts connecting now, without waiting:
+    the first call then finds the connection (mostly) set up instead of paying for it."""
+    channel = grpc.insecure_channel(f"unix://{socket_path}")
+    try:
+        channel._channel.check_connectivity_state(True)  # grpc's "try to connect" (no public non-blocking API)
+    except Exception as e:  # noqa: BLE001 - only an optimisation; the first call connects anyway
+        log.debug("could not start connecting the gRPC channel early: %s", e)
+    return channel
+
+
+def _prefetch_attach_modules() -> None:
+    """Import what `Client.attach` needs after its RPC: the memory backends, the tensor table,
+    the draft pairing, and (where a GPU is usable) cuda.bindings. Run in a thread while the
+    client waits for the daemon, which releases the GIL; an import error is left for
+    `attach` to raise in the caller's thread. Does nothing in a process without torch (the
+    CLI's status calls): importing it would cost seconds for nothing."""
+    if "torch" not in sys.modules:
+        return
+    try:
+        import resident.daemon.memory.cuda_ipc  # noqa: F401
+        import resident.daemon.memory.cuda_vmm  # noqa: F401
+        import resident.daemon.memory.host_shm  # noqa: F401
+        import resident.daemon.pairing  # noqa: F401
+        import resident.daemon.tensor_table  # noqa: F401
+        import torch
+
+        if torch.cuda.is_available():
+            from resident.daemon.memory.cuda_util import driver
+
+            driver()
+    except Exception as e:  # noqa: BLE001 - attach imports again and reports
+        log.debug("prefetching the attach modules failed: %s", e)
 
 
 def attach(model: str, socket_path: str | None = None, expected_key: str = "") -> tuple[Client, AttachedModel]:

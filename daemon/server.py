@@ -24,21 +24,13 @@ from resident.daemon import sd_notify
 from resident.daemon.config import MAX_UNIX_PATH, DaemonConfig
 from resident.daemon.errors import AlreadyRunning
 from resident.daemon.lockfile import LockFile, running_daemon_pid
+from resident.daemon.version import daemon_version  # noqa: F401 - also imported from here by older callers
 
 log = logging.getLogger(__name__)
 
 GRPC_WORKERS = 32
 #: After a hand-over, how long to retry binding the HTTP port the old daemon is releasing.
 HTTP_BIND_RETRY_S = 5.0
-
-
-def daemon_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("resident")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def _unlink(path: str) -> None:
@@ -164,7 +156,25 @@ class Daemon:
 
         self._metrics = DaemonMetrics()
         self.cache = WeightCache(self.config, backend, self._metrics)
+        if backend.uses_gpu:
+            self._keep_staging_buffers(backend)
         self._metrics.watch(self.cache)
+
+    @staticmethod
+    def _keep_staging_buffers(backend) -> None:
+        """GPU loads stage through pinned host buffers: keep them for the daemon's lifetime and
+        pin them now, in the background, so the first load does not pay for it."""
+        from resident.daemon.staging import StagingConfig, StagingPool
+
+        pool = backend.staging_pool = StagingPool()
+
+        def prepare() -> None:
+            try:
+                pool.prepare(StagingConfig(), pinned=True)
+            except Exception as e:  # noqa: BLE001 - the first load allocates them instead
+                log.warning("could not pin the loader's staging buffers ahead of time (%s); the first load will", e)
+
+        threading.Thread(target=prepare, name="resident-staging-prepare", daemon=True).start()
 
     def _serve(self) -> None:
         """Serve gRPC and the fd socket on temporary paths beside the real ones."""
@@ -351,6 +361,9 @@ class Daemon:
             if unlink:
                 _unlink(self.config.http_file)
         if self.cache is not None:
+            pool = getattr(self.cache.backend, "staging_pool", None)
+            if pool is not None:
+                pool.close()
             self.cache.close()
             self.cache = None
         self._lock.release(unlink=not self.handed_over)

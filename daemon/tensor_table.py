@@ -28,6 +28,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+#: Bytes per element of each wire dtype (read once per entry while decoding a table).
+_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -77,21 +81,25 @@ class TensorEntry:
     def __post_init__(self) -> None:
         if not self.name:
             raise TensorTableError("tensor entry without a name")
-        itemsize = torch_dtype(self.dtype).itemsize
-        if len(self.shape) != len(self.strides):
-            raise TensorTableError(f"{self.name}: shape {self.shape} and strides {self.strides} differ in rank")
-        if any(d < 0 for d in self.shape) or any(s < 0 for s in self.strides):
+        itemsize = _ITEMSIZE.get(self.dtype)
+        if itemsize is None:
+            torch_dtype(self.dtype)   # raises, naming the supported dtypes
+        shape, strides = self.shape, self.strides
+        if len(shape) != len(strides):
+            raise TensorTableError(f"{self.name}: shape {shape} and strides {strides} differ in rank")
+        if (shape and min(shape) < 0) or (strides and min(strides) < 0):
             raise TensorTableError(f"{self.name}: negative shape or stride")
-        numel = math.prod(self.shape)
+        numel = math.prod(shape)
         if numel * itemsize != self.nbytes:
             raise TensorTableError(
                 f"{self.name}: nbytes {self.nbytes} != {numel} elements x {itemsize} bytes ({self.dtype})"
             )
-        # The furthest element addressed must lie inside [offset, offset + nbytes).
-        if numel:
-            span = (sum((d - 1) * s for d, s in zip(self.shape, self.strides)) + 1) * itemsize
+        # The furthest element addressed must lie inside [offset, offset + nbytes)
+        # (contiguous strides reach exactly its last element).
+        if numel and strides != contiguous_strides(shape):
+            span = (sum((d - 1) * s for d, s in zip(shape, strides)) + 1) * itemsize
             if span > self.nbytes:
-                raise TensorTableError(f"{self.name}: strides {self.strides} reach beyond its {self.nbytes} bytes")
+                raise TensorTableError(f"{self.name}: strides {strides} reach beyond its {self.nbytes} bytes")
         if self.offset < 0 or self.slab < 0:
             raise TensorTableError(f"{self.name}: negative slab or offset")
 
@@ -132,12 +140,25 @@ class TensorTable:
                     raise TensorTableError(f"{a.name} and {b.name} overlap in slab {slab}")
 
     def views(self, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Zero-copy tensors over `slabs` (uint8 tensors), after validating the table."""
+        """Zero-copy tensors over `slabs` (uint8 tensors), after validating the table.
+
+        One `as_strided` per entry over the slab viewed once per dtype (instead of a slice,
+        a dtype view and an as_strided each): the same tensors, a third of the torch calls.
+        """
         self.validate([s.numel() for s in slabs])
+        typed: dict[tuple[int, str], torch.Tensor | None] = {}
         out: dict[str, torch.Tensor] = {}
         for e in self.entries:
-            raw = slabs[e.slab][e.offset : e.offset + e.nbytes]
-            out[e.name] = raw.view(e.torch_dtype).as_strided(e.shape, e.strides)
+            size = _ITEMSIZE[e.dtype]
+            key = (e.slab, e.dtype)
+            base = typed.get(key, False)
+            if base is False:
+                base = typed[key] = _typed_view(slabs[e.slab], DTYPES[e.dtype])
+            if base is not None and e.offset % size == 0:
+                out[e.name] = base.as_strided(e.shape, e.strides, base.storage_offset() + e.offset // size)
+            else:
+                raw = slabs[e.slab][e.offset : e.offset + e.nbytes]
+                out[e.name] = raw.view(DTYPES[e.dtype]).as_strided(e.shape, e.strides)
         return out
 
     # --- wire format -------------------------------------------------------------------
@@ -161,6 +182,15 @@ class TensorTable:
             )
             for p in entries
         ])
+
+
+def _typed_view(slab: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The uint8 `slab` (whole elements of it) as `dtype`, or None where its start is not
+    aligned to the element size (entries are then viewed one by one)."""
+    size = dtype.itemsize
+    if slab.storage_offset() % size or slab.data_ptr() % size:
+        return None
+    return slab[: slab.numel() // size * size].view(dtype)
 
 
 # --- tensor-parallel shards ------------------------------------------------------------------

@@ -65,6 +65,8 @@ class MemoryBackend(abc.ABC):
     survives_daemon: bool
     #: Tensor offsets inside a slab are aligned to this many bytes.
     alignment: int = 256
+    #: Whether slabs live in GPU memory (filled through the staged pipeline).
+    uses_gpu: bool = False
     #: Host staging buffers the GPU loader keeps across loads (a `staging.StagingPool`), set
     #: by the daemon for GPU backends; None: each load allocates and frees its own.
     staging_pool: Any = None

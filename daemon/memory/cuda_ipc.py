@@ -67,6 +67,7 @@ class CudaIpcBackend(MemoryBackend):
 
     name = NAME
     survives_daemon = False
+    uses_gpu = True
     alignment = 256
 
     def __init__(self, device: int | str = 0, max_slab_bytes: int = 4 * GiB) -> None:

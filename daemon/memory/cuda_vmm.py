@@ -151,6 +151,7 @@ class CudaVmmBackend(MemoryBackend):
 
     name = NAME
     survives_daemon = True
+    uses_gpu = True
     alignment = 256
 
     def __init__(self, device: int | str = 0, max_slab_bytes: int = 4 * GiB) -> None:

@@ -149,6 +149,21 @@ def test_non_admin_may_attach_but_not_load_unload_or_shutdown(short_tmp, tiny_mo
         assert daemon.stop() == 0
 
 
+def test_a_client_without_torch_imports_nothing_heavy(env, tmp_path):
+    """`resident preload status` style use: Client() and a call must not import torch (the
+    attach prefetch only runs in processes that already have it)."""
+    import subprocess
+    import sys
+
+    d, _, daemon = env
+    code = ("import sys; from resident.daemon.client import Client\n"
+            f"c = Client({daemon.socket!r}); c.list(); c.close()\n"
+            "print('torch' in sys.modules, 'resident.daemon.server' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
+
+
 def test_shutdown_rpc_stops_the_daemon_cleanly(env):
     # Last in this module on purpose: it stops the module's daemon (the fixture copes).
     _, _, daemon = env
@@ -161,3 +176,43 @@ def test_shutdown_rpc_stops_the_daemon_cleanly(env):
     assert torch.isfinite(held.tensors["model.norm.weight"]).all()
     with pytest.raises(DaemonUnavailable):
         Client(daemon.socket)
+
+
+def _views_one_by_one(table, slabs):
+    """The straightforward view of every entry (a slice, a dtype view, as_strided)."""
+    return {e.name: slabs[e.slab][e.offset : e.offset + e.nbytes].view(e.torch_dtype).as_strided(e.shape, e.strides)
+            for e in table.entries}
+
+
+def test_table_views_equal_one_by_one_views_for_every_layout():
+    from resident.daemon.tensor_table import TensorEntry, TensorTable, contiguous_strides
+
+    whole = torch.randint(0, 256, (3 * 4096 + 2,), dtype=torch.uint8)
+    # Slabs as a VMM mapping hands them out: slices of one range (storage offsets), one misaligned.
+    slabs = [whole[0:4096], whole[4096:8192], whole[8194 : 8194 + 4096]]
+    entries = [
+        TensorEntry("a", "bfloat16", (4, 8), contiguous_strides((4, 8)), 0, 256, 64),
+        TensorEntry("b", "float8_e4m3fn", (3, 5), contiguous_strides((3, 5)), 0, 513, 15),   # odd offset
+        TensorEntry("c", "float32", (1,), (1,), 0, 528, 4),
+        TensorEntry("t", "float32", (4, 2), (1, 4), 1, 0, 32),                                 # transposed strides
+        TensorEntry("e", "bfloat16", (0, 8), (8, 1), 1, 256, 0),                               # empty
+        TensorEntry("m", "float32", (16,), (1,), 2, 2, 64),                                    # slab not 4-aligned
+        TensorEntry("h", "float16", (7,), (1,), 2, 130, 14),
+    ]
+    table = TensorTable(entries)
+    got, want = table.views(slabs), _views_one_by_one(table, slabs)
+    assert list(got) == list(want)
+    for name in want:
+        g, w = got[name], want[name]
+        assert (g.dtype, g.shape, g.stride(), g.data_ptr()) == (w.dtype, w.shape, w.stride(), w.data_ptr()), name
+
+
+def test_table_entries_reaching_outside_their_bytes_are_refused():
+    from resident.daemon.tensor_table import TensorEntry, TensorTableError
+
+    with pytest.raises(TensorTableError, match="reach beyond"):
+        TensorEntry("x", "float32", (4, 4), (8, 1), 0, 0, 64)
+    with pytest.raises(TensorTableError, match="nbytes"):
+        TensorEntry("x", "bfloat16", (4, 4), (4, 1), 0, 0, 64)
+    with pytest.raises(ValueError, match="supported"):
+        TensorEntry("x", "float128", (4,), (1,), 0, 0, 64)
