@@ -101,3 +101,39 @@ def test_speculating_worker_detaches_and_resumes_with_speculation_on(daemon, met
                                accepted + spec_after["num_accepted"])
     finally:
         stop_serve(w)
+
+
+@pytest.mark.gpu
+def test_gpu_speculating_worker_detaches_from_a_cuda_vmm_daemon_and_resumes(tmp_path) -> None:
+    """cuda_vmm weights (the draft's in the same slabs) and both VMM KV ranges released and
+    re-mapped; the draft's captured decode graphs replay over the re-mapped memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run_dir = Path(tempfile.mkdtemp(prefix="snsp", dir="/tmp"))
+    target = servable_tiny_model(tmp_path / "target", "llama", init_std=0.3)
+    draft = tmp_path / "draft"
+    shutil.copytree(target, draft)
+    d = daemon_helpers().start_daemon(run_dir, "--backend", "cuda_vmm", env={"CUDA_VISIBLE_DEVICES": "0"})
+    path = str(run_dir / "admin.sock")
+    w = None
+    try:
+        w = start_serve(target, tmp_path / "w.log", "--preload", "require", "--socket", d.socket, "--device", "cuda",
+                        "--kv-cache-initial", "0", "--admin-socket", path, "--speculative-model", str(draft),
+                        "--num-speculative-tokens", "3", env=serve_env(CUDA_VISIBLE_DEVICES="0"))
+        before, spec_before = _completion(w.base_url)
+        status, body = admin(path, "POST", "/snapshot/prepare", {"timeout_s": 10})
+        assert status == 200, body
+        m = body["manifest"]
+        assert m["backend"] == "cuda_vmm" and len(m["addresses"]["kv"]) == 2 and m["speculative"]["draft_key"]
+        status, resumed = admin(path, "POST", "/snapshot/resume", {})
+        assert status == 200, resumed
+        after, spec_after = _completion(w.base_url)
+        assert after == before and spec_after["num_accepted"] > 0
+        assert spec_after["acceptance_rate"] >= 0.9
+    finally:
+        if w is not None:
+            stop_serve(w)
+        d.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
