@@ -26,6 +26,7 @@ worker's write through one faults (illegal address) while the shared weights sta
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Sequence
@@ -67,19 +68,29 @@ def granularity(index: int) -> int:
     return vmm_granularity(index, export_fd=True)
 
 
+@functools.cache
+def _read_only_refused() -> set[int]:
+    """The devices whose driver refused a read-only mapping in this process. A property of
+    the driver that does not change while the process runs, so later mappings (every
+    attach, every remap) go read-write at once instead of failing a driver call first."""
+    return set()
+
+
 def _set_access(ptr: int, size: int, index: int, read_only: bool) -> bool:
     """Grant device `index` access to [ptr, ptr+size); returns whether it is read-only."""
     drv = driver()
     desc = drv.CUmemAccessDesc()
     desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = index
-    if read_only:
+    if read_only and index not in _read_only_refused():
         desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
         try:
             check("cuMemSetAccess(PROT_READ)", drv.cuMemSetAccess(ptr, size, [desc], 1))
             return True
         except CudaError as e:
-            log.info("read-only GPU mappings are not supported here (%s); mapping read-write", e)
+            _read_only_refused().add(index)
+            log.info("read-only GPU mappings are not supported on cuda:%d here (%s); mapping read-write "
+                     "(and not asking again in this process)", index, e)
     desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     check("cuMemSetAccess(PROT_READWRITE)", drv.cuMemSetAccess(ptr, size, [desc], 1))
     return False

@@ -216,3 +216,41 @@ def test_table_entries_reaching_outside_their_bytes_are_refused():
         TensorEntry("x", "bfloat16", (4, 4), (4, 1), 0, 0, 64)
     with pytest.raises(ValueError, match="supported"):
         TensorEntry("x", "float128", (4,), (1,), 0, 0, 64)
+
+
+def test_a_refused_read_only_gpu_mapping_is_not_asked_for_again(monkeypatch):
+    """Where the driver refuses read-only VMM mappings, the first attach learns it and later
+    attaches (and remaps) in the process map read-write at once (a fake driver; no GPU)."""
+    from types import SimpleNamespace
+
+    from resident.daemon.memory import cuda_util, cuda_vmm
+
+    calls = []
+    ok, refused = "CUDA_SUCCESS", "CUDA_ERROR_NOT_SUPPORTED"
+
+    def set_access(ptr, size, descs, n):
+        calls.append(descs[0].flags)
+        return (refused if descs[0].flags == "PROT_READ" else ok,)
+
+    fake = SimpleNamespace(
+        CUresult=SimpleNamespace(CUDA_SUCCESS=ok),
+        CUmemAccessDesc=lambda: SimpleNamespace(location=SimpleNamespace(type=None, id=None), flags=None),
+        CUmemLocationType=SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE="device"),
+        CUmemAccess_flags=SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READ="PROT_READ",
+                                          CU_MEM_ACCESS_FLAGS_PROT_READWRITE="PROT_READWRITE"),
+        cuMemSetAccess=set_access,
+        cuGetErrorName=lambda e: (ok, str(e).encode()),
+        cuGetErrorString=lambda e: (ok, b"operation not supported"),
+    )
+    monkeypatch.setattr(cuda_util, "driver", lambda: fake)
+    monkeypatch.setattr(cuda_vmm, "driver", lambda: fake)
+    cuda_vmm._read_only_refused.cache_clear()
+    try:
+        assert cuda_vmm._set_access(0x1000, 4096, 0, read_only=True) is False
+        assert calls == ["PROT_READ", "PROT_READWRITE"]
+        assert cuda_vmm._set_access(0x2000, 4096, 0, read_only=True) is False
+        assert calls[2:] == ["PROT_READWRITE"]                   # not asked again on this GPU
+        cuda_vmm._set_access(0x3000, 4096, 1, read_only=True)     # another GPU is asked once
+        assert calls[3:] == ["PROT_READ", "PROT_READWRITE"]
+    finally:
+        cuda_vmm._read_only_refused.cache_clear()
