@@ -198,6 +198,25 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     return out & _MASK
 
 
+def wsum32_placed(views: list[torch.Tensor], places: list[tuple[int, int]], nbytes: list[int]) -> list[int]:
+    """The wsum32 of every tensor stored at `places[i]` = (slab, byte offset) with `nbytes[i]`
+    bytes in the uint8 slab tensors `views`: one `wsum32_spans` pass per slab, one copy of all
+    results to the host."""
+    by_slab: dict[int, list[int]] = {}
+    for i, (slab, _) in enumerate(places):
+        by_slab.setdefault(slab, []).append(i)
+    order: list[int] = []
+    parts = []
+    for slab, idxs in sorted(by_slab.items()):
+        parts.append(wsum32_spans(views[slab], [(places[i][1], nbytes[i]) for i in idxs]))
+        order += idxs
+    sums = torch.cat(parts).cpu().tolist() if parts else []
+    out = [0] * len(places)
+    for i, s in zip(order, sums):
+        out[i] = wsum32_finish(s, nbytes[i])
+    return out
+
+
 def wsum32_finish(parts: tuple[int, int] | list[int], nbytes: int) -> int:
     """The wsum32 value from (s1, s2) and the byte count."""
     s1, s2 = int(parts[0]) & _MASK, int(parts[1]) & _MASK

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -291,6 +291,8 @@ class StagedFill:
         t0 = time.monotonic()
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resident-stage")
         pending: dict[Future, int] = {}
+        # Finished chunks arrive here (O(1) per chunk; `wait()` on all pending futures was O(pending)).
+        finished: queue.SimpleQueue[Future] = queue.SimpleQueue()
         if self.ring.cuda:
             # The side streams do not order themselves after work queued on the default stream.
             torch.cuda.synchronize(self.device)
@@ -308,10 +310,12 @@ class StagedFill:
                         continue
                 for c in chunks:
                     while len(pending) >= max_pending:
-                        done = self._collect(pending, done, emit, total)
-                    pending[pool.submit(self._run_chunk, c)] = c.hi - c.lo
+                        done = self._collect(pending, finished, done, emit, total)
+                    fut = pool.submit(self._run_chunk, c)
+                    pending[fut] = c.hi - c.lo
+                    fut.add_done_callback(finished.put)
             while pending:
-                done = self._collect(pending, done, emit, total)
+                done = self._collect(pending, finished, done, emit, total)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             # Nothing may still be copying into the slabs (or from the buffers) when we return.
@@ -321,28 +325,20 @@ class StagedFill:
     def _checksums(self) -> list[int]:
         """wsum32 of every stored tensor: one pass per slab over its final bytes (after casts
         and quantization), in a few large device ops and one copy to the host."""
-        by_slab: dict[int, list[int]] = {}
-        for i, (slab, _) in enumerate(self.places):
-            by_slab.setdefault(slab, []).append(i)
-        order: list[int] = []
-        parts = []
-        for slab, idxs in sorted(by_slab.items()):
-            parts.append(checksum.wsum32_spans(self.views[slab],
-                                               [(self.places[i][1], self.plan.tensors[i].nbytes) for i in idxs]))
-            order += idxs
-        sums = torch.cat(parts).cpu().tolist() if parts else []
-        out = [0] * len(self.plan.tensors)
-        for i, s in zip(order, sums):
-            out[i] = checksum.wsum32_finish(s, self.plan.tensors[i].nbytes)
-        return out
+        return checksum.wsum32_placed(self.views, self.places, [t.nbytes for t in self.plan.tensors])
 
     @staticmethod
-    def _collect(pending: dict[Future, int], done: int, emit: Callable[..., None], total: int) -> int:
-        finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-        for fut in finished:
-            nbytes = pending.pop(fut)
-            fut.result()  # re-raises a reader's error
-            done += nbytes
+    def _collect(pending: dict[Future, int], finished: queue.SimpleQueue[Future], done: int,
+                 emit: Callable[..., None], total: int) -> int:
+        """Wait for at least one chunk, take every chunk finished by then; re-raise a reader's error."""
+        fut = finished.get()
+        while True:
+            done += pending.pop(fut)
+            fut.result()
+            try:
+                fut = finished.get_nowait()
+            except queue.Empty:
+                break
         emit("read", done, total)
         return done
 
