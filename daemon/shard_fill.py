@@ -9,6 +9,7 @@ A few tensors are in flight at once, bounded by `_BUDGET_BYTES` of host memory.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from resident.daemon import sharding
+from resident.daemon import checksum, sharding
 from resident.daemon.tensor_reader import _load_tensor
 from resident.daemon.tensor_table import crc32_of
 
@@ -55,12 +56,13 @@ def fill_shards(
             slab, off = places[r][i]
             dst = views[r][slab][off : off + part.numel()]
             dst.copy_(part)
-            sums[r][i] = crc32_of(dst)
+            on_host = dst.device.type == "cpu"   # GPU ranks: one checksum pass per slab at the end
+            sums[r][i] = crc32_of(dst) if on_host else 0
             if scale is not None:
                 ss, so = places[r][i + 1]
                 sdst = views[r][ss][so : so + 4]
                 sdst.copy_(scale)
-                sums[r][i + 1] = crc32_of(sdst)
+                sums[r][i + 1] = crc32_of(sdst) if on_host else 0
         return nread
 
     done = 0
@@ -90,5 +92,9 @@ def fill_shards(
         device = views[r][0].device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if device.type != "cpu":
+            shapes = shard_shapes(plan)
+            nbytes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shapes)]
+            sums[r] = checksum.wsum32_placed(views[r], places[r], nbytes)
     emit("read", total, total, force=True)
     return sums
