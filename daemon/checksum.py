@@ -171,7 +171,8 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         a2[0] = 0
         col = torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
         for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
-            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.int64) & _MASK
+            # Signed words: equal to the unsigned ones mod 2^32, and |(c+1)·w| summed over a row < 2^43.
+            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.int64)
             a1[b0 + 1 : b0 + 1 + xb.shape[0]] = xb.sum(dim=1) & _MASK
             a2[b0 + 1 : b0 + 1 + xb.shape[0]] = (xb * col).sum(dim=1) & _MASK
             del xb
