@@ -4,6 +4,7 @@
 # at most 8 files come back from that machine, so the text output goes to one log.txt.
 # Usage: OUT=/some/dir tests/h200.sh [STEP ...]
 #   steps: gputests checkpoint restart throughput handover ceiling (default: all, in order)
+#   tp (not in the default; needs 2 GPUs, ~240 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
@@ -35,6 +36,14 @@ for s in $steps; do
       timeout "${HANDOVER_TIMEOUT:-90}" $B handover $M --device cuda --workers 1 --json "$OUT/handover.json" >> "$LOG" 2>&1 ;;
     ceiling)
       timeout "${CEILING_TIMEOUT:-60}" python3 tests/gpu_io_ceiling.py $M --json "$OUT/ceiling.json" >> "$LOG" 2>&1 ;;
+    tp)   # issue 8 on 2 GPUs: the 2-GPU tests, restart of a TP=2 group (cold vs from the daemon), TP=2 decode
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      timeout "${TP_TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s --timeout 90 \
+        tests/worker/test_tensor_parallel_gpu.py >> "$LOG" 2>&1; echo "tp gpu tests rc=$?" >> "$LOG"
+      timeout "${TP_RESTART_TIMEOUT:-100}" $B restart $M --device cuda --runs 1 --tensor-parallel-size 2 \
+        --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
+      timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --tensor-parallel-size 2 --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
   echo "--- $s rc=$? ($(date +%T))" >> "$LOG"
