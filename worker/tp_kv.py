@@ -112,6 +112,9 @@ class KVMapper:
 
         def run() -> None:
             try:
+                device = getattr(runner, "device", None)
+                if isinstance(device, torch.device) and device.type == "cuda":
+                    torch.cuda.set_device(device)   # a new thread starts on cuda:0; this rank's GPU is not
                 runner.map_kv_blocks(num_blocks)
             except BaseException as e:  # noqa: BLE001 - reported at the next grow, on every rank
                 self._error = e
