@@ -319,8 +319,8 @@ class TPGroup:
         if self._stopping.is_set():
             return
         logger.error("tensor-parallel rank %d (pid %d) exited with status %s: the group cannot compute without "
-                     "it; resident serve exits (restart it; see rank %d's log above for why)", rank, proc.pid,
-                     code, rank)
+                     "it; this worker exits (a supervisor replaces it, else restart it; see rank %d's log above for "
+                     "why)", rank, proc.pid, code, rank)
         logging.shutdown()
         os._exit(RANK_DIED_EXIT)
 
