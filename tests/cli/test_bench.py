@@ -25,16 +25,21 @@ def test_shapes_hit_the_requested_size(size):
 
 def test_bench_attach_writes_a_table_and_valid_json(tmp_path):
     out = tmp_path / "attach.json"
-    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "attach", "--sizes", "1MiB",
-                        "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "attach", "--sizes", "4MiB",
+                        "--repeats", "2", "--fresh", "1", "--layers", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "ATTACH MS p50" in r.stdout and "LOAD GB/S" in r.stdout
+    assert "ATTACH MS p50" in r.stdout and "LOAD GB/S" in r.stdout and "FRESH ATTACH MS" in r.stdout
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "attach" and doc["backend"] == "host_shm" and doc["repeats"] == 2
     (res,) = doc["results"]
-    assert res["requested_bytes"] == 1 << 20
-    assert abs(res["resident_bytes"] - (1 << 20)) / (1 << 20) < 0.1
-    assert res["num_tensors"] == 8 * 6 + 3          # fused qkv and gate_up: 6 per layer, + embed, norm, lm_head
+    assert res["requested_bytes"] == 4 << 20
+    assert abs(res["resident_bytes"] - (4 << 20)) / (4 << 20) < 0.1
+    assert res["num_tensors"] == 3 * 6 + 3          # fused qkv and gate_up: 6 per layer, + embed, norm, lm_head
+    assert doc["layers"] == 3 and doc["fresh"] == 1
+    # The attach from a new process (imports included) was measured once, and took real time.
+    assert len(res["fresh_attach_ms"]["samples"]) == 1 and res["fresh_attach_ms"]["median"] > 0
+    assert len(res["fresh_connect_ms"]["samples"]) == 1 and res["fresh_connect_ms"]["median"] > 0
     assert res["load_s"] > 0 and res["load_gb_s"] > 0
     assert len(res["attach_ms"]["samples"]) == 2 and len(res["connect_ms"]["samples"]) == 2
     assert 0 < res["attach_ms"]["median"] <= res["attach_ms"]["p90"] < 10_000
