@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,10 +101,6 @@ class Client:
         self.client_name = client_name or f"pid-{os.getpid()}"
         self._fd_lock = threading.Lock()
         self._sock = self._connect_fd_socket()
-        # What an attach needs after its RPC returns is imported meanwhile (see _prefetch).
-        self._prefetch = threading.Thread(target=_prefetch_attach_modules, name="resident-client-prefetch",
-                                          daemon=True)
-        self._prefetch.start()
         try:
             # The gRPC connection is set up while the hello goes back and forth on the fd socket.
             self._channel = _connected_channel(self.socket_path)
@@ -158,9 +154,20 @@ class Client:
                                    f"{PROTOCOL_MAJOR}; use matching versions")
         return reply.hello
 
-    def _call(self, method: str, request: Any, timeout: float | None = CALL_TIMEOUT_S) -> Any:
+    def _call(self, method: str, request: Any, timeout: float | None = CALL_TIMEOUT_S, *,
+              meanwhile: Callable[[], None] | None = None) -> Any:
+        """Call `method`; with `meanwhile`, the call is sent first and `meanwhile()` runs in
+        this thread while the daemon answers (gRPC's own threads do the I/O)."""
         try:
-            return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
+            if meanwhile is None:
+                return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
+            future = getattr(self._stub, method).future(request, metadata=self._metadata, timeout=timeout)
+            try:
+                meanwhile()
+            except BaseException:
+                future.cancel()
+                raise
+            return future.result()
         except grpc.RpcError as e:
             error = _map_rpc_error(e, self.socket_path)
         if isinstance(error, Unauthenticated) and not self._leases:
@@ -235,16 +242,17 @@ class Client:
         """Lease `model` (a name or key) and map its weights zero-copy; with `into` (an
         unmapped `SlabMapping` of the same slabs), map them at that mapping's addresses.
         A tensor-parallel model: rank `tp_rank`'s shard only; a paired one: target and draft."""
-        # Imported here, not at module level, so `resident preload status` stays light; the
-        # prefetch thread has (usually) imported them already.
+        # Imported here, not at module level, so `resident preload status` stays light (the
+        # first attach imports them while its RPC is in flight: `_import_attach_modules`).
         from resident.daemon.memory import SlabDesc, backend_class
         from resident.daemon.pairing import split_draft
         from resident.daemon.tensor_table import TensorTable, crc32_of
 
         start = time.perf_counter()
+        # What the attach needs once the reply is here is imported while the daemon answers.
         reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
-                                                      protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank))
-        self._prefetch.join()
+                                                      protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank),
+                           meanwhile=None if _ATTACH_MODULES <= sys.modules.keys() else _import_attach_modules)
         self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
@@ -353,26 +361,28 @@ def _connected_channel(socket_path: str) -> grpc.Channel:
     return channel
 
 
-def _prefetch_attach_modules() -> None:
+#: Modules every attach uses; until they are imported, the Attach RPC is sent asynchronously
+#: and they are imported while it is in flight (later attaches take the cheaper blocking call).
+_ATTACH_MODULES = frozenset({"resident.daemon.tensor_table", "resident.daemon.pairing", "resident.daemon.memory"})
+
+
+def _import_attach_modules() -> None:
     """Import what `Client.attach` needs after its RPC: the memory backends, the tensor table,
-    the draft pairing, and (where a GPU is usable) cuda.bindings. Run in a thread while the
-    client waits for the daemon, which releases the GIL; an import error is left for
-    `attach` to raise in the caller's thread. Does nothing in a process without torch (the
-    CLI's status calls): importing it would cost seconds for nothing."""
-    if "torch" not in sys.modules:
-        return
+    the draft pairing, and (where a GPU is usable) cuda.bindings — while the Attach RPC is in
+    flight (a no-op once imported). An import error is left for `attach` to raise."""
     try:
-        import resident.daemon.memory.cuda_ipc  # noqa: F401
-        import resident.daemon.memory.cuda_vmm  # noqa: F401
-        import resident.daemon.memory.host_shm  # noqa: F401
         import resident.daemon.pairing  # noqa: F401
         import resident.daemon.tensor_table  # noqa: F401
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available():   # the daemon's GPU backends, and the driver bindings
+            import resident.daemon.memory.cuda_ipc  # noqa: F401
             from resident.daemon.memory.cuda_util import driver
+            import resident.daemon.memory.cuda_vmm  # noqa: F401
 
             driver()
+        else:
+            import resident.daemon.memory.host_shm  # noqa: F401
     except Exception as e:  # noqa: BLE001 - attach imports again and reports
         log.debug("prefetching the attach modules failed: %s", e)
 
