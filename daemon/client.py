@@ -242,17 +242,17 @@ class Client:
         """Lease `model` (a name or key) and map its weights zero-copy; with `into` (an
         unmapped `SlabMapping` of the same slabs), map them at that mapping's addresses.
         A tensor-parallel model: rank `tp_rank`'s shard only; a paired one: target and draft."""
-        # Imported here, not at module level, so `resident preload status` stays light (the
-        # first attach imports them while its RPC is in flight: `_import_attach_modules`).
+        start = time.perf_counter()
+        # What the attach needs once the reply is here is imported while the daemon answers.
+        imported = all(name in sys.modules for name in _ATTACH_MODULES)
+        reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
+                                                      protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank),
+                           meanwhile=None if imported else _import_attach_modules)
+        # Imported here, not at module level, so `resident preload status` stays light.
         from resident.daemon.memory import SlabDesc, backend_class
         from resident.daemon.pairing import split_draft
         from resident.daemon.tensor_table import TensorTable, crc32_of
 
-        start = time.perf_counter()
-        # What the attach needs once the reply is here is imported while the daemon answers.
-        reply = self._call("Attach", pb.AttachRequest(model=model, expected_key=expected_key,
-                                                      protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank),
-                           meanwhile=None if _ATTACH_MODULES <= sys.modules.keys() else _import_attach_modules)
         self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
