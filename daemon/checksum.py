@@ -165,19 +165,20 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     last_row = int((r0 + k).max())
     if last_row:
         x = slab[: last_row * row_bytes].view(torch.int32).view(last_row, row_words)
-        a1 = torch.empty(last_row + 1, dtype=torch.int64, device=dev)
-        a2 = torch.empty(last_row + 1, dtype=torch.int64, device=dev)
-        a1[0] = 0
-        a2[0] = 0
+        # Row r's sums at index r + 1 (index 0 stays 0): a1, a2 and ar = r·a1[r].
+        a1 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
+        a2 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
+        ar = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
         col = torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
         for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
             # Signed words: equal to the unsigned ones mod 2^32, and |(c+1)·w| summed over a row < 2^43.
             xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.int64)
-            a1[b0 + 1 : b0 + 1 + xb.shape[0]] = xb.sum(dim=1) & _MASK
-            a2[b0 + 1 : b0 + 1 + xb.shape[0]] = (xb * col).sum(dim=1) & _MASK
+            b1 = b0 + 1 + xb.shape[0]
+            torch.bitwise_and(xb.sum(dim=1), _MASK, out=a1[b0 + 1 : b1])
+            torch.bitwise_and((xb * col).sum(dim=1), _MASK, out=a2[b0 + 1 : b1])
             del xb
-        rows = torch.arange(-1, last_row, dtype=torch.int64, device=dev).clamp_(min=0)
-        ar = (rows * a1) & _MASK                  # r·a1[r], row r stored at index r + 1
+            rows = torch.arange(b0, b1 - 1, dtype=torch.int64, device=dev)
+            torch.bitwise_and(rows * a1[b0 + 1 : b1], _MASK, out=ar[b0 + 1 : b1])
         # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
         p1, p2, pr = a1.cumsum_(0), a2.cumsum_(0), ar.cumsum_(0)
         lo, hi = r0.to(dev), (r0 + k).to(dev)
