@@ -169,14 +169,19 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         a1 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
         a2 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
         ar = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
-        col = torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
+        # Both row sums in one matrix product, in float64, where it is exact: the words are
+        # read signed (equal to the unsigned ones mod 2^32, |w| < 2^31), so every product
+        # (c+1)·w and every partial sum over a row is an integer below 2^43 < 2^53 whatever
+        # the order of summation.
+        weights = torch.stack([torch.ones(row_words, dtype=torch.float64),
+                               torch.arange(1, row_words + 1, dtype=torch.float64)], dim=1).to(dev)
         for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
-            # Signed words: equal to the unsigned ones mod 2^32, and |(c+1)·w| summed over a row < 2^43.
-            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.int64)
+            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.float64)
             b1 = b0 + 1 + xb.shape[0]
-            torch.bitwise_and(xb.sum(dim=1), _MASK, out=a1[b0 + 1 : b1])
-            torch.bitwise_and((xb * col).sum(dim=1), _MASK, out=a2[b0 + 1 : b1])
+            both = (xb @ weights).to(torch.int64)
             del xb
+            torch.bitwise_and(both[:, 0], _MASK, out=a1[b0 + 1 : b1])
+            torch.bitwise_and(both[:, 1], _MASK, out=a2[b0 + 1 : b1])
             rows = torch.arange(b0, b1 - 1, dtype=torch.int64, device=dev)
             torch.bitwise_and(rows * a1[b0 + 1 : b1], _MASK, out=ar[b0 + 1 : b1])
         # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
