@@ -112,7 +112,11 @@ class StagingPool:
                 self._key = key
                 log.info("staging pool: %d x %d MiB %s buffers allocated in %.2f s", len(self._buffers),
                          config.buffer_bytes // MiB, "pinned" if pinned else "host", alloc_s)
-            yield self._buffers, alloc_s
+            try:
+                yield self._buffers, alloc_s
+            finally:
+                if self._closed:   # closed while this load ran: free them now that it is done
+                    self._free()
 
     def prepare(self, config: StagingConfig, pinned: bool) -> None:
         """Allocate now (the daemon does this in the background at start-up)."""
@@ -124,10 +128,17 @@ class StagingPool:
         return sum(b.numel() for b in self._buffers)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            had = bool(self._buffers)
-            self._buffers, self._key = [], None
+        """Free the buffers now, or — while a load uses them — as soon as it ends (never waits)."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._free()
+            finally:
+                self._lock.release()
+
+    def _free(self) -> None:
+        had = bool(self._buffers)
+        self._buffers, self._key = [], None
         if had and torch.cuda.is_available():
             # torch's pinned-memory allocator caches freed blocks; hand them back to the driver.
             with contextlib.suppress(Exception):

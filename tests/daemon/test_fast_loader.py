@@ -332,3 +332,15 @@ def test_gpu_tensor_parallel_shards_record_checksums_that_verify(tiny_model):
     finally:
         for s in m.slabs:
             s.close()
+
+
+def test_closing_the_pool_during_a_load_does_not_wait_and_frees_the_buffers_after_it():
+    pool = StagingPool()
+    with pool.lease(SMALL, pinned=False) as (buffers, alloc_s):
+        assert len(buffers) == SMALL.buffers() and alloc_s > 0
+        pool.close()                       # returns at once: the load still uses the buffers
+        assert pool.nbytes == SMALL.buffers() * SMALL.buffer_bytes
+    assert pool.nbytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        with pool.lease(SMALL, pinned=False):
+            pass
