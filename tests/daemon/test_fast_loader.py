@@ -344,3 +344,20 @@ def test_closing_the_pool_during_a_load_does_not_wait_and_frees_the_buffers_afte
     with pytest.raises(RuntimeError, match="closed"):
         with pool.lease(SMALL, pinned=False):
             pass
+
+
+@pytest.mark.gpu
+def test_a_gpu_daemon_pins_its_staging_buffers_once_for_all_loads(short_tmp, tiny_model):
+    from helpers import load as daemon_load
+    from helpers import start_daemon
+
+    daemon = start_daemon(short_tmp, "--backend", "cuda_vmm")
+    try:
+        with daemon.client("admin") as c:
+            daemon_load(c, tiny_model("llama"), name="a")
+            daemon_load(c, tiny_model("qwen2"), name="b")
+        log = daemon.log()
+        assert log.count("staging pool:") == 1, log          # pinned once (ahead of the first load)
+        assert log.count("kept from before") == 2, log        # and both loads reused them
+    finally:
+        assert daemon.stop() == 0
