@@ -2,12 +2,12 @@
 with host-to-device copies on several CUDA streams; casts and fp8 quantization run on the GPU
 right after the copies, the checksums in one pass per slab at the end.
 
-Every stored tensor is a job on one stream (round-robin). Its source bytes are cut into
-chunks of at most one staging buffer. A reader thread takes a free buffer (waiting for the
-event of the copy that last read from it), preads a chunk into it, and enqueues on the
-job's stream: the copy into the slab (same dtype), or into a device temporary followed by
-a cast into the slab, or — for fp8 — into a device temporary holding the whole fused
-source. It then records the buffer's event and returns the buffer to the ring. For fp8, the
+Every stored tensor is a job; its source bytes are cut into chunks of at most one staging
+buffer, each chunk on one of the streams (round-robin; all of an fp8 job's chunks on the
+job's stream). A reader thread takes a free buffer (waiting for the event of the copy that
+last read from it), preads a chunk into it, and enqueues on the chunk's stream: the copy
+into the slab (same dtype), or into a device temporary followed by a cast into the slab, or
+— for fp8 — into a device temporary holding the whole fused source. It then records the buffer's event and returns the buffer to the ring. For fp8, the
 thread that enqueues a job's last chunk also enqueues the amax/scale/quantize on the same
 stream, so stream order puts it after every copy of the job.
 
@@ -232,6 +232,7 @@ class _Chunk:
     lo: int           # byte range [lo, hi) of the part's data in its file
     hi: int
     elem_off: int     # the part's first element within the stored tensor
+    stream: int       # fp8: the job's stream (its quantization follows); else round-robin per chunk
 
 
 class StagedFill:
@@ -263,12 +264,16 @@ class StagedFill:
             k += 1
             yield job
 
-    def _chunks(self, job: _Job) -> list[_Chunk]:
-        step = self.config.buffer_bytes
+    def _chunks(self, job: _Job, first_stream: int) -> list[_Chunk]:
+        """The job's chunks. Copies (and casts) of a chunk depend on nothing else, so they are
+        spread over all streams — a 1 GB embedding must not queue on one copy stream — except
+        for fp8 jobs, whose quantization must follow every copy on the job's stream."""
+        step, n = self.config.buffer_bytes, self.config.num_streams
         out = []
         for p_idx, (p, e0) in enumerate(zip(job.tensor.parts, job.part_elem_offsets())):
             for lo in range(0, p.info.nbytes, step):
-                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0))
+                stream = job.stream if job.tensor.quantize else (first_stream + len(out)) % n
+                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0, stream))
         return out
 
     # --- the pipeline -------------------------------------------------------------------
@@ -308,8 +313,10 @@ class StagedFill:
             # The side streams do not order themselves after work queued on the default stream.
             torch.cuda.synchronize(self.device)
         try:
+            num_chunks = 0
             for job in self._jobs():
-                chunks = self._chunks(job)
+                chunks = self._chunks(job, num_chunks)
+                num_chunks += len(chunks)
                 job.num_chunks = job._left = len(chunks)
                 if job.tensor.quantize:
                     with self.ring.on_stream(job.stream):
@@ -365,10 +372,10 @@ class StagedFill:
             with self._lock:
                 self.read_s += t1 - t0
             buf = ring.buffers[i]
-            with ring.on_stream(job.stream):
+            with ring.on_stream(c.stream):
                 self._place(c, buf if n == buf.numel() else buf[:n])
         finally:
-            ring.release(i, job.stream)
+            ring.release(i, c.stream)
         if job.tensor.quantize and job.chunk_done():
             t0 = time.monotonic()
             with ring.on_stream(job.stream):

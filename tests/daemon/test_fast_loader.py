@@ -361,3 +361,24 @@ def test_a_gpu_daemon_pins_its_staging_buffers_once_for_all_loads(short_tmp, tin
         assert log.count("kept from before") == 2, log        # and both loads reused them
     finally:
         assert daemon.stop() == 0
+
+
+def test_chunks_spread_over_streams_except_fp8_jobs_which_keep_their_own(tiny_model):
+    """On a GPU an fp8 weight's quantization is ordered after its copies only by stream order;
+    other tensors' chunks are spread so one large tensor does not queue on one copy stream."""
+    from resident.daemon import loader
+    from resident.daemon.staging import StagedFill
+
+    plan = loader.plan_load(LoadSpec(str(tiny_model("llama3", vocab_size=1024)), quantization="fp8_per_tensor",
+                                     dtype="bfloat16"))
+    places, sizes = loader.pack([t.nbytes for t in plan.tensors], 256, 1 << 20)
+    fill = StagedFill(plan, places, [torch.empty(n, dtype=torch.uint8) for n in sizes], None, SMALL)
+    seen_spread = False
+    for job in fill._jobs():
+        streams = {c.stream for c in fill._chunks(job, 0)}
+        if job.tensor.quantize:
+            assert streams <= {job.stream}, job.tensor.name
+        elif len(fill._chunks(job, 0)) >= SMALL.num_streams:
+            assert streams == set(range(SMALL.num_streams)), job.tensor.name
+            seen_spread = True
+    assert seen_spread
