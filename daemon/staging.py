@@ -7,9 +7,10 @@ buffer, each chunk on one of the streams (round-robin; all of an fp8 job's chunk
 job's stream). A reader thread takes a free buffer (waiting for the event of the copy that
 last read from it), preads a chunk into it, and enqueues on the chunk's stream: the copy
 into the slab (same dtype), or into a device temporary followed by a cast into the slab, or
-— for fp8 — into a device temporary holding the whole fused source. It then records the buffer's event and returns the buffer to the ring. For fp8, the
-thread that enqueues a job's last chunk also enqueues the amax/scale/quantize on the same
-stream, so stream order puts it after every copy of the job.
+— for fp8 — into a device temporary holding the whole fused source. It then records the
+buffer's event and returns the buffer to the ring. For fp8, the thread that enqueues a
+job's last chunk also enqueues the amax/scale/quantize on the same stream, so stream order
+puts it after every copy of the job.
 
 Per-chunk work is a few torch calls (every one of them takes the GIL, contended by the
 reader threads), so nothing else runs per tensor: the wsum32 checksums of all tensors are

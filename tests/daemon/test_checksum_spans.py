@@ -37,7 +37,8 @@ def _got(slab: torch.Tensor, spans: list[tuple[int, int]]) -> list[int]:
 def test_spans_equal_the_definition_for_packed_tensors_with_odd_sizes(alignment):
     rng = random.Random(alignment)
     # Odd sizes (fp8 scales of 4 bytes, 1- and 2-byte tails), exact rows, empty tensors, large ones.
-    sizes = [4, 0, 1, 2, 3, 255, 256, 257, 512, 1000, 4096 * 3 + 2, 70_001] + [rng.randrange(0, 9000) for _ in range(40)]
+    sizes = [4, 0, 1, 2, 3, 255, 256, 257, 512, 1000, 4096 * 3 + 2, 70_001]
+    sizes += [rng.randrange(0, 9000) for _ in range(40)]
     spans = _packed_spans(sizes, alignment)
     slab = _random_slab(spans[-1][0] + spans[-1][1] + 300, seed=alignment)   # garbage in every gap
     assert _got(slab, spans) == _expected(slab, spans)
