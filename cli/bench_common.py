@@ -44,16 +44,23 @@ class LoadedVariant:
             torch.cuda.empty_cache()
 
 
-@contextmanager
-def loaded_variant(model: str, dtype: str, quantization: str, device: str) -> Iterator[LoadedVariant]:
-    """Load MODEL as `resident serve`'s daemon would (cuda_vmm slabs on cuda, host_shm on cpu) and
-    close it all on exit, the runner first."""
+def load_into_slabs(model: str, dtype: str, quantization: str, device: str) -> tuple[Any, dict]:
+    """(the loader's result, tensor views) for MODEL in cuda_vmm slabs on cuda, host_shm on cpu;
+    the caller closes the slabs after dropping every view."""
     from resident.daemon.loader import LoadSpec, load
     from resident.daemon.memory import get_backend
 
     backend = get_backend("cuda_vmm" if device == "cuda" else "host_shm")
     loaded = load(LoadSpec(model, dtype=dtype, quantization=quantization), backend)
-    variant = LoadedVariant(loaded, loaded.table.views([s.readable() for s in loaded.slabs]), device)
+    return loaded, loaded.table.views([s.readable() for s in loaded.slabs])
+
+
+@contextmanager
+def loaded_variant(model: str, dtype: str, quantization: str, device: str) -> Iterator[LoadedVariant]:
+    """Load MODEL as `resident serve`'s daemon would (cuda_vmm slabs on cuda, host_shm on cpu) and
+    close it all on exit, the runner first."""
+    loaded, tensors = load_into_slabs(model, dtype, quantization, device)
+    variant = LoadedVariant(loaded, tensors, device)
     try:
         yield variant
     finally:
@@ -72,4 +79,4 @@ def finish_run(results: dict[str, Any], json_path: Path | None, ok: bool, failur
     shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["LoadedVariant", "finish_run", "loaded_variant"]
+__all__ = ["LoadedVariant", "finish_run", "load_into_slabs", "loaded_variant"]

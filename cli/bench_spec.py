@@ -46,9 +46,9 @@ MODES = ("plain", "draft", "ngram")
 
 
 def _load(model: str, device: str):
-    from resident.cli.bench_throughput import _load as load_variant
+    from resident.cli.bench_common import load_into_slabs
 
-    return load_variant(model, "auto", "none", device)
+    return load_into_slabs(model, "auto", "none", device)
 
 
 def _engine(mode: str, target, draft, k: int, ngram_max: int, batch: int, device: str, max_model_len: int):
