@@ -24,8 +24,9 @@ measured it (key: the rank-local config and TP size). Only --kv-cache-initial is
 before /ready; the rest grows after ready as for TP=1 (`AsyncEngine.start_kv_growth`): the
 growth thread's `map_kv_blocks` reaches the other ranks as a "map" command (each maps on a
 thread of its own, off its command loop), and the engine thread's `grow_kv_cache` as a
-"grow" command between the same two steps on every rank; each rank first says whether its
-mapping succeeded, and all ranks take the blocks or none does (`tp_kv.grow_in_lockstep`). The
+"grow" command between the same two steps on every rank; each rank says whether its mapping
+succeeded, then whether it took the blocks, and a failure on any rank raises on every rank
+(growth stops, the engine keeps its block count; `tp_kv.grow_in_lockstep`). The
 growth gate reads rank 0's GPU only (the ranks' GPUs hold the same shapes).
 
 Lifetimes: a child watches a pipe whose write end only rank 0 holds and exits when it
@@ -240,8 +241,8 @@ def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConf
             elif kind == "grow":
                 try:
                     grow_in_lockstep(group, runner, cmd[1], mapper.wait())
-                except ParallelError as e:
-                    logger.error("rank %d: %s", group.rank, e)
+                except Exception as e:  # noqa: BLE001 - rank 0 raised the same; all keep their blocks
+                    logger.warning("rank %d: %s", group.rank, e)
             elif kind == "build":
                 runner = _build_runner(group, model_config, weights, device, dict(cmd[1]))
             elif kind == "call":

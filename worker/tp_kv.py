@@ -8,7 +8,9 @@ ranks must take the same path) or measured on every rank, the largest taken by a
 stored by rank 0 under `tp_headroom_key` (rank-local config, TP size, this rank's weight
 dtypes, the GPU). Growth: rank 0's growth thread maps and sends "map"; each other rank maps
 on a `KVMapper` thread; the engine thread's grow reaches every rank between the same two
-steps, and `grow_in_lockstep` makes them all take the blocks or none.
+steps, and `grow_in_lockstep` makes them all take the blocks or none: every rank votes on
+its mapping, then on taking the blocks, so a failure on one rank (say it cannot map the
+memory) raises on every rank within the step instead of leaving the others in a collective.
 """
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ class KVMapper:
     """A child rank's background KV mapping (`TPRunner.map_kv_blocks` on rank 0 runs on its
     growth thread, off the engine thread; here it runs off the command loop the same way), and
     the lockstep check before the blocks are taken: `grow` waits for the mapping, then every
-    rank says whether its mapping succeeded (`ParallelGroup.all_min`) and all grow, or none."""
+    rank says whether its mapping succeeded (`grow_in_lockstep`) and all grow, or none."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -130,16 +132,38 @@ class KVMapper:
         return error
 
 
+def _vote(group: ParallelGroup, own: str | None) -> list[tuple[int, str]]:
+    """Every rank's failure (rank, cause) of one growth phase; empty when all succeeded. Every
+    rank reaches it whatever happened on it, so no rank waits in a collective another skips."""
+    return [(r, cause) for r, cause in enumerate(group.all_gather_object(own)) if cause is not None]
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def grow_in_lockstep(group: ParallelGroup, runner: Any, num_blocks: int, map_error: BaseException | None) -> None:
-    """Take `num_blocks` KV blocks on this rank if every rank mapped them (the same call runs
-    on every rank between the same two steps); else raise on every rank, none grows."""
-    ok = group.all_min(0 if map_error is not None else 1)
-    if not ok:
-        raise ParallelError(f"KV cache growth to {num_blocks} blocks: "
-                            + (f"this rank (rank {group.rank}) could not map them: {map_error}" if map_error
-                               else "another rank could not map them (see its log)")
-                            + "; every rank keeps the blocks it has")
-    runner.grow_kv_cache(num_blocks)
+    """Take `num_blocks` KV blocks on every rank or on none (the same call runs on every rank
+    between the same two steps). Two votes, each reached by every rank: did every rank map
+    them (`map_error`: this rank's mapping's), then did every rank take them (a CPU cache
+    allocates in `grow_kv_cache`; a GPU one maps what the mapping left). A failure anywhere
+    raises ParallelError on every rank naming the rank and its cause; the engine then hands
+    out none of the new blocks (a rank that took them keeps them unused), so serving goes on
+    with the old block count on every rank."""
+    failed = _vote(group, None if map_error is None else _cause(map_error))
+    phase = "map"
+    if not failed:
+        own = None
+        try:
+            if getattr(runner, "num_blocks", 0) < num_blocks:   # else taken by an earlier, failed attempt
+                runner.grow_kv_cache(num_blocks)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it in the vote below
+            own = _cause(e)
+        failed, phase = _vote(group, own), "take"
+    if failed:
+        raise ParallelError(f"KV cache growth to {num_blocks} blocks failed: "
+                            + "; ".join(f"rank {r} could not {phase} them ({cause})" for r, cause in failed)
+                            + ". Every rank keeps serving with the blocks the engine had; growth stops")
 
 
 __all__ = ["KVMapper", "grow_in_lockstep", "plan_rank_kv", "tp_headroom_key"]

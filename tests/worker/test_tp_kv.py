@@ -116,25 +116,58 @@ def test_too_little_memory_on_one_rank_names_the_fix(stub_gpu, rank_local, monke
 
 
 class Runner:
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False) -> None:
         self.grown: list[int] = []
+        self.fail = fail
+
+    @property
+    def num_blocks(self) -> int:
+        return self.grown[-1] if self.grown else 64
 
     def grow_kv_cache(self, n: int) -> None:
+        if self.fail:
+            raise MemoryError("cannot allocate the new blocks")
         self.grown.append(n)
 
 
-def test_growth_is_all_or_none():
+class VotingGroup:
+    """Rank 0 of a 2-rank group whose peer answers every all_gather_object with the next
+    scripted value (its failure cause, or None)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, peer: list[str | None]) -> None:
+        self.peer = list(peer)
+        self.seen: list[str | None] = []
+
+    def all_gather_object(self, obj):
+        self.seen.append(obj)
+        return [obj, self.peer.pop(0)]
+
+
+def test_growth_is_all_or_none_and_names_the_rank_that_failed():
     runner = Runner()
-    tp_kv.grow_in_lockstep(ScriptedGroup([1]), runner, 96, None)
+    tp_kv.grow_in_lockstep(VotingGroup([None, None]), runner, 96, None)
     assert runner.grown == [96]
 
-    with pytest.raises(ParallelError, match="another rank could not map them"):
-        tp_kv.grow_in_lockstep(ScriptedGroup([0]), runner, 128, None)   # the peer's mapping failed
-    group = ScriptedGroup([1])
-    with pytest.raises(ParallelError, match=r"this rank \(rank 0\) could not map them: out of memory"):
+    with pytest.raises(ParallelError, match=r"rank 1 could not map them \(MemoryError: cuMemCreate\)"):
+        tp_kv.grow_in_lockstep(VotingGroup(["MemoryError: cuMemCreate"]), runner, 128, None)
+    group = VotingGroup([None])
+    with pytest.raises(ParallelError, match=r"rank 0 could not map them \(MemoryError: out of memory\)"):
         tp_kv.grow_in_lockstep(group, runner, 128, MemoryError("out of memory"))
-    assert group.seen == [0]            # it told the others, so they do not grow either
+    assert group.seen == ["MemoryError: out of memory"]   # it told the others, so they do not grow either
     assert runner.grown == [96]
+
+    # Taking the blocks fails on one rank after every rank mapped them: all learn of it.
+    group = VotingGroup([None, None])
+    with pytest.raises(ParallelError, match=r"rank 0 could not take them \(MemoryError: cannot allocate"):
+        tp_kv.grow_in_lockstep(group, Runner(fail=True), 128, None)
+    assert group.seen == [None, "MemoryError: cannot allocate the new blocks"]
+    with pytest.raises(ParallelError, match=r"rank 1 could not take them"):
+        tp_kv.grow_in_lockstep(VotingGroup([None, "MemoryError: x"]), runner, 128, None)
+    assert runner.grown == [96, 128]   # this rank took them; the engine hands out none (it raised)
+    tp_kv.grow_in_lockstep(VotingGroup([None, None]), runner, 128, None)   # a retry does not grow it twice
+    assert runner.grown == [96, 128]
 
 
 def test_mapper_maps_off_the_calling_thread_and_reports_its_error_once():
