@@ -13,6 +13,7 @@ answers to the group's all-min scripted.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -188,3 +189,107 @@ def test_mapper_maps_off_the_calling_thread_and_reports_its_error_once():
     assert isinstance(mapper.wait(), MemoryError)
     assert mapper.wait() is None
     assert [n for n, _ in seen] == [64, 128] and all(name == "tp-kv-map" for _, name in seen)
+
+
+# --- a real 2-rank group over gloo: one rank cannot grow ------------------------------------
+#: Stands in for the child ranks' interpreter: makes rank FAIL_RANK's mapping (`map`: what a
+#: GPU rank does on its mapper thread) or taking of the blocks (`take`: where a CPU cache
+#: allocates) fail, then runs the real child (`python -m resident.worker.tp_executor SPEC`).
+INJECT = '''
+import json, runpy, sys
+from resident.worker.kv_cache import KVCache
+from resident.worker.model_runner import ModelRunner
+where, rank, module, spec = sys.argv[1], int(sys.argv[2]), sys.argv[4], sys.argv[5]
+if json.loads(spec)["rank"] == rank:
+    def fail(self, n):
+        raise MemoryError(f"cannot map {n} blocks (injected)")
+    if where == "map":
+        ModelRunner.map_kv_blocks = fail
+    else:
+        KVCache.grow = fail
+sys.argv = [module, spec]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+'''
+BOUND_S = 45
+
+
+def greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
+    from resident.worker.sampling_params import SamplingParams
+
+    tokens: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        tokens[f"r{i}"] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("where", ["map", "take"])
+def test_a_rank_that_cannot_grow_fails_the_growth_on_every_rank_and_the_group_keeps_serving(
+        tiny_model, tmp_path, monkeypatch, capfd, where):
+    """Rank 1 of a real 2-rank CPU group cannot map (or take) the new KV blocks: the growth
+    fails within the step on rank 0 with an error naming rank 1 and its cause (no rank is
+    left waiting in a collective until the 600 s gloo timeout), the engine keeps its block
+    count, and both ranks go on serving the same greedy tokens as before."""
+    import sys
+    import threading
+
+    from resident.daemon.loader import LoadSpec
+    from resident.worker.engine import LLMEngine
+    from resident.worker.engine_config import EngineConfig
+    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.tp_executor import TPGroup
+
+    inject = tmp_path / "inject.py"
+    inject.write_text(INJECT)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {inject} {where} 1 "$@"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))   # TPGroup spawns the children with it
+
+    path = tiny_model("qwen2")
+    config = EngineConfig(block_size=8, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=64)
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate((9, 21))]
+    result: dict = {}
+
+    def scenario() -> None:
+        store = group.open_store()
+        runner = group.build_runner(store.tensors, engine_config=config, max_num_kv_blocks=64)
+        engine = LLMEngine(config, runner)
+        try:
+            result["before"] = greedy(engine, prompts)
+            engine.prepare_kv_blocks(64)          # the growth thread's half
+            try:
+                engine.add_kv_blocks(48)          # the engine thread's half, between two steps
+            except ParallelError as e:
+                result["error"] = str(e)
+            result["blocks"] = engine.num_kv_blocks
+            result["after"] = greedy(engine, prompts)
+        finally:
+            runner.close()
+            store.close()
+
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        worker = threading.Thread(target=scenario, daemon=True)
+        worker.start()
+        worker.join(BOUND_S)
+        if worker.is_alive():
+            group._stopping.set()             # not a dead rank to exit for: the test fails instead
+            for p in group._procs:
+                p.kill()
+            pytest.fail(f"the group still hangs {BOUND_S} s after rank 1 could not grow its KV cache")
+    finally:
+        group.close()
+    verb = "map" if where == "map" else "take"
+    assert result.get("error") and re.search(rf"rank 1 could not {verb} them \(MemoryError: cannot map 64.*"
+                                             r"injected\)", result["error"]), result
+    assert "rank 0" not in result["error"]
+    assert result["blocks"] == 16
+    assert result["after"] == result["before"] and all(len(t) == 12 for t in result["after"])
+    assert re.search(r"tp-rank1 WARNING .*rank 1: KV cache growth to 64 blocks failed", capfd.readouterr().err)
