@@ -57,3 +57,20 @@ def test_bad_arguments_are_usage_errors(tiny_model):
         r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_throughput_of_a_tp2_group_on_cpu(tiny_model, tmp_path):
+    """`--tensor-parallel-size 2` measures a gloo TP group (rank 1 a child process) like TP=1."""
+    folder = tiny_model("llama", dtype="float32")
+    out = tmp_path / "tp2.json"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--batch-sizes", "1,2", "--context", "24", "--steps", "2", "--warmup-steps", "1",
+                        "--quantization", "none", "--tensor-parallel-size", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["tensor_parallel_size"] == 2
+    (variant,) = doc["variants"]
+    assert [res["batch"] for res in variant["results"]] == [1, 2]
+    for res in variant["results"]:
+        assert res["all_decode_steps"] and res["tokens_per_s"] > 0 and res["roofline_fraction"] > 0
