@@ -32,9 +32,10 @@ growth gate reads rank 0's GPU only (the ranks' GPUs hold the same shapes).
 Lifetimes: a child watches a pipe whose write end only rank 0 holds and exits when it
 closes (rank 0 died, however). Rank 0 watches its children: if one exits while the group
 serves, rank 0 logs which rank died and exits at once (the group cannot compute without
-it; waiting would hang in a collective). An error raised by a command on a child (e.g. a
-batch both ranks reject before any collective) is logged and the child keeps serving, as
-rank 0 does.
+it; waiting would hang in a collective). A forward-running command that raises on a child
+ends that child (rank 0 may be waiting in a collective of that forward, which the child
+will not join), so the group exits within seconds instead of after the collective timeout;
+a failed KV growth ends no rank (`tp_kv.grow_in_lockstep`).
 """
 from __future__ import annotations
 
@@ -248,8 +249,16 @@ def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConf
             elif kind == "call":
                 try:
                     getattr(runner, cmd[1])(*cmd[2])
-                except Exception as e:  # noqa: BLE001 - rank 0 raises the same error to its caller
-                    logger.error("rank %d: %s failed: %s", group.rank, cmd[1], e)
+                except Exception as e:
+                    if cmd[1] == "close":   # runs no collective
+                        logger.error("rank %d: close failed: %s", group.rank, e)
+                        continue
+                    # Rank 0 may be in a collective of this forward that this rank will never
+                    # join: exiting makes it exit at once (RANK_DIED_EXIT) rather than wait out the
+                    # collective timeout (600 s).
+                    raise ParallelError(f"rank {group.rank}: {cmd[1]} failed ({type(e).__name__}: {e}); this "
+                                        "rank exits so rank 0 does not wait in a collective it will not join "
+                                        "(the worker exits; a supervisor replaces it)") from e
             else:
                 raise ValueError(f"unknown tensor-parallel command {kind!r}")
     finally:

@@ -191,10 +191,10 @@ def test_mapper_maps_off_the_calling_thread_and_reports_its_error_once():
     assert [n for n, _ in seen] == [64, 128] and all(name == "tp-kv-map" for _, name in seen)
 
 
-# --- a real 2-rank group over gloo: one rank cannot grow ------------------------------------
-#: Stands in for the child ranks' interpreter: makes rank FAIL_RANK's mapping (`map`: what a
-#: GPU rank does on its mapper thread) or taking of the blocks (`take`: where a CPU cache
-#: allocates) fail, then runs the real child (`python -m resident.worker.tp_executor SPEC`).
+# --- a real 2-rank group over gloo whose rank 1 fails -----------------------------------------
+#: Stands in for the child ranks' interpreter: makes rank 1's mapping (`map`: what a GPU rank
+#: does on its mapper thread), taking of the blocks (`take`: where a CPU cache allocates) or
+#: step (`execute`) fail, then runs the real child (`python -m resident.worker.tp_executor SPEC`).
 INJECT = '''
 import json, runpy, sys
 from resident.worker.kv_cache import KVCache
@@ -205,12 +205,18 @@ if json.loads(spec)["rank"] == rank:
         raise MemoryError(f"cannot map {n} blocks (injected)")
     if where == "map":
         ModelRunner.map_kv_blocks = fail
-    else:
+    elif where == "take":
         KVCache.grow = fail
+    else:
+        def fail_step(self, out):
+            raise MemoryError("out of memory in the forward (injected)")
+        ModelRunner.execute = fail_step
 sys.argv = [module, spec]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 '''
 BOUND_S = 45
+CONFIG = dict(block_size=8, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate((9, 21))]
 
 
 def greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -226,13 +232,9 @@ def greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("where", ["map", "take"])
-def test_a_rank_that_cannot_grow_fails_the_growth_on_every_rank_and_the_group_keeps_serving(
-        tiny_model, tmp_path, monkeypatch, capfd, where):
-    """Rank 1 of a real 2-rank CPU group cannot map (or take) the new KV blocks: the growth
-    fails within the step on rank 0 with an error naming rank 1 and its cause (no rank is
-    left waiting in a collective until the 600 s gloo timeout), the engine keeps its block
-    count, and both ranks go on serving the same greedy tokens as before."""
+def run_with_failing_rank1(path, tmp_path, monkeypatch, where: str, scenario) -> None:
+    """`scenario(engine)` on rank 0 of a 2-rank CPU group of `path` whose rank 1 fails at
+    `where`; fails the test if it has not returned after BOUND_S seconds."""
     import sys
     import threading
 
@@ -248,48 +250,94 @@ def test_a_rank_that_cannot_grow_fails_the_growth_on_every_rank_and_the_group_ke
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {inject} {where} 1 "$@"\n')
     python.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(python))   # TPGroup spawns the children with it
-
-    path = tiny_model("qwen2")
-    config = EngineConfig(block_size=8, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=64,
-                          max_model_len=64)
+    config = EngineConfig(**CONFIG)
     serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
                         verify_sample=-1)
-    prompts = [[(7 * i + 3 * j) % 256 for j in range(n)] for i, n in enumerate((9, 21))]
-    result: dict = {}
 
-    def scenario() -> None:
+    def run() -> None:
         store = group.open_store()
         runner = group.build_runner(store.tensors, engine_config=config, max_num_kv_blocks=64)
-        engine = LLMEngine(config, runner)
         try:
-            result["before"] = greedy(engine, prompts)
-            engine.prepare_kv_blocks(64)          # the growth thread's half
-            try:
-                engine.add_kv_blocks(48)          # the engine thread's half, between two steps
-            except ParallelError as e:
-                result["error"] = str(e)
-            result["blocks"] = engine.num_kv_blocks
-            result["after"] = greedy(engine, prompts)
+            scenario(LLMEngine(config, runner))
         finally:
-            runner.close()
+            try:
+                runner.close()
+            except ParallelError:   # rank 1 is gone (the step test)
+                runner.runner.close()
             store.close()
 
     group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
     try:
-        worker = threading.Thread(target=scenario, daemon=True)
+        worker = threading.Thread(target=run, daemon=True)
         worker.start()
         worker.join(BOUND_S)
         if worker.is_alive():
             group._stopping.set()             # not a dead rank to exit for: the test fails instead
             for p in group._procs:
                 p.kill()
-            pytest.fail(f"the group still hangs {BOUND_S} s after rank 1 could not grow its KV cache")
+            pytest.fail(f"rank 0 still waits {BOUND_S} s after rank 1 failed at {where!r}")
     finally:
         group.close()
-    verb = "map" if where == "map" else "take"
-    assert result.get("error") and re.search(rf"rank 1 could not {verb} them \(MemoryError: cannot map 64.*"
+
+
+@pytest.mark.parametrize("where", ["map", "take"])
+def test_a_rank_that_cannot_grow_fails_the_growth_on_every_rank_and_the_group_keeps_serving(
+        tiny_model, tmp_path, monkeypatch, capfd, where):
+    """Rank 1 of a real 2-rank CPU group cannot map (or take) the new KV blocks: the growth
+    fails within the step on rank 0 with an error naming rank 1 and its cause (no rank is
+    left waiting in a collective until the 600 s gloo timeout), the engine keeps its block
+    count, and both ranks go on serving the same greedy tokens as before."""
+    result: dict = {}
+
+    def scenario(engine) -> None:
+        result["before"] = greedy(engine, PROMPTS)
+        engine.prepare_kv_blocks(64)          # the growth thread's half
+        try:
+            engine.add_kv_blocks(48)          # the engine thread's half, between two steps
+        except ParallelError as e:
+            result["error"] = str(e)
+        result["blocks"] = engine.num_kv_blocks
+        result["after"] = greedy(engine, PROMPTS)
+
+    run_with_failing_rank1(tiny_model("qwen2"), tmp_path, monkeypatch, where, scenario)
+    assert result.get("error") and re.search(rf"rank 1 could not {where} them \(MemoryError: cannot map 64.*"
                                              r"injected\)", result["error"]), result
     assert "rank 0" not in result["error"]
     assert result["blocks"] == 16
     assert result["after"] == result["before"] and all(len(t) == 12 for t in result["after"])
     assert re.search(r"tp-rank1 WARNING .*rank 1: KV cache growth to 64 blocks failed", capfd.readouterr().err)
+
+
+def test_a_rank_whose_step_fails_ends_the_group_at_once(tiny_model, tmp_path, monkeypatch, capfd):
+    """Rank 1's forward raises while rank 0 is in the step's collectives: rank 1 exits (it
+    will not join them), so rank 0's step fails within seconds and its rank watcher exits
+    the worker with RANK_DIED_EXIT for the supervisor, instead of waiting 600 s."""
+    import logging
+    import os
+    import threading
+
+    from resident.worker.tp_executor import RANK_DIED_EXIT
+
+    exited: list[int] = []
+    watched = threading.Event()
+
+    def record_exit(code: int) -> None:
+        exited.append(code)
+        watched.set()
+
+    monkeypatch.setattr(os, "_exit", record_exit)          # the watcher's exit: not this test process's
+    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    errors: list[BaseException] = []
+
+    def scenario(engine) -> None:
+        try:
+            greedy(engine, PROMPTS)
+        except Exception as e:  # noqa: BLE001 - what rank 0's engine thread would see
+            errors.append(e)
+        watched.wait(BOUND_S / 2)
+
+    run_with_failing_rank1(tiny_model("qwen2"), tmp_path, monkeypatch, "execute", scenario)
+    assert errors, "rank 0's step returned although rank 1 never joined its collectives"
+    assert exited == [RANK_DIED_EXIT]
+    assert re.search(r"rank 1: execute failed \(MemoryError: out of memory in the forward \(injected\)\); "
+                     r"this rank exits", capfd.readouterr().err)
