@@ -25,14 +25,12 @@ from resident.daemon.errors import (
     ResourceExhausted,
 )
 from resident.daemon.registry import Registry, ResidentModel
-from resident.daemon.source import SourceError
+from resident.daemon.source import ModelNotFound
 from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_MAJOR = 1
-# source.SourceError messages that mean "there is no such model" (NOT_FOUND, not INVALID_ARGUMENT).
-_SOURCE_NOT_FOUND = ("no such model folder", "not in the hub cache")
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ def _as_daemon_error(e: BaseException, model: str) -> DaemonError:
         return NotFound(f"cannot load {model}: {e}")
     if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.ENOSPC)):
         return ResourceExhausted(f"out of memory loading {model}: {e}; free memory or use --max-bytes")
-    if isinstance(e, SourceError) and any(p in str(e) for p in _SOURCE_NOT_FOUND):
+    if isinstance(e, ModelNotFound):
         return NotFound(str(e))
     name = type(e).__name__
     if isinstance(e, (ValueError, OSError, KeyError)):

@@ -25,6 +25,10 @@ class SourceError(ValueError):
     """A model that cannot be found or is not a loadable HF safetensors folder."""
 
 
+class ModelNotFound(SourceError):
+    """There is no such model: no such folder, or not in the hub cache (at that revision)."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     folder: Path
@@ -77,7 +81,7 @@ def resolve_model(model: str, revision: str | None = None, hub_cache: str | os.P
         cache = Path(hub_cache).expanduser() if hub_cache else default_hub_cache()
         folder, commit = _hub_snapshot(model, revision, cache)
         return _from_folder(folder, hub_id=model, revision=commit)
-    raise SourceError(f"no such model folder: {model} (nor is it a hub id of the form 'org/name')")
+    raise ModelNotFound(f"no such model folder: {model} (nor is it a hub id of the form 'org/name')")
 
 
 def _hub_snapshot(hub_id: str, revision: str | None, cache: Path) -> tuple[Path, str]:
@@ -89,19 +93,19 @@ def _hub_snapshot(hub_id: str, revision: str | None, cache: Path) -> tuple[Path,
         + f"` on a machine with network (into {cache}, or set HF_HUB_CACHE), or pass a local folder"
     )
     if not repo.is_dir():
-        raise SourceError(f"model {hub_id!r} not found: it is not a local folder and not in the hub cache {cache}; {hint}")
+        raise ModelNotFound(f"model {hub_id!r} not found: it is not a local folder and not in the hub cache {cache}; {hint}")
     if _COMMIT.match(rev) and (repo / "snapshots" / rev).is_dir():
         commit = rev
     else:
         ref = repo / "refs" / rev
         if not _is_inside(ref, repo / "refs") or not ref.is_file():
-            raise SourceError(f"revision {rev!r} of {hub_id!r} not found in the hub cache {cache}; {hint}")
+            raise ModelNotFound(f"revision {rev!r} of {hub_id!r} not found in the hub cache {cache}; {hint}")
         commit = ref.read_text().strip()
         if not _COMMIT.match(commit):
             raise SourceError(f"hub cache ref {ref} does not hold a commit hash ({commit[:60]!r}); {hint}")
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        raise SourceError(f"snapshot {commit} of {hub_id!r} not found in the hub cache {cache}; {hint}")
+        raise ModelNotFound(f"snapshot {commit} of {hub_id!r} not found in the hub cache {cache}; {hint}")
     return snapshot, commit
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from resident.daemon.source import SourceError, default_hub_cache, resolve_model
+from resident.daemon.source import ModelNotFound, SourceError, default_hub_cache, resolve_model
 
 from fake_hub import COMMIT, fake_hub
 
@@ -76,13 +76,13 @@ def test_hub_id_from_cache(tiny_model, tmp_path, monkeypatch):
     assert [p.name for p in src.files] == ["model.safetensors"]
     # A commit hash as revision, and a named ref.
     assert resolve_model("org/tiny", revision=COMMIT, hub_cache=str(tmp_path / "hub")).revision == COMMIT
-    with pytest.raises(SourceError, match="revision 'v2'.*huggingface-cli download org/tiny --revision v2"):
+    with pytest.raises(ModelNotFound, match="revision 'v2'.*huggingface-cli download org/tiny --revision v2"):
         resolve_model("org/tiny", revision="v2", hub_cache=str(tmp_path / "hub"))
 
 
 def test_hub_id_not_in_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SourceError, match="does not download.*huggingface-cli download org/absent"):
+    with pytest.raises(ModelNotFound, match="does not download.*huggingface-cli download org/absent"):
         resolve_model("org/absent", hub_cache=str(tmp_path / "hub"))
 
 
@@ -90,3 +90,14 @@ def test_default_hub_cache_precedence():
     assert default_hub_cache({"HF_HUB_CACHE": "/a", "HF_HOME": "/b"}) == Path("/a")
     assert default_hub_cache({"HF_HOME": "/b"}) == Path("/b/hub")
     assert default_hub_cache({}) == Path("~/.cache/huggingface/hub").expanduser()
+
+
+def test_missing_models_are_model_not_found_and_bad_ones_are_not(tiny_model, tmp_path):
+    """The daemon answers NOT_FOUND for ModelNotFound, INVALID_ARGUMENT for other SourceErrors."""
+    with pytest.raises(ModelNotFound, match="no such model folder"):
+        resolve_model(str(tmp_path / "absent"))
+    folder = tiny_model("llama")
+    (folder / "config.json").unlink()
+    with pytest.raises(SourceError, match="has no config.json") as e:
+        resolve_model(str(folder))
+    assert not isinstance(e.value, ModelNotFound)
