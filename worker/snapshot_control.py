@@ -259,6 +259,7 @@ class SnapshotControl:
         self.worker.store.detach()   # a paired draft's weights too: they live in the same slabs
         for kv in _kv_caches(self.worker.runner):
             kv.unmap()
+        _release_cached_gpu_memory(self.worker.runner)
         deadline = time.monotonic() + GRPC_THREADS_GONE_S
         while _grpc_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -425,3 +426,20 @@ def _fmt(ranges: list[dict[str, int]]) -> str:
 
 __all__ = ["CANARY_PROMPT", "CANARY_TOLERANCE", "Canary", "SnapshotControl", "SnapshotError", "SnapshotState",
            "admin_socket_for_pid", "thread_names"]
+
+
+def _release_cached_gpu_memory(runner: Any) -> None:
+    """Give the allocator's cached, unused blocks back to the driver before the checkpoint:
+    the driver copies every allocation of the process into the image, used or not. Blocks in
+    use (model buffers) and the CUDA graphs' private pools stay; their addresses do not move."""
+    device = getattr(runner, "device", None)
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return
+    import torch
+
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        logger.info("snapshot: released %.1f MiB of cached GPU memory before the checkpoint",
+                    (before - torch.cuda.memory_reserved()) / 2**20)
