@@ -39,7 +39,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -74,18 +73,11 @@ logger = logging.getLogger(__name__)
 
 
 def sd_notify(notify_socket: str | None, state: str) -> bool:
-    """Send one sd_notify datagram (systemd's documented protocol: "KEY=VALUE\\n..." to the
-    AF_UNIX datagram socket in $NOTIFY_SOCKET; a leading '@' means the abstract namespace)."""
-    if not notify_socket:
-        return False
-    addr = "\0" + notify_socket[1:] if notify_socket.startswith("@") else notify_socket
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.sendto(state.encode(), addr)
-        return True
-    except OSError as e:
-        logger.warning("sd_notify %r to %s failed: %s", state, notify_socket, e)
-        return False
+    """One sd_notify datagram to `notify_socket` ($NOTIFY_SOCKET, read by the CLI into the
+    config) through the daemon's implementation of systemd's protocol."""
+    from resident.daemon import sd_notify as notify
+
+    return notify.notify(state, env={"NOTIFY_SOCKET": notify_socket or ""})
 
 
 async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
