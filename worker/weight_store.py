@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from resident.daemon.errors import DaemonError, DaemonUnavailable, NotFound, PermissionDenied
+from resident.daemon.errors import DaemonError, DaemonUnavailable, InvalidArgument, NotFound, PermissionDenied
 from resident.daemon.loader import LoadSpec, key_for
 from resident.daemon.pairing import DRAFT_PREFIX, split_draft
 from resident.daemon.tensor_table import TensorTable, crc32_of
@@ -365,6 +365,10 @@ def _from_daemon(client: Any, spec: LoadSpec, key: str, model_dir: str, preload:
                 f"`resident preload load {spec.model}`") from None
         logger.warning("the daemon refused to load %s (%s): loading it in-process instead",
                        spec.display_name, e)
+    except InvalidArgument as e:   # e.g. GPU placement asked of a host_shm daemon
+        if preload == "require":
+            raise WeightStoreError(f"--preload require: the daemon cannot load {spec.display_name}: {e}") from None
+        logger.warning("the daemon cannot load %s (%s): loading it in-process instead", spec.display_name, e)
     except NotFound as e:
         if preload == "require":
             raise WeightStoreError(

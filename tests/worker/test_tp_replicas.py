@@ -179,11 +179,11 @@ def test_tp_replicas_on_two_gpus_roll_out_without_failures(short_tmp, tmp_path):
     KV cut into the supervisor's slices): a rollout under load fails no request and the
     greedy answer stays the same."""
     model = servable_tiny_model(tmp_path / "m", "qwen2")
-    d = daemon_helpers().start_daemon(short_tmp)
+    d = daemon_helpers().start_daemon(short_tmp, "--backend", "cuda_vmm")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
     env.pop("RESIDENT_SOCKET", None)
     sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
-                      "--preload", "auto", "--socket", d.socket, "--device", "cuda:0", "--max-model-len", "256",
+                      "--preload", "require", "--socket", d.socket, "--device", "cuda:0", "--max-model-len", "256",
                       "--gpu-memory-utilization", "0.3", "--drain-grace", "1", wait=True, env=env)
     try:
         port = int(sup.base_url.rsplit(":", 1)[1])
@@ -195,7 +195,8 @@ def test_tp_replicas_on_two_gpus_roll_out_without_failures(short_tmp, tmp_path):
         out = subprocess.run([sys.executable, "-m", "resident.cli.main", "rollout", "--port", str(port)],
                              env=env, capture_output=True, text=True, timeout=300)
         load.stop(60)
-        assert out.returncode == 0 and "rollout complete" in out.stdout, out.stdout + out.stderr
+        assert out.returncode == 0 and "rollout complete" in out.stdout, (
+            f"{out.stdout}{out.stderr}\n--- supervisor log:\n{sup.log_path.read_text()[-6000:]}")
         assert not load.failures()
         ready_replicas(ctl, 2)
         assert completion(sup.base_url) == want

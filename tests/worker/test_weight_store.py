@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import resident.daemon.client as client_module
-from resident.daemon.errors import DaemonUnavailable, NotFound, PermissionDenied
+from resident.daemon.errors import DaemonUnavailable, InvalidArgument, NotFound, PermissionDenied
 from resident.daemon.loader import LoadSpec, key_for
 from resident.daemon.tensor_table import TensorEntry, TensorTable, crc32_of
 from resident.worker import weight_store
@@ -136,6 +136,20 @@ def test_daemon_refusing_load_falls_back_with_a_warning_or_fails_under_require(f
     assert "refused" in caplog.text and fake.instances[0].closed
     with pytest.raises(WeightStoreError, match="admin"):
         open_store(LoadSpec(model=str(model_dir)), "require", "/s.sock")
+
+
+def test_daemon_unable_to_place_the_load_falls_back_or_fails_under_require(fake, model_dir, caplog):
+    """A TP group on GPUs asking a host_shm daemon for per-GPU shards: the daemon refuses the
+    placement; `auto` loads in-process with a warning naming why, `require` fails with it."""
+    fake.load_error = InvalidArgument("device 'cuda:0' in --devices: the daemon's host_shm backend keeps weights "
+                                      "in host memory; start the daemon with --backend cuda_vmm")
+    spec = LoadSpec(model=str(model_dir), tensor_parallel_size=2, devices=("cuda:0", "cuda:1"))
+    with caplog.at_level(logging.WARNING, logger="resident.worker.weight_store"):
+        store = open_store(spec, "auto", "/s.sock", device="cuda:1", tp_rank=1)
+    assert isinstance(store, FakeLocal) and store.device == "cuda:1"
+    assert "cannot load" in caplog.text and "cuda_vmm" in caplog.text and fake.instances[0].closed
+    with pytest.raises(WeightStoreError, match="--preload require: the daemon cannot load .*cuda_vmm"):
+        open_store(spec, "require", "/s.sock", device="cuda:1", tp_rank=1)
 
 
 def test_unknown_preload_mode(model_dir):
