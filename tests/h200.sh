@@ -5,7 +5,8 @@
 # Usage: OUT=/some/dir tests/h200.sh [STEP ...]
 #   steps: gputests checkpoint restart throughput handover ceiling (default: these, in order);
 #          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
-#   tp (not in the default; needs 2 GPUs, ~240 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
+#   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
+#   criu: copy .devdata/criu (cp -a ~/.cache/resident/criu .devdata/ here; carry it) where the snapshot tests find it
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
@@ -18,12 +19,18 @@ export PYTHONPATH=/tmp/rp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_O
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random; LOG="$OUT/log.txt"
 step() { echo "=== $1 ($(date +%T))" >> "$LOG"; }
+# Processes a step leaves behind (a test killed by its timeout leaves its serve/daemon children,
+# which run in their own sessions and hold GPU memory) would skew every later step: end them.
+cleanup() {
+  pkill -9 -f 'resident\.(cli\.main|daemon|worker)' 2>/dev/null && echo "(ended processes left by $1)" >> "$LOG"
+  sleep 1; nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' ' >> "$LOG"; echo >> "$LOG"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG" 2>&1
 for s in $steps; do
   step "$s"
   case "$s" in
     gputests)
-      timeout "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
+      timeout -s INT -k 20 "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
         --timeout 90 --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
     checkpoint)
       timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b --force >> "$LOG" 2>&1 ;;
@@ -39,12 +46,15 @@ for s in $steps; do
       timeout "${CEILING_TIMEOUT:-60}" python3 tests/gpu_io_ceiling.py $M --json "$OUT/ceiling.json" >> "$LOG" 2>&1 ;;
     tp)   # issue 8 on 2 GPUs: the 2-GPU tests, restart of a TP=2 group (cold vs from the daemon), TP=2 decode
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
-      timeout "${TP_TESTS_TIMEOUT:-100}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s --timeout 90 \
-        tests/worker/test_tensor_parallel_gpu.py >> "$LOG" 2>&1; echo "tp gpu tests rc=$?" >> "$LOG"
+      timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s \
+        --timeout 120 tests/worker/test_tensor_parallel_gpu.py tests/worker/test_tp_replicas.py >> "$LOG" 2>&1
+      echo "tp gpu tests rc=$?" >> "$LOG"; cleanup tp-tests
       timeout "${TP_RESTART_TIMEOUT:-100}" $B restart $M --device cuda --runs 1 --tensor-parallel-size 2 \
         --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
       timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
         --tensor-parallel-size 2 --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
+    criu)     # snapshot tests: the CRIU that `.ci/setup` installed here, carried as .devdata/criu
+      mkdir -p /root/.cache/resident && cp -a .devdata/criu /root/.cache/resident/ >> "$LOG" 2>&1 ;;
     gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)
       mkdir -p /tmp/gguf-parts && cp .devdata/smollm2.gguf.part-aa /tmp/gguf-parts/ >> "$LOG" 2>&1 ;;
     model)    # second call: join the halves, install gguf, prepare the default model in /tmp/models
@@ -61,6 +71,7 @@ for s in $steps; do
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
   echo "--- $s rc=$? ($(date +%T))" >> "$LOG"
+  cleanup "$s"
 done
 tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log 2>/dev/null
 tail -n 60 "$LOG"
