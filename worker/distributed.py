@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,10 +62,21 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def open_store_master(size: int, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port (`.port`); pass it to ParallelGroup(store=...)."""
-    return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+def open_store_master(size: int, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
+                      listen_fd: int | None = None) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (`.port`), or on the listening socket `listen_fd`
+    (bound before the ranks were spawned, see tp_spawn.py; the store takes the fd over and
+    closes it); pass it to ParallelGroup(store=...)."""
+    if listen_fd is None:
+        return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    port = socket.socket(fileno=os.dup(listen_fd))
+    try:
+        bound = port.getsockname()[1]
+    finally:
+        port.close()
+    return dist.TCPStore(host, bound, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listen_fd)
 
 
 class ParallelGroup:

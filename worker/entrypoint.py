@@ -187,9 +187,18 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     count, and the device (its CUDA context counted as "cuda_context"). None, after logging
     why, when the device cannot be used."""
     from resident.worker.cuda_preinit import start_context_preinit
+    from resident.worker.tp_spawn import spawn_early
+    from resident.worker.triton_prefetch import start_triton_prefetch
 
+    t_begin = time.time()
+    spawn_early(config)   # TP: the other ranks import torch while this one does (tp_spawn.py)
     preinit = start_context_preinit(config.device)   # the CUDA context, created while torch imports
     import torch
+
+    t_torch = time.time()
+    # Triton's once-per-process work (hashing libtriton.so, ptxas, its driver) in a thread that
+    # releases the GIL: it overlaps the imports below and the attach instead of the warm-up.
+    prefetch = start_triton_prefetch(config.device, preinit.wait if preinit is not None else None)
 
     import resident.worker.engine  # noqa: F401
     import resident.worker.model_runner  # noqa: F401
@@ -203,16 +212,24 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     if config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     startup = StartupTimer(t0)
-    startup.phases["import"] = time.time() - t0
+    t_imported = time.time()
+    startup.phases["import"] = t_imported - t0
+    logger.info("import breakdown: %.2f s to the serve command (interpreter, CLI, HTTP server), torch %.2f s, "
+                "worker modules %.2f s", t_begin - t0, t_torch - t_begin, t_imported - t_torch)
     if preinit is not None:
         preinit.join()
     try:
         device = resolve_device(config.device)
     except ValueError as e:
+        if prefetch is not None:
+            prefetch.set_device(None)
         logger.error("%s could not start: %s", who, e)
         return None
     if device.type == "cuda":
         startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
+    if prefetch is not None:
+        prefetch.set_device(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        startup.triton_prefetch = prefetch
     return replace(config, device=str(device)), startup
 
 

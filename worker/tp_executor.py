@@ -49,7 +49,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from resident.daemon.loader import LoadSpec
 from resident.worker.config import ModelConfig
 from resident.worker.distributed import ParallelConfig, ParallelError, ParallelGroup, backend_for, open_store_master
 from resident.worker.tp_kv import KVMapper, grow_in_lockstep, plan_rank_kv, tp_headroom_key
+from resident.worker.tp_spawn import RankLaunch, spawn_ranks, take_early
 from resident.worker.weight_store import WeightStore, open_store
 
 logger = logging.getLogger(__name__)
@@ -267,23 +267,6 @@ def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConf
             runner.close()
 
 
-@dataclass(frozen=True)
-class RankLaunch:
-    """What a child rank needs, passed as JSON on its command line."""
-
-    rank: int
-    size: int
-    store_port: int
-    devices: list[str]      # every rank's
-    spec: dict
-    preload: str
-    socket: str | None
-    verify_sample: int
-    cpu_threads: int | None
-    parent_fd: int = -1   # read end of rank 0's lifeline pipe
-    command_fd: int = -1  # read end of rank 0's command pipe to this rank
-
-
 class TPGroup:
     """Rank 0's handle on the group: spawn, weights, KV plan, runner, shutdown."""
 
@@ -295,29 +278,19 @@ class TPGroup:
         self.config, self.spec = config, spec
         self._stopping = threading.Event()
         self._procs: list[subprocess.Popen] = []
-        self._store = open_store_master(size)
-        read_fd, self._lifeline = os.pipe()
-        command_fds: list[int] = []
-        try:
-            for r in range(1, size):
-                cmd_read, cmd_write = os.pipe()
-                command_fds.append(cmd_write)
-                launch = RankLaunch(rank=r, size=size, store_port=self._store.port, devices=self.devices,
-                                    spec=dataclasses.asdict(spec), preload=config.preload, socket=config.socket,
-                                    verify_sample=config.verify_sample, cpu_threads=config.cpu_threads,
-                                    parent_fd=read_fd, command_fd=cmd_read)
-                cmd = [sys.executable, "-m", "resident.worker.tp_executor", json.dumps(dataclasses.asdict(launch))]
-                try:
-                    self._procs.append(subprocess.Popen(cmd, pass_fds=(read_fd, cmd_read)))
-                finally:
-                    os.close(cmd_read)
-        finally:
-            os.close(read_fd)
+        early = take_early(self.devices, lambda fields: LoadSpec(**fields) == spec)
+        spawned = early or spawn_ranks(config, self.devices, dataclasses.asdict(spec))
+        try:   # the store owns the socket from here on (it closes the fd itself)
+            self._store = open_store_master(size, listen_fd=spawned.listener.detach())
+        except BaseException:
+            spawned.abort()
+            raise
+        self._procs, self._lifeline, command_fds = spawned.procs, spawned.lifeline, spawned.command_fds
         self._commands = CommandPipe(command_fds)
         for r, p in enumerate(self._procs, start=1):
             threading.Thread(target=self._watch, args=(r, p), name=f"tp-rank{r}-watch", daemon=True).start()
-        logger.info("tensor parallel: %d ranks on %s (children pids %s)", size, ", ".join(self.devices),
-                    ", ".join(str(p.pid) for p in self._procs))
+        logger.info("tensor parallel: %d ranks on %s (children pids %s, started %s)", size, ", ".join(self.devices),
+                    ", ".join(str(p.pid) for p in self._procs), "before the imports" if early else "now")
         self.group = ParallelGroup(ParallelConfig(0, size, backend_for(device), store_port=self._store.port),
                                    store=self._store)
         self.formed_s = time.monotonic() - t0

@@ -346,6 +346,7 @@ def test_serve_tp2_over_http_equals_tp1_and_dies_with_a_rank(tmp_path):
     tp2 = start_serve(model, log, *args, "--tensor-parallel-size", "2")
     try:
         assert [completion(tp2.base_url, p) for p in prompts] == want
+        assert "started before the imports" in log.read_text()   # tp_spawn: rank 1 imported beside rank 0
         child = int(re.search(r"children pids (\d+)", log.read_text()).group(1))
         os.kill(child, signal.SIGKILL)
         deadline = time.monotonic() + 30

@@ -1,0 +1,74 @@
+"""tp_spawn: the other tensor-parallel ranks started before rank 0's imports (no torch)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from resident.worker import tp_spawn
+
+
+@pytest.mark.parametrize(("device", "want"), [
+    ("cpu", ["cpu", "cpu"]), ("cuda", ["cuda:0", "cuda:1"]), ("cuda:2", ["cuda:2", "cuda:3"]), ("npu", None)])
+def test_early_devices(device, want):
+    assert tp_spawn.early_devices(device, 2) == want
+
+
+def test_auto_guesses_from_the_driver_and_visible_devices(monkeypatch):
+    monkeypatch.setattr(tp_spawn.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert tp_spawn.early_devices("auto", 2) == ["cuda:0", "cuda:1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert tp_spawn.early_devices("auto", 2) == ["cpu", "cpu"]
+    monkeypatch.setattr(tp_spawn.os.path, "exists", lambda p: False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert tp_spawn.early_devices("auto", 2) == ["cpu", "cpu"]
+
+
+def _config(**kw):
+    base = dict(tensor_parallel_size=2, device="cpu", model="/m", served_model_name="m", dtype="auto",
+                quantization="none", revision=None, hub_cache=None, speculative=None, preload="off", socket=None,
+                verify_sample=16, cpu_threads=1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_the_module_imports_no_torch():
+    code = "import sys, resident.worker.tp_spawn; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_take_early_adopts_matching_ranks_and_stops_others(monkeypatch):
+    """A mismatch (other devices or another spec) stops the early children; a match hands them over once."""
+    started = []
+
+    class FakeProc:
+        def __init__(self, cmd, pass_fds):
+            self.cmd, self.waited = cmd, False
+            started.append(self)
+
+        def wait(self, timeout=None):
+            self.waited = True
+            return 0
+
+    monkeypatch.setattr(tp_spawn.subprocess, "Popen", FakeProc)
+    assert tp_spawn.spawn_early(_config(tensor_parallel_size=1)) is None
+    early = tp_spawn.spawn_early(_config())
+    assert early is not None and len(early.procs) == 1 and early.port > 0
+    assert '"store_port": %d' % early.port in started[0].cmd[-1]
+    assert tp_spawn.take_early(["cpu", "cpu"], lambda spec: spec["model"] == "/m") is early
+    assert tp_spawn.take_early(["cpu", "cpu"], lambda spec: True) is None   # taken already
+    early.abort()
+
+    tp_spawn.spawn_early(_config())
+    assert tp_spawn.take_early(["cuda:0", "cuda:1"], lambda spec: True) is None
+    assert started[-1].waited   # stopped: its lifeline closed
+
+
+def test_spec_fields_build_the_load_spec():
+    from resident.daemon.loader import LoadSpec
+
+    spec = LoadSpec(**tp_spawn.spec_fields(_config(speculative=SimpleNamespace(draft_model="/d"))))
+    assert spec.model == "/m" and spec.draft == "/d" and spec.tensor_parallel_size == 1
