@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 VARIANTS = ("hf", "cold", "warm")
 LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon"}
 _ATTACH = re.compile(r"attached \S+ from the preload daemon in ([0-9.]+) s")
+_ATTACH_BREAKDOWN = re.compile(r"attached \S+ from the preload daemon in [0-9.]+ s \(lease \S+; ([^)]+ ms)\)")
 _STAGED = re.compile(r"staged load: .*")
 #: Worker log lines kept per run: how kv_alloc split (and whether the activation headroom came
 #: from the KV profile cache), and the CUDA context made while torch imported.
@@ -171,7 +172,8 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
         row["attach_s_per_rank"] = attaches
         row["tp_ranks"] = [{"rank": int(r), "import_s": float(i), "group_s": float(g), "shard_s": float(sh),
                             "source": src} for r, i, g, sh, src in _TP_RANK.findall(text)]
-    for key, pattern, group in (("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
+    for key, pattern, group in (("attach_breakdown", _ATTACH_BREAKDOWN, 1),
+                                ("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
                                 ("cuda_preinit", _PREINIT, 0)):
         found = pattern.search(text)
         if found:
@@ -400,7 +402,7 @@ def _report(results: dict, variants: list[str]) -> None:
             click.echo(f"{'':<28}  attach: the daemon's Attach handler took {r['daemon_attach_s'] * 1e3:.2f} ms of it "
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
-        for key in ("kv_alloc_breakdown", "cuda_preinit"):
+        for key in ("attach_breakdown", "kv_alloc_breakdown", "cuda_preinit"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
         if "tp_group_s" in r:

@@ -90,6 +90,13 @@ class AttachedModel:
     draft_tensors: dict[str, Any] | None = None
     draft_config: dict | None = None
     tp_rank: int = 0  # the tensor-parallel rank whose shard `tensors` are (0 when unsharded)
+    #: Where attach_s went, in seconds: "rpc" (the Attach call, with the imports it overlaps),
+    #: "fds" (the slab fds over the fd socket), "map" (import and map the slabs), "views"
+    #: (table validation and one view per tensor).
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def describe_breakdown(self) -> str:
+        return ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.breakdown.items()) + " ms" if self.breakdown else ""
 
 
 class Client:
@@ -257,7 +264,9 @@ class Client:
         try:
             if expected_key and reply.model.key != expected_key:
                 raise StaleModel(f"stale model key: daemon returned {reply.model.key}, expected {expected_key}")
+            t_rpc = time.perf_counter()
             fds = self._fetch_fds(reply.lease_id, len(reply.slabs))
+            t_fds = time.perf_counter()
             descs = [SlabDesc(index=info.index, nbytes=info.nbytes, backend=info.backend, device=info.device,
                               device_uuid=info.device_uuid, ipc_handle=bytes(info.ipc_handle))
                      for info in sorted(reply.slabs, key=lambda s: s.index)]
@@ -273,6 +282,7 @@ class Client:
                 for fd in fds.values():
                     os.close(fd)
             slabs = mapping.tensors
+            t_map = time.perf_counter()
             if [s.index for s in sorted(reply.slabs, key=lambda s: s.index)] != list(range(len(slabs))):
                 raise DaemonError("the daemon described slabs with non-contiguous indices")
             table = TensorTable.from_proto(reply.tensors)
@@ -289,6 +299,8 @@ class Client:
             except DaemonError:
                 pass
             raise
+        t_views = time.perf_counter()
+        breakdown = {"rpc": t_rpc - start, "fds": t_fds - t_rpc, "map": t_map - t_fds, "views": t_views - t_map}
         draft_tensors = draft_config = None
         if reply.model.draft_key:
             tensors, draft_tensors = split_draft(tensors)
@@ -296,7 +308,8 @@ class Client:
         return AttachedModel(lease_id=reply.lease_id, info=reply.model, tensors=tensors,
                              config=json.loads(reply.model.config_json or "{}"),
                              attach_s=time.perf_counter() - start, slabs=slabs, table=table, mapping=mapping,
-                             draft_tensors=draft_tensors, draft_config=draft_config, tp_rank=reply.tp_rank)
+                             draft_tensors=draft_tensors, draft_config=draft_config, tp_rank=reply.tp_rank,
+                             breakdown=breakdown)
 
     def _fetch_fds(self, lease_id: str, num_slabs: int) -> dict[int, int]:
         reply, fds = self._fd_call(fpb.FdRequest(fetch_fds=fpb.FetchFds(lease_id=lease_id)), want_fds=True)

@@ -189,8 +189,8 @@ class RemoteStore(WeightStore):
         self.num_tensors = len(attached.tensors)
         self.backend = attached.info.backend
         self.mapping = getattr(attached, "mapping", None)   # memory.SlabMapping (snapshot detach)
-        logger.info("attached %s from the preload daemon in %.3f s (lease %s)", model_key[:16],
-                    attached.attach_s, attached.lease_id)
+        logger.info("attached %s from the preload daemon in %.3f s (lease %s; %s)", model_key[:16],
+                    attached.attach_s, attached.lease_id, attached.describe_breakdown())
         self._start_watch()
 
     def _start_watch(self) -> None:

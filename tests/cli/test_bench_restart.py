@@ -4,6 +4,7 @@ picture, and records a failing variant instead of losing the others."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,8 @@ def test_restart_cold_and_warm_with_json_and_plot(tiny_ckpt, tmp_path):
         assert {"import", "weights", "kv_alloc", "warmup"} <= set(res["phases"])
         assert res["phases"]["import"] < res["ready_s"]
     assert 0 < doc["warm"]["attach_s"] < 1.0  # parsed from the warm worker's log
+    assert re.fullmatch(r"rpc [0-9.]+, fds [0-9.]+, map [0-9.]+, views [0-9.]+ ms",
+                        doc["warm"]["runs"][0]["attach_breakdown"])
     svg = pic.read_text()
     assert svg.startswith("<svg") and "(c) resident + daemon" in svg and "weights" in svg
 
