@@ -7,11 +7,17 @@ times, in microseconds per call:
 - `quant ref`: the reference activation quantization (eager torch ops: cast, abs, amax,
   divide, clamp, divide, clamp, cast) — what fp8 decode paid before the fused kernel;
 - `quant fused`: the Triton kernel (`kernels/fp8_quant.py`);
-- `fp8 linear`: the whole fp8 GEMM as the engine runs it (fused quantization + `_scaled_mm`);
+- `fp8 linear`: the whole fp8 GEMM as the engine runs it (fused quantization + `_scaled_mm`;
+  at M <= `fp8_gemv.MAX_TOKENS` the GEMV kernel instead);
 - `bf16 linear`: `F.linear` on bf16 weights of the same shape;
 - `weight roofline`: the weight bytes (1 per fp8 element) over the device's copy bandwidth
   (a 2 GiB device-to-device copy: read + written bytes per second), the GEMM's lower bound
   at decode sizes, and its fraction of the measured fp8 linear time.
+
+A second table compares, at `--gemv-tokens` (decode batch sizes), the decode GEMV kernel
+(`kernels/fp8_gemv.py`: after the quantize kernel, and with the quantization fused in) with
+the quantize kernel + `_scaled_mm`: microseconds, weight bytes read per second (GB/s) and
+that rate's share of the copy bandwidth, with the split-K factor the GEMV picked.
 
 Calls are captured `--reps` at a time in a CUDA graph (as decode steps run in the engine)
 and replayed `--iters` times between CUDA events; `--eager` times plain launches instead.
@@ -31,6 +37,10 @@ from resident.cli.common import format_table
 
 #: (name, out_features N, in_features K) of one Llama-3-8B decoder layer's GEMMs.
 LLAMA3_8B_LINEARS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+#: Token counts of the GEMV vs _scaled_mm comparison (decode batch sizes).
+GEMV_TOKENS = (1, 8, 16, 64)
+#: `fp8_gemv.MAX_SUPPORTED_TOKENS`, repeated so that parsing options imports neither torch nor triton.
+GEMV_MAX_TOKENS = 64
 
 
 def _parse_counts(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -40,6 +50,13 @@ def _parse_counts(ctx: click.Context, param: click.Parameter, value: str) -> lis
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not counts or min(counts) < 1:
         raise click.BadParameter(f"expected positive integers, got {value!r}")
+    return counts
+
+
+def _parse_gemv_counts(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    counts = _parse_counts(ctx, param, value)
+    if max(counts) > GEMV_MAX_TOKENS:
+        raise click.BadParameter(f"the GEMV kernel takes at most {GEMV_MAX_TOKENS} tokens, got {max(counts)}")
     return counts
 
 
@@ -81,7 +98,45 @@ def copy_bandwidth_bytes_per_s() -> float:
     return 2 * src.numel() * src.element_size() / (us / 1e6)
 
 
-def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool) -> dict[str, Any]:
+def _gemv_rows(name: str, w_q: Any, w_scale: Any, token_counts: list[int], bw: float, reps: int, iters: int,
+               graph: bool) -> list[dict[str, Any]]:
+    """The GEMV (unfused, fused) vs quantize + `_scaled_mm` at each token count, for one weight."""
+    import torch
+
+    from resident.worker.kernels.fp8_gemv import MAX_SUPPORTED_TOKENS, fp8_gemv, pick_config
+    from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
+
+    def scaled_mm(x: torch.Tensor) -> torch.Tensor:
+        x_q, s_a = quantize_fp8_per_tensor(x)
+        return torch._scaled_mm(x_q, w_q.t(), scale_a=s_a, scale_b=w_scale, out_dtype=x.dtype)
+
+    def gemv(x: torch.Tensor) -> torch.Tensor:
+        x_q, s_a = quantize_fp8_per_tensor(x)
+        return fp8_gemv(x_q, s_a, w_q, w_scale, None, x.dtype)
+
+    n, k = w_q.shape
+    sms = torch.cuda.get_device_properties(w_q.device).multi_processor_count
+    rows = []
+    for m in token_counts:
+        if m > MAX_SUPPORTED_TOKENS:
+            continue
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row: dict[str, Any] = {"linear": name, "n": n, "k": k, "tokens": m,
+                               "split_k": pick_config(m, n, k, sms).split_k}
+        for key, fn in (("scaled_mm", lambda: scaled_mm(x)), ("gemv", lambda: gemv(x)),
+                        ("gemv_fused", lambda: fp8_gemv(x, None, w_q, w_scale, None, x.dtype, fuse_quant=True))):
+            us = _time_us(fn, reps, iters, graph)
+            row[f"{key}_us"] = us
+            row[f"{key}_gb_s"] = n * k / (us * 1e-6) / 1e9
+            row[f"{key}_of_copy"] = n * k / (us * 1e-6) / bw
+        rows.append(row)
+    return rows
+
+
+def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool,
+                     gemv_tokens: list[int] | None = None) -> dict[str, Any]:
+    """Rows per (linear, token count); `gemv_rows` per (linear, gemv token count) (None:
+    GEMV_TOKENS; counts above the GEMV's MAX_SUPPORTED_TOKENS are left out)."""
     import torch
     import torch.nn.functional as F
 
@@ -91,6 +146,7 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
 
     bw = copy_bandwidth_bytes_per_s()
     rows = []
+    gemv_rows = []
     for name, n, k in LLAMA3_8B_LINEARS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         w_scale = (w.float().abs().amax() / FP8_MAX).reshape(())
@@ -105,27 +161,32 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
                    "weight_roofline_us": n * k / bw * 1e6}
             row["fp8_of_roofline"] = row["weight_roofline_us"] / row["fp8_linear_us"]
             rows.append(row)
+        gemv_rows += _gemv_rows(name, w_q, w_scale, list(GEMV_TOKENS if gemv_tokens is None else gemv_tokens), bw,
+                                reps, iters, graph)
         del w, w_q
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gb_s": bw / 1e9,
-            "graph": graph, "reps": reps, "iters": iters, "rows": rows}
+            "graph": graph, "reps": reps, "iters": iters, "rows": rows, "gemv_rows": gemv_rows}
 
 
 @click.command("kernels")
 @click.option("--tokens", "token_counts", default="1,64,2048", show_default=True, callback=_parse_counts,
               help="Comma-separated token counts (decode batch sizes, prefill chunk).")
+@click.option("--gemv-tokens", "gemv_tokens", default=",".join(map(str, GEMV_TOKENS)), show_default=True,
+              callback=_parse_gemv_counts, help="Token counts of the GEMV vs _scaled_mm comparison (at most 64).")
 @click.option("--reps", default=20, show_default=True, type=click.IntRange(min=1),
               help="Calls per captured graph (or per eager timing loop).")
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="Timed replays.")
 @click.option("--eager", is_flag=True, help="Time eager launches instead of CUDA-graph replays.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
-def bench_kernels(token_counts: list[int], reps: int, iters: int, eager: bool, json_path: Path | None) -> None:
+def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, iters: int, eager: bool,
+                  json_path: Path | None) -> None:
     """fp8 activation quantization (reference vs fused) and fp8 vs bf16 linears at Llama-3-8B shapes."""
     import torch
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench kernels needs a CUDA GPU (the kernels it times are GPU kernels)")
-    doc = run_kernel_bench(token_counts, reps, iters, graph=not eager)
+    doc = run_kernel_bench(token_counts, reps, iters, graph=not eager, gemv_tokens=gemv_tokens)
     click.echo(f"{doc['gpu']}, torch {doc['torch']}; copy bandwidth {doc['copy_bandwidth_gb_s']:.0f} GB/s; "
                f"{'CUDA-graph replays' if doc['graph'] else 'eager launches'}; microseconds per call")
     click.echo(format_table(
@@ -134,6 +195,14 @@ def bench_kernels(token_counts: list[int], reps: int, iters: int, eager: bool, j
         [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"], f"{r['quant_ref_us']:.1f}", f"{r['quant_fused_us']:.1f}",
           f"{r['fp8_linear_us']:.1f}", f"{r['bf16_linear_us']:.1f}", f"{r['weight_roofline_us']:.1f}",
           f"{100 * r['fp8_of_roofline']:.0f} %"] for r in doc["rows"]]))
+    click.echo("\nfp8 decode GEMV vs quantize + _scaled_mm: microseconds per call, weight GB/s, % of copy bandwidth")
+    click.echo(format_table(
+        ["LINEAR", "N x K", "TOKENS", "SCALED_MM", "GB/S", "OF COPY", "GEMV", "GB/S", "OF COPY", "GEMV FUSED",
+         "GB/S", "OF COPY", "SPLIT K"],
+        [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"],
+          *(v for key in ("scaled_mm", "gemv", "gemv_fused")
+            for v in (f"{r[key + '_us']:.1f}", f"{r[key + '_gb_s']:.0f}", f"{100 * r[key + '_of_copy']:.0f} %")),
+          r["split_k"]] for r in doc["gemv_rows"]]))
     if json_path:
         json_path.write_text(json.dumps(doc, indent=2))
         click.echo(f"wrote {json_path}")

@@ -10,13 +10,22 @@ row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-maj
 [N, K] weight, no copy), K and N multiples of 16, and scales as float32 tensors of one
 element. Shapes it cannot take (K or N not a multiple of 16) go through the reference
 math instead, which is exact but slow; a debug log line says so.
+
+Decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm`, which
+reaches well under the HBM roofline there, for the split-K kernel of `fp8_gemv` (the same
+math, float32 accumulation of exact products; any N and K). Up to
+`fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes in-kernel (one launch
+per linear). Should Triton fail to build or load it (a TritonError), the call logs a warning
+and takes the `_scaled_mm` path instead.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+from triton.errors import TritonError
 
+from resident.worker.kernels import fp8_gemv
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import FP8_DTYPE, fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
 
@@ -54,6 +63,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
+    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS:
+        out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale, bias)
+        if out is not None:
+            return out.reshape(*shape[:-1], n_out)
     if x2.is_cuda and x2.numel() > 0:
         x_q, scale_a = quantize_fp8_per_tensor(x2 if x2.stride(-1) == 1 else x2.contiguous())
     else:
@@ -69,3 +82,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                            scale_b=scale_w.to(torch.float32),
                            bias=bias.to(x.dtype) if bias is not None else None, out_dtype=x.dtype)
     return out.reshape(*shape[:-1], n_out)
+
+
+def _gemv_or_none(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The decode-size GEMV (fused quantization when x2 is small); None if Triton cannot run it here."""
+    bias = bias.contiguous() if bias is not None else None
+    try:
+        if x2.numel() <= fp8_gemv.FUSED_QUANT_MAX_NUMEL:
+            return fp8_gemv.fp8_gemv(x2, None, weight, weight_scale, bias, x2.dtype, fuse_quant=True)
+        x_q, scale_a = quantize_fp8_per_tensor(x2)
+        return fp8_gemv.fp8_gemv(x_q, scale_a, weight, weight_scale, bias, x2.dtype)
+    except TritonError as e:
+        logger.warning("fp8 GEMV kernel unavailable for %s x %s (M=%d): %s; using torch._scaled_mm",
+                       weight.shape[0], weight.shape[1], x2.shape[0], e)
+        return None
