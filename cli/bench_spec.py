@@ -99,6 +99,8 @@ def run_case(mode: str, workload: str, prompts: list[list[int]], batch: int, tar
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
     _generate(engine, batch_prompts[:1], 8)   # untimed: first-use allocations
     base = engine.stats()
+    counts = getattr(engine.runner, "verify_counts", None)   # speculative verification passes: graphed / eager
+    base_counts = dict(counts) if counts is not None else None
     elapsed, tokens = _generate(engine, batch_prompts, max_tokens)
     st = engine.stats()
     drafts, proposed, accepted = (st.spec_num_drafts - base.spec_num_drafts, st.spec_num_proposed -
@@ -109,6 +111,7 @@ def run_case(mode: str, workload: str, prompts: list[list[int]], batch: int, tar
            "num_drafts": drafts, "num_proposed": proposed, "num_accepted": accepted,
            "acceptance_rate": accepted / proposed if proposed else 0.0,
            "mean_accepted_length": accepted / drafts if drafts else 0.0,
+           "verify_passes": ({k: counts[k] - base_counts[k] for k in counts} if counts is not None else None),
            "same_output": (sum(tokens[r] == plain_tokens[r] for r in tokens) if plain_tokens is not None
                            else len(tokens)), "tokens": tokens}
     close = getattr(engine.runner, "close", None)
@@ -211,6 +214,13 @@ def _report(doc: dict) -> None:
                      f"{r['tokens_per_s'] / base:.2f}x" if base else "",
                      f"{r['acceptance_rate']:.2f}" if r["mode"] != "plain" else "",
                      f"{r['mean_accepted_length']:.2f}" if r["mode"] != "plain" else "",
-                     f"{r['same_output']}/{r['batch']}"])
-    click.echo(format_table(["WORKLOAD", "MODE", "BATCH", "TOK/S", "VS PLAIN", "ACCEPT", "ACC/STEP", "SAME OUT"],
-                            rows))
+                     f"{r['same_output']}/{r['batch']}", _graphed(r.get("verify_passes"))])
+    click.echo(format_table(["WORKLOAD", "MODE", "BATCH", "TOK/S", "VS PLAIN", "ACCEPT", "ACC/STEP", "SAME OUT",
+                             "VERIFY GRAPHED"], rows))
+
+
+def _graphed(passes: dict | None) -> str:
+    """Verification passes replayed from CUDA graphs, of all (prefill steps verify eagerly)."""
+    if not passes:
+        return ""
+    return f"{passes['graphed']}/{passes['graphed'] + passes['eager']}"

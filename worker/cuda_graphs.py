@@ -85,6 +85,11 @@ class DecodeGraphs:
     def enabled(self) -> bool:
         return bool(self.sizes)
 
+    @property
+    def pool(self) -> object | None:
+        """The graphs' memory pool once one is captured (speculative verification graphs share it)."""
+        return self._pool
+
     def bucket(self, num_seqs: int) -> int | None:
         return bucket_for(num_seqs, self.sizes)
 

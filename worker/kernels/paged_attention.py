@@ -302,7 +302,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     A batch of only single-token queries takes the split-K decode kernel; anything else
     (prefill, chunked prefill, mixed) the prefill kernel. With `meta.static_decode` (CUDA
     graphs) nothing is read from the host: the split count follows from the block tables'
-    width, so a captured graph replays correctly for any context lengths within it.
+    width, so a captured graph replays correctly for any context lengths within it; with
+    `meta.static_query_len` (verification graphs) the prefill kernel's grid is sized by it.
     """
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
@@ -310,6 +311,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         span = meta.block_tables.shape[1] * kv_cache.shape[2]
         return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
                                 max_seq_len=span)
+    static_len = getattr(meta, "static_query_len", 0)
+    if static_len:   # speculative verification graphs: the grid follows from the fixed query length
+        return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, static_len,
+                                 scale, sliding_window)
     qsl = meta.query_start_loc_host
     max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
     if max_query_len == 1 and meta.num_tokens == meta.num_seqs:

@@ -34,6 +34,10 @@ class AttentionMetadata:
     #: shape of the computation depends only on the tensor shapes (CUDA-graph capture).
     #: block_tables then spans max_model_len; entries past a sequence's length are masked.
     static_decode: bool = False
+    #: every sequence has exactly this many query tokens (the last ones of its context) and
+    #: nothing is read from the host: CUDA graphs of speculative verification (0: not static).
+    #: block_tables then span every sequence's whole context; entries past it are never read.
+    static_query_len: int = 0
 
     def __post_init__(self) -> None:
         b = self.seq_lens.shape[0]
@@ -42,6 +46,12 @@ class AttentionMetadata:
                 f"attention metadata disagrees on the batch size: seq_lens {b}, query_start_loc "
                 f"{self.query_start_loc.shape[0]} (want {b + 1}), block_tables {self.block_tables.shape[0]}"
             )
+        if self.static_query_len:
+            if self.static_decode or self.slot_mapping.shape[0] != b * self.static_query_len:
+                raise ValueError(f"static metadata of {self.static_query_len} query tokens per sequence: "
+                                 f"{self.slot_mapping.shape[0]} slots for {b} sequences (static_decode "
+                                 f"{self.static_decode})")
+            return
         if self.static_decode:
             if self.slot_mapping.shape[0] != b:
                 raise ValueError(f"static decode metadata: {self.slot_mapping.shape[0]} slots for {b} sequences")
@@ -57,11 +67,16 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return self.seq_lens.shape[0] if self.static_decode else len(self.seq_lens_host)
+        return self.seq_lens.shape[0] if self.is_static else len(self.seq_lens_host)
 
     @property
     def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0] if self.static_decode else self.query_start_loc_host[-1]
+        return self.slot_mapping.shape[0] if self.is_static else self.query_start_loc_host[-1]
+
+    @property
+    def is_static(self) -> bool:
+        """Shapes alone describe the batch (CUDA-graph capture): nothing is read from the host."""
+        return self.static_decode or self.static_query_len > 0
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -138,6 +153,26 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return out[:, :, 0, :].to(q.dtype)
 
 
+def uniform_query_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_len: int, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """b sequences of `query_len` query tokens each, the last ones of their contexts:
+    q [b * query_len, Hq, D] -> same shape, reading nothing from the host.
+
+    Query j of sequence i sees the context up to its own position, i.e. it is a decode
+    with context seq_lens[i] - query_len + j + 1: each query becomes a row of
+    `decode_attention` over its sequence's block table, gathered up to the tables' span.
+    """
+    b = seq_lens.shape[0]
+    if q.shape[0] != b * query_len:
+        raise ValueError(f"uniform attention: {q.shape[0]} query tokens for {b} sequences of {query_len}")
+    span = block_tables.shape[1] * kv_cache.shape[2]
+    offsets = torch.arange(1 - query_len, 1, device=seq_lens.device)
+    lens = (seq_lens[:, None] + offsets[None, :]).reshape(-1)
+    tables = block_tables.repeat_interleave(query_len, dim=0)
+    return decode_attention(q, kv_cache, tables, lens, scale, sliding_window, max_len=span)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Write k/v of this step into the cache, then attend. q [T, Hq, D] -> [T, Hq, D].
@@ -153,6 +188,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if meta.static_decode:
         span = meta.block_tables.shape[1] * kv_cache.shape[2]
         return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, max_len=span)
+    if meta.static_query_len:
+        return uniform_query_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.static_query_len, scale,
+                                       sliding_window)
     out = torch.empty_like(q)
     qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
     singles = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]

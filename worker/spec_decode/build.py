@@ -28,4 +28,4 @@ def build_spec_runner(spec: SpecConfig, target: ModelRunner, draft_config: dict 
                             device=str(target.device), cuda_graphs=cuda_graphs,
                             max_num_kv_blocks=max_num_kv_blocks, kernel_backend="auto")
         proposer = DraftProposer(draft, seed=seed)
-    return SpecDecodeRunner(target, proposer, seed=seed)
+    return SpecDecodeRunner(target, proposer, seed=seed, num_speculative_tokens=spec.num_speculative_tokens)

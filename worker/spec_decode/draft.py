@@ -24,7 +24,7 @@ import torch
 from resident.worker.layers.sampler import SamplingRow
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest
-from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, processed_probs
+from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, needs_penalties, processed_probs
 
 #: Seeded requests draw draft samples from a generator of their own, seeded with seed ^ this.
 DRAFT_SEED_SALT = 0x5EED_D4AF
@@ -107,6 +107,11 @@ class DraftProposer:
 
     def _sample(self, logits: torch.Tensor, active: list[ScheduledRequest], drafts: dict[str, list[int]],
                 probs: dict[str, list[torch.Tensor]]) -> None:
+        if all(s.sampling_params.temperature <= 0.0 and not needs_penalties(s.sampling_params) for s in active):
+            # Greedy without penalties (the common case): the argmax, without sampling rows.
+            for s, t in zip(active, logits.argmax(dim=-1).tolist()):
+                drafts[s.request_id].append(t)
+            return
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids,
                             list(s.output_token_ids) + drafts[s.request_id], self._generator(s)) for s in active]
         greedy = [i for i, r in enumerate(rows) if r.params.temperature <= 0.0]

@@ -14,6 +14,7 @@ import torch
 
 from resident.worker.layers.sampler import SamplingRow, apply_penalties, truncation_mask
 from resident.worker.request import TokenLogprob
+from resident.worker.sampling_params import SamplingParams
 
 
 def greedy_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -62,3 +63,9 @@ def raw_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequen
         top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
         out.append(TokenLogprob(token_id=int(t), logprob=chosen[i], top=top))
     return out
+
+
+def needs_penalties(params: SamplingParams) -> bool:
+    """Whether the sampler changes this request's logits before its argmax (greedy rows
+    without penalties can take the raw logits' argmax, with no sampling rows built)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0

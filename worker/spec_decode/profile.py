@@ -10,13 +10,16 @@ decode graphs. A speculating worker needs more beside its KV cache:
   rejection sampler's target/draft distributions of the same shape, while the draft's
   proposals (one distribution per sampled draft) are still alive;
 - the draft model's own passes (its mirrored prefill chunk of max_num_batched_tokens
-  tokens, then one token per request and draft), and its decode graphs' private pool.
+  tokens, then one token per request and draft), and its decode graphs' private pool;
+- with CUDA graphs, the verification graphs (verify_graphs.py) of the largest bucket: their
+  activations and [size x (K+1), vocab] logits stay in the graphs' pool.
 
 `profile_spec_peak_bytes` measures these with probe runners (what `--gpu-memory-utilization`
 then honours): the target's plain profile, then the growth of torch's reserved memory over a
 draft prefill and the largest speculative step (`largest_spec_step`, run through
 SpecDecodeRunner.execute exactly as serving runs it, sampled rows with logprobs so the
-rejection sampler and the logprob path allocate), plus the draft's graph decode peak.
+rejection sampler and the logprob path allocate), plus the draft's graph decode peak and
+the largest verification graph's forward.
 `SpecProfile.fingerprint` goes into the KV profile cache's key (kv_profile_cache.py), so a
 speculative configuration never reads a plain one's headroom.
 """
@@ -172,8 +175,31 @@ def profile_spec_peak_bytes(target: Any, draft: Any, k: int) -> int:
             draft.graphs.eager_logits(max(draft.graphs.sizes))
         torch.cuda.synchronize(dev)
         draft_graphs = torch.cuda.max_memory_allocated(dev) - allocated
+    verify_graphs = _verify_graphs_peak_bytes(target, k)
     ec = target.engine_config
     logger.info("profile (speculative, K=%d): %d verification rows; beyond the plain step +%.0f MiB, draft graphs "
-                "+%.0f MiB", k, num_verify_rows(ec.max_num_seqs, ec.max_num_batched_tokens, k), spec / 2**20,
-                draft_graphs / 2**20)
-    return plain + spec + draft_graphs
+                "+%.0f MiB, verification graphs +%.0f MiB", k,
+                num_verify_rows(ec.max_num_seqs, ec.max_num_batched_tokens, k), spec / 2**20, draft_graphs / 2**20,
+                verify_graphs / 2**20)
+    return plain + spec + draft_graphs + verify_graphs
+
+
+def _verify_graphs_peak_bytes(target: Any, k: int) -> int:
+    """Peak allocation of the largest verification graph's forward (0 without graphs)."""
+    import torch
+
+    from resident.worker.spec_decode.verify_graphs import verify_graphs_for
+
+    vg = verify_graphs_for(target, k, capture=False)
+    if vg is None or not vg.sizes:
+        return 0
+    dev = target.device
+    try:
+        allocated = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.inference_mode(), torch.cuda.device(dev):
+            vg.eager_logits(max(vg.sizes))
+        torch.cuda.synchronize(dev)
+        return max(0, torch.cuda.max_memory_allocated(dev) - allocated)
+    finally:
+        vg.close()

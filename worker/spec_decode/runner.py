@@ -7,6 +7,11 @@ logits at every draft position and one after — and the rejection sampler (reje
 decides what is committed. Other chunks (prefill, and decodes without room for drafts)
 sample as the plain runner does. Requests scheduled with room for drafts are answered in
 `ModelRunnerOutput.spec`, even when the proposer found nothing to propose.
+
+On a GPU with CUDA graphs the verification pass of an all-decode step replays a graph
+(verify_graphs.py; built when the runner knows K); any other step (prefill chunks in the
+batch, graphs off, CPU) runs it eagerly through `ModelRunner.forward_logits`.
+`verify_counts` says how many verification passes ran each way.
 """
 from __future__ import annotations
 
@@ -23,14 +28,19 @@ from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, Schedul
 from resident.worker.request import TokenLogprob
 from resident.worker.spec_decode.draft import DraftProposer, Proposal
 from resident.worker.spec_decode.ngram import NgramProposer
-from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, processed_probs, raw_logprobs
+from resident.worker.spec_decode.probs import (exponential_noise, greedy_tokens, needs_penalties, processed_probs,
+                                               raw_logprobs)
 from resident.worker.spec_decode.rejection import greedy_verify, rejection_sample
+from resident.worker.spec_decode.verify_graphs import VerifyGraphs, verify_graphs_for
 
 logger = logging.getLogger(__name__)
 
 
 class SpecDecodeRunner:
-    def __init__(self, target: ModelRunner, proposer: DraftProposer | NgramProposer, seed: int | None = None) -> None:
+    def __init__(self, target: ModelRunner, proposer: DraftProposer | NgramProposer, seed: int | None = None,
+                 num_speculative_tokens: int | None = None) -> None:
+        """`num_speculative_tokens` (K): with it, all-decode steps verify through CUDA graphs
+        where the target replays decode graphs; without it verification always runs eagerly."""
         self.target = target
         self.proposer = proposer
         self.draft_runner: ModelRunner | None = proposer.runner if isinstance(proposer, DraftProposer) else None
@@ -46,6 +56,12 @@ class SpecDecodeRunner:
             self._shared.manual_seed(seed)
         else:
             self._shared.seed()
+        self.verify_graphs: VerifyGraphs | None = None
+        if num_speculative_tokens:
+            self.verify_graphs = verify_graphs_for(target, num_speculative_tokens)
+        #: verification passes so far: replayed from a graph / run eagerly
+        self.verify_counts = {"graphed": 0, "eager": 0}
+        self._logged_verify: set[str] = set()
 
     # -- delegated to both runners --------------------------------------------------------
     @property
@@ -83,7 +99,15 @@ class SpecDecodeRunner:
             r.warmup()
 
     def capture_graphs(self) -> float:
-        return sum(r.capture_graphs() for r in self._runners())
+        spent = sum(r.capture_graphs() for r in self._runners())
+        vg = self.verify_graphs
+        if vg is not None:
+            with torch.inference_mode(), torch.cuda.device(self.target.device):
+                took = vg.capture_startup()
+            logger.info("speculative verification graphs (%s, %d tokens per request): captured %d of %d batch sizes "
+                        "in %.2f s", vg.mode, vg.query_len, len(vg.capture_s), len(vg.sizes), took)
+            spent += took
+        return spent
 
     def map_kv_blocks(self, num_blocks: int) -> None:
         for r in self._runners():
@@ -92,8 +116,14 @@ class SpecDecodeRunner:
     def grow_kv_cache(self, num_blocks: int) -> None:
         for r in self._runners():
             r.grow_kv_cache(num_blocks)
+        if self.verify_graphs is not None:   # the target's padding block moved to the new end
+            with torch.inference_mode():
+                self.verify_graphs.set_pad_block(self.target.pad_block)
 
     def close(self) -> None:
+        if self.verify_graphs is not None:
+            self.verify_graphs.close()
+            self.verify_graphs = None
         for r in self._runners():
             r.close()
 
@@ -115,22 +145,16 @@ class SpecDecodeRunner:
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
         proposals = self._propose(out.scheduled)
-        batch, num_logits = [], []
-        for s in out.scheduled:
-            drafts = proposals[s.request_id].token_ids if s.num_spec_tokens else []
-            batch.append(dataclasses.replace(s, token_ids=list(s.token_ids) + drafts) if drafts else s)
-            num_logits.append(1 + len(drafts) if s.num_spec_tokens else int(s.sample))
-        logits = self.target.forward_logits(batch, num_logits)
+        drafts = [proposals[s.request_id].token_ids if s.num_spec_tokens else [] for s in out.scheduled]
+        logits, starts = self._forward(out.scheduled, drafts)
         plain, plain_rows, spec, spec_rows = [], [], [], []
-        row = 0
-        for s, n in zip(out.scheduled, num_logits):
+        for s, d, start in zip(out.scheduled, drafts, starts):
             if s.num_spec_tokens:
                 spec.append(s)
-                spec_rows.append((row, n))
-            elif n:
+                spec_rows.append((start, 1 + len(d)))
+            elif s.sample:
                 plain.append(s)
-                plain_rows.append(row)
-            row += n
+                plain_rows.append(start)
         result = ModelRunnerOutput(sampled={})
         if plain:
             idx = torch.tensor(plain_rows, device=logits.device)
@@ -138,6 +162,35 @@ class SpecDecodeRunner:
         if spec:
             result.spec = self._verify(logits, spec, spec_rows, proposals)
         return result
+
+    def _forward(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The target's pass over every chunk extended by its drafts: logits, and each
+        request's first logits row (its rows: 1 + drafts for speculating requests, one for
+        other sampled ones, none otherwise)."""
+        vg = self.verify_graphs
+        batch = vg.stage(scheduled, drafts) if vg is not None else None
+        if batch is not None:
+            for s in scheduled:   # the eager pass's checks: a scheduler bug must not reach a graph
+                self.target._check(s)
+            self._count("graphed", f"speculative verification replays CUDA graphs ({vg.query_len} tokens per request)")
+            return vg.run(batch), batch.row_starts()
+        chunks, num_logits, starts, row = [], [], [], 0
+        for s, d in zip(scheduled, drafts):
+            chunks.append(dataclasses.replace(s, token_ids=list(s.token_ids) + list(d)) if d else s)
+            n = 1 + len(d) if s.num_spec_tokens else int(s.sample)
+            num_logits.append(n)
+            starts.append(row)
+            row += n
+        if any(drafts):
+            self._count("eager", "speculative verification runs eagerly" + (
+                "" if vg is not None else " (no verification graphs: CPU, --cuda-graphs off, or K unknown)"))
+        return self.target.forward_logits(chunks, num_logits), starts
+
+    def _count(self, how: str, message: str) -> None:
+        self.verify_counts[how] += 1
+        if how not in self._logged_verify:
+            self._logged_verify.add(how)
+            logger.info("%s (first such step)", message)
 
     def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, Proposal]:
         if isinstance(self.proposer, DraftProposer):
@@ -152,7 +205,12 @@ class SpecDecodeRunner:
         committed: dict[str, list[int]] = {}
         greedy = [i for i, s in enumerate(spec) if s.sampling_params.temperature <= 0.0]
         sampled = [i for i, s in enumerate(spec) if s.sampling_params.temperature > 0.0]
-        if greedy:
+        if greedy and not any(needs_penalties(spec[i].sampling_params) for i in greedy):
+            argmax = logits.argmax(dim=-1).tolist()   # every row at once: one transfer, no sampling rows
+            for i in greedy:
+                s, (start, n) = spec[i], spec_rows[i]
+                committed[s.request_id] = greedy_verify(proposals[s.request_id].token_ids, argmax[start:start + n])
+        elif greedy:
             rows, idx = [], []
             for i in greedy:
                 s, (start, n) = spec[i], spec_rows[i]
@@ -200,7 +258,12 @@ class SpecDecodeRunner:
             idx.extend(range(start, start + n))
         p_flat = processed_probs(logits[torch.tensor(idx, device=dev)], rows)
         target_probs = torch.zeros(b, k + 1, vocab, dtype=torch.float32, device=dev)
-        draft_tokens = torch.zeros(b, k, dtype=torch.int64, device=dev)
+        # One upload of every row's drafts (padded with 0) and their counts.
+        flat = [t for s, (_, n) in zip(spec, spec_rows)
+                for t in [*proposals[s.request_id].token_ids, *[0] * (k + 1 - n)]]
+        packed = torch.tensor(flat + [n - 1 for _, n in spec_rows], dtype=torch.int64, device=dev)
+        draft_tokens = packed[:b * k].view(b, k)
+        num_drafts = packed[b * k:b * k + b]
         draft_probs = torch.zeros(b, k, vocab, dtype=torch.float32, device=dev)
         one_hot = False
         uniforms = torch.ones(b, k, dtype=torch.float32, device=dev)   # 1 = never accepted (padding)
@@ -210,7 +273,6 @@ class SpecDecodeRunner:
             target_probs[i, :n] = p_flat[at:at + n]
             at += n
             if n > 1:
-                draft_tokens[i, :n - 1] = torch.tensor(prop.token_ids, device=dev)
                 if prop.probs is not None:
                     draft_probs[i, :n - 1] = prop.probs.to(dev)
                 else:
@@ -220,7 +282,6 @@ class SpecDecodeRunner:
                 uniforms[i, :n - 1] = torch.rand(n - 1, generator=g if g is not None else self._shared, device=dev)
         if one_hot:   # prompt lookup: q is one-hot at each draft
             draft_probs = torch.nn.functional.one_hot(draft_tokens, vocab).to(torch.float32)
-        num_drafts = torch.tensor([n - 1 for _, n in spec_rows], dtype=torch.int64, device=dev)
         noise = exponential_noise([self.target.generator(s) for s in spec], vocab, dev, self._shared)
         num_accepted, final = rejection_sample(target_probs, draft_probs, draft_tokens, num_drafts, uniforms, noise)
         out = {}
