@@ -28,6 +28,9 @@ from resident.worker.cuda_preinit import ContextPreinit, device_index_for, start
 #: Never needed to serve: a model folder is read by resident's own safetensors/tokenizer code.
 HEAVY = ("transformers", "accelerate", "gguf", "huggingface_hub", "safetensors", "matplotlib", "pandas", "scipy",
          "sklearn", "openai", "numba", "IPython", "psutil")
+#: Needed only after /ready: chat templates (jinja2) are compiled for the first chat request,
+#: in a thread once the worker is ready (startup.compile_chat_template_after_ready).
+AFTER_READY = ("jinja2", "markupsafe", "resident.worker.chat_template")
 _IMPORT_LINE = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| ( *)(\S+)$")
 
 
@@ -47,6 +50,9 @@ def _check_lean(modules: list[str], triton_allowed: bool = False) -> None:
     heavy = sorted(tops & set(HEAVY + (() if triton_allowed else ("triton",))))
     assert not heavy, (f"`resident serve` imported {heavy} before /ready: every restart pays for them; import "
                        f"them where they are used (after ready, or only in the command that needs them)")
+    early = sorted((tops | set(modules)) & set(AFTER_READY))
+    assert not early, (f"`resident serve` imported {early} before /ready; they serve only requests (chat "
+                       f"templates): import them where a template is compiled")
     assert "torch" in tops and "aiohttp" in tops, "the import profile was not captured"
 
 
@@ -71,6 +77,27 @@ def test_attached_restart_imports_nothing_heavy_before_ready(tmp_path, short_tmp
     modules = _imported_before_ready(log)
     assert "resident.daemon.client" in modules, "the worker did not attach through the daemon client"
     _check_lean(modules)
+    # The import phase splits into its parts (resident bench restart's floor is `import torch`).
+    assert re.search(r"import breakdown: [0-9.]+ s to the serve command .*, torch [0-9.]+ s, worker modules [0-9.]+ s",
+                     log.read_text()), log.read_text()[-3000:]
+
+
+def test_the_chat_template_is_compiled_after_ready(tmp_path) -> None:
+    from fixtures_tokenizer import write_tiny_tokenizer
+
+    from resident.worker.startup import Worker, compile_chat_template_after_ready
+    from resident.worker.tokenizer import Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    worker = Worker(store=None, engine=None, serving=None, tokenizer=tokenizer)
+    thread = compile_chat_template_after_ready(worker)
+    assert thread is not None
+    thread.join(60)
+    assert "default" in tokenizer._compiled
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert compile_chat_template_after_ready(Worker(store=None, engine=None, serving=None)) is None
 
 
 def test_the_cli_itself_imports_neither_torch_nor_the_worker() -> None:
@@ -127,5 +154,8 @@ def test_gpu_serve_logs_the_overlapped_context(tmp_path) -> None:
     log = tmp_path / "serve.log"
     proc = start_serve(model, log, "--preload", "off", "--device", "cuda", env=env)
     stop_serve(proc)
-    assert "overlapped with the imports" in log.read_text()
+    text = log.read_text()
+    assert "overlapped with the imports" in text
+    # Triton's once-per-process work (libtriton hash, ptxas, driver) ran in the background thread.
+    assert "Triton start-up work done in the background" in text, text[-3000:]
     _check_lean(_imported_before_ready(log), triton_allowed=True)

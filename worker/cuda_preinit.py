@@ -61,13 +61,17 @@ class ContextPreinit:
         finally:
             self.seconds = time.monotonic() - t0
 
-    def join(self, timeout_s: float = 30.0) -> bool:
-        """Wait for the thread and log the outcome; True when the context was created."""
+    def wait(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the thread without logging (any thread may ask); True when the context was created."""
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 self.error = self.error or f"still running after {timeout_s:.0f} s"
-        done = self._thread is not None and self.error is None
+        return self._thread is not None and self.error is None
+
+    def join(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the thread and log the outcome; True when the context was created."""
+        done = self.wait(timeout_s)
         # A CPU-only host (or CUDA_VISIBLE_DEVICES="") is normal, not worth an INFO line.
         logger.log(logging.INFO if done else logging.DEBUG, "%s", self.describe())
         return done

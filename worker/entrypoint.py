@@ -64,6 +64,7 @@ from resident.worker.startup import (  # noqa: F401
     StartupTimer,
     Worker,
     build_worker,
+    compile_chat_template_after_ready,
     in_thread,
     process_start_time,
     start_kv_growth,
@@ -127,6 +128,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
     sd_notify(config.notify_socket, "READY=1")
     growth = worker.kv_growth = start_kv_growth(worker, metrics, config.gpu_memory_utilization)
+    compile_chat_template_after_ready(worker)
     if admin is not None:
         from resident.worker.snapshot_control import SnapshotControl
 

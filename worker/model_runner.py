@@ -94,10 +94,14 @@ class ModelRunner:
                 f"weights are {embed.dtype} but dtype {dtype} was requested; weights are used as stored "
                 f"(never converted): load the model with dtype={str(dtype).removeprefix('torch.')}"
             )
+        t_kernels = time.monotonic()
         self.kernels = get_kernels(self.device, kernel_backend)
+        t_model = time.monotonic()
         self.parallel = parallel
         self.model = build_model(model_config, weights, kernels=self.kernels,
                                  max_position=engine_config.max_model_len, parallel=parallel)
+        #: construction parts in seconds, for the start-up log's "kv_alloc breakdown"
+        self.build_s = {"kernels": t_model - t_kernels, "model": time.monotonic() - t_model}
         self.dtype = self.model.dtype
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_kv_blocks

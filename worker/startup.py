@@ -55,6 +55,8 @@ class StartupTimer:
         self.t0 = t0
         self.phases: dict[str, float] = {}
         self._mark = time.time()
+        #: triton_prefetch.TritonPrefetch started by prepare_process (GPU), joined by build_worker
+        self.triton_prefetch: Any = None
 
     def begin(self) -> None:
         self._mark = time.time()
@@ -81,6 +83,7 @@ class Worker:
     draft_store: Any = None       # the speculative draft's own store, when not paired with the target
     llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
     kv_growth: Any = None         # the background KV growth thread, while it runs (GPU)
+    tokenizer: Any = None         # its chat template is compiled after ready (`compile_chat_template_after_ready`)
 
 
 def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
@@ -158,6 +161,9 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         plan_timings: dict[str, float] = {}
         headroom_source = ""
         t_plan = time.monotonic()
+        prefetch = startup.triton_prefetch
+        if prefetch is not None:
+            prefetch.join()   # before anything launches a Triton kernel (the headroom probe may)
         if device.type == "cuda":
             cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
             planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(
@@ -170,6 +176,8 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
                 num_kv_blocks=config.num_kv_blocks,
                 headroom_cache=KvProfileCache(cache_path) if cache_path is not None else None)
             plan_timings, headroom_source = plan.timings, plan.headroom_source
+            if prefetch is not None:
+                plan_timings = {"triton_wait": prefetch.waited_s, **plan_timings}
             kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
             num_kv_blocks = kv_target_blocks
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:   # TP grows too (tp_kv.py)
@@ -208,8 +216,9 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         engine = LLMEngine(engine_config, runner, tokenizer,
                            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0)
         startup.end("kv_alloc")
-        log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner, target_runner.kv_cache.alloc_s,
-                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
+        log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner,
+                     {**getattr(target_runner, "build_s", {}), **target_runner.kv_cache.alloc_s},
+                     num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
         runner.warmup()
         startup.end("warmup")
         runner.capture_graphs()
@@ -237,20 +246,22 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
     worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
                      draft_store=draft.store if draft is not None else None)
     worker.llm_engine = engine
+    worker.tokenizer = tokenizer
     return worker
 
 
 def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],
                   num_blocks: int, target_blocks: int, block_bytes: int, headroom_source: str = "") -> None:
-    """One line splitting the kv_alloc phase: GPU planning (memory measure, probe runner,
-    profile forward — or the headroom cache's lookup), then the runner (model build, VMM
-    reserve, map + zero of the initial KV)."""
+    """One line splitting the kv_alloc phase: GPU planning (waiting for the Triton prefetch,
+    memory measure, probe runner, profile forward — or the headroom cache's lookup), then the
+    runner (kernel backend, model build, VMM reserve, map + zero of the initial KV, and the
+    rest: sampler, step buffers, graph inputs, the engine)."""
     parts = [f"plan {plan_total_s:.2f} s" + (f", headroom {headroom_source}" if headroom_source else "")]
     if plan_s:
         parts[0] += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in plan_s.items()) + ")"
     parts.append(f"runner {runner_s:.2f} s (" + ", ".join(
         [f"{k.replace('_', '+')} {v:.3f}" for k, v in cache_s.items()]
-        + [f"model and the rest {runner_s - sum(cache_s.values()):.2f}"]) + ")")
+        + [f"the rest {runner_s - sum(cache_s.values()):.2f}"]) + ")")
     logger.info("kv_alloc breakdown: %s; %d blocks (%.2f GiB) mapped at start of %d (%.2f GiB)%s", "; ".join(parts),
                 num_blocks, num_blocks * block_bytes / 2**30, target_blocks, target_blocks * block_bytes / 2**30,
                 ", the rest grows in the background after ready" if target_blocks > num_blocks else "")
@@ -301,6 +312,25 @@ def start_kv_growth(worker: Worker, metrics: ServerMetrics, utilization: float =
                               worker.kv_block_bytes, gate)
 
 
+def compile_chat_template_after_ready(worker: Worker) -> threading.Thread | None:
+    """Compile the model's default chat template (importing jinja2) in a thread once the
+    worker is ready: neither is needed before the first chat request, which then finds the
+    template compiled. None when the model has no default template."""
+    tokenizer = worker.tokenizer
+    if tokenizer is None or "default" not in getattr(tokenizer, "chat_templates", {}):
+        return None
+
+    def compile_default() -> None:
+        try:
+            tokenizer.get_chat_template()
+        except Exception as e:  # noqa: BLE001 - the first chat request reports it with its own status
+            logger.warning("the model's chat template does not compile: %s", e)
+
+    thread = threading.Thread(target=compile_default, name="resident-chat-template", daemon=True)
+    thread.start()
+    return thread
+
+
 def in_thread(fn: Any, *args: Any) -> asyncio.Future:
     """Run fn in a daemon thread (so a SIGTERM during start-up need not wait for it)."""
     loop = asyncio.get_running_loop()
@@ -326,5 +356,5 @@ def in_thread(fn: Any, *args: Any) -> asyncio.Future:
     return fut
 
 
-__all__ = ["KV_GROWTH_CHUNK_BYTES", "StartupTimer", "Worker", "build_worker", "in_thread", "log_kv_alloc",
-           "process_start_time", "start_kv_growth"]
+__all__ = ["KV_GROWTH_CHUNK_BYTES", "StartupTimer", "Worker", "build_worker", "compile_chat_template_after_ready",
+           "in_thread", "log_kv_alloc", "process_start_time", "start_kv_growth"]

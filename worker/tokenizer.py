@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers import processors
 
-from resident.worker.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
+if TYPE_CHECKING:
+    # Imported where a template is compiled (jinja2 is not needed before the first chat request).
+    from resident.worker.chat_template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +215,8 @@ class Tokenizer:
     def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> ChatTemplate:
         """The compiled template to use: `chat_template` is a template's name or its source;
         None picks "tool_use" when tools are given and the model has one, else "default"."""
+        from resident.worker.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
+
         if chat_template is not None and chat_template not in self.chat_templates:
             return ChatTemplate(chat_template)  # request-supplied source: compiled per call
         if chat_template is None:
@@ -236,6 +240,8 @@ class Tokenizer:
                             **template_kwargs: Any) -> str:
         """Render a conversation to the prompt text (encode it with add_special_tokens=False).
         Raises ChatTemplateError (NoChatTemplateError when the model has no template)."""
+        from resident.worker.chat_template import ChatTemplateError
+
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a non-empty list")
         template = self.get_chat_template(chat_template, tools)

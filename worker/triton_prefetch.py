@@ -1,0 +1,166 @@
+"""Triton's once-per-process start-up work, done in a thread before the first kernel launches.
+
+The first Triton kernel a process launches pays, once, for work unrelated to that kernel:
+hashing the whole `libtriton.so` (about 400 MB) into the compile cache's key
+(`triton.runtime.cache.triton_key`, 0.35-0.5 s measured on the 2-core CPU host), running
+`ptxas --version` (twice: the tool's version and the backend's hash) and `ldconfig -p`, and
+loading (or, on a cold cache, building) the CUDA driver helper module. Triton caches each of
+these results for the life of the process (`functools.lru_cache`, a driver singleton), so
+computing them earlier is the same work, just done sooner. The hashing and the subprocesses
+release the GIL, so a thread started right after `import torch` overlaps them with the worker's
+remaining imports and the weight attach instead of adding them to the warm-up phase.
+
+Two stages: (1) import triton and compute `triton_key()` (needs no device; skipped where
+no GPU will be used: `--device cpu`, or `auto` when the CUDA context pre-creation found none);
+(2) once the main thread resolved the device (`set_device`): import the worker's kernel
+modules, compute their JIT cache keys, create Triton's active driver and get the ptxas
+version for the GPU's architecture.
+
+`join()` must be called before anything launches a Triton kernel (startup.build_worker does
+it before the KV planning, whose probe may run kernels): Triton's lazy driver creation is
+not made for two threads at once. Fail-safe: anything that raises (another Triton version
+with other internals) is recorded and logged; the first launch then does that work, as before.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+#: How long the thread waits for the main thread to name the device (the imports, then
+#: the CUDA context: seconds); after it, stage 2 is skipped.
+DEVICE_WAIT_S = 120.0
+
+
+class TritonPrefetch:
+    """One background run of Triton's start-up work (see the module doc)."""
+
+    def __init__(self, gpu_present: Callable[[], bool] | None = None) -> None:
+        """`gpu_present`: called first in the thread; False skips everything (no GPU here)."""
+        self._gpu_present = gpu_present
+        self._device_set = threading.Event()
+        self._capability: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+        self._joined = False
+        #: step -> seconds, in the order done
+        self.seconds: dict[str, float] = {}
+        self.waited_s = 0.0
+        self.error: str | None = None
+        self.skipped: str | None = None
+
+    def start(self) -> "TritonPrefetch":
+        self._thread = threading.Thread(target=self._run, name="resident-triton-prefetch", daemon=True)
+        self._thread.start()
+        return self
+
+    def set_device(self, capability: tuple[int, int] | None) -> None:
+        """The worker's GPU compute capability (major, minor), or None when it computes
+        elsewhere (the thread then stops after stage 1). Call once, from the main thread."""
+        self._capability = capability
+        self._device_set.set()
+
+    def _run(self) -> None:
+        step = "gpu check"
+        mark = time.monotonic()
+
+        def done(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            self.seconds[name] = now - mark
+            mark = now
+
+        try:
+            if self._gpu_present is not None and not self._gpu_present():
+                self.skipped = "no GPU"
+                return
+            step = "import"
+            from triton.runtime.cache import triton_key
+
+            done("import")
+            step = "libtriton hash"
+            triton_key()
+            done("libtriton hash")
+            step = "device"
+            if not self._device_set.wait(DEVICE_WAIT_S):
+                self.skipped = f"the device was not named within {DEVICE_WAIT_S:.0f} s"
+                return
+            if self._capability is None:
+                self.skipped = "the worker does not compute on a GPU"
+                return
+            major, minor = self._capability
+            step = "kernels"
+            self._kernel_cache_keys()
+            done("kernels")
+            step = "driver"
+            from triton.runtime.driver import driver
+
+            driver.active   # noqa: B018 - creates the CUDA driver: ldconfig, helper module load
+            done("driver")
+            step = "ptxas"
+            from triton.backends.nvidia.compiler import get_ptxas_version
+
+            get_ptxas_version(major * 10 + minor)
+            done("ptxas")
+        except BaseException as e:  # noqa: BLE001 - never fails a start: the first launch does the work
+            self.error = f"{step}: {type(e).__name__}: {e}"
+
+    @staticmethod
+    def _kernel_cache_keys() -> None:
+        """Import the worker's Triton kernels and compute each JIT function's cache key (its
+        source and dependencies hashed; done once per function, on its first launch otherwise)."""
+        from triton.runtime.jit import JITFunction
+
+        from resident.worker.kernels.dispatch import get_kernels
+
+        get_kernels("cuda", "triton")   # imports every kernel module; touches no GPU
+        modules = [m for name, m in list(sys.modules.items()) if name.startswith("resident.worker.kernels.")]
+        for module in modules:
+            for value in list(vars(module).values()):
+                if isinstance(value, JITFunction):
+                    value.cache_key  # noqa: B018 - a cached property: computing it is the point
+
+    def join(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the thread (once; later calls return at once) and log the outcome; True
+        when every stage that applies finished."""
+        if self._thread is None:
+            return False
+        if not self._joined:
+            t0 = time.monotonic()
+            self._thread.join(timeout_s)
+            self.waited_s = time.monotonic() - t0
+            if self._thread.is_alive():
+                self.error = self.error or f"still running after {timeout_s:.0f} s"
+            self._joined = True
+            level = logging.INFO if self.skipped is None or self.error is not None else logging.DEBUG
+            logger.log(level, "%s", self.describe())
+        return self.error is None and not self._thread.is_alive()
+
+    def describe(self) -> str:
+        steps = ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())
+        if self.error is not None:
+            return (f"Triton start-up work in the background failed ({self.error}; {steps or 'nothing done'}); "
+                    "the first kernel launches do it")
+        if self.skipped is not None:
+            return f"Triton start-up work in the background: {self.skipped} ({steps or 'nothing done'})"
+        return (f"Triton start-up work done in the background in {sum(self.seconds.values()):.2f} s ({steps}); "
+                f"waited {self.waited_s:.2f} s for it")
+
+
+def start_triton_prefetch(device: str, gpu_present: Callable[[], bool] | None) -> TritonPrefetch | None:
+    """Start the prefetch for --device `device`: None for `cpu` (or a spelling that names no
+    GPU) or where triton is not installed. `gpu_present` decides for `auto` (the CUDA context
+    pre-creation's outcome); an explicit `cuda`/`cuda:N` runs stage 1 without asking."""
+    import importlib.util
+
+    if not (device == "auto" or device == "cuda" or device.startswith("cuda:")):
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return TritonPrefetch(gpu_present if device == "auto" else None).start()
+
+
+__all__ = ["TritonPrefetch", "start_triton_prefetch"]
