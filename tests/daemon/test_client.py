@@ -6,6 +6,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -68,8 +69,14 @@ def test_attach_returns_zero_copy_tensors_config_and_lease(env):
         assert {m.lease_id, verified.lease_id} <= leases
     finally:
         client.close()
-    with daemon.client("observer") as other:
-        leases = {lease.lease_id for x in other.status().models for lease in x.leases}
+    # close() ends the session; the daemon notices the fd socket's EOF on its own thread.
+    deadline = time.monotonic() + 10
+    while True:
+        with daemon.client("observer") as other:
+            leases = {lease.lease_id for x in other.status().models for lease in x.leases}
+        if m.lease_id not in leases or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert m.lease_id not in leases          # close() ended the session and its leases
     assert torch.isfinite(m.tensors["model.norm.weight"]).all()    # mappings outlive the lease
 
