@@ -10,7 +10,8 @@ stored tensor, and the slabs are sealed. Host slabs are filled by reader threads
 from the files (CRC-32); GPU slabs through pinned staging buffers and several CUDA streams,
 casting, quantizing and checksumming (wsum32) on the GPU (see tensor_reader, staging and
 checksum). Planning lives in load_plan.py; tensor-parallel shards are filled by shard_fill.py
-(each tensor read once, cut per rank, placed on the rank's device: placement.py).
+(each tensor read once, cut per rank, placed on the rank's device: placement.py; GPU shards
+through the pipeline of shard_gpu.py).
 """
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ def load(
     GPU slabs); `staging` sizes the GPU pipeline (pinned buffers, streams); `staged=True`
     sends host slabs through that pipeline too (how it is tested without a GPU; the
     checksums are then wsum32). `device` places every slab there (instead of spec.devices).
-    A sharded spec loads the shards of `ranks` (default: all), rank r's on its device."""
+    A sharded spec loads the shards of `ranks` (default: all), rank r's on its device; its
+    GPU shards go through shard_gpu's pipeline, or with `staged=False` through host memory."""
     t0 = time.monotonic()
     emit = _Progress(progress, t0)
     plan = plan_load(spec)
@@ -177,8 +179,8 @@ def load(
         ranks = tuple(range(n)) if ranks is None else tuple(ranks)
         if not ranks or any(not 0 <= r < n for r in ranks):
             raise ValueError(f"ranks {ranks} are not ranks of tensor-parallel size {n}")
-        entries, slabs, slab_ranks = _load_sharded(plan, backend, emit, total, devices, ranks, num_threads)
-        staged = slabs[0].desc.device not in ("", "cpu")
+        entries, slabs, slab_ranks, staged = _load_sharded(plan, backend, emit, total, devices, ranks, num_threads,
+                                                           staging, staged)
         loaded_devices = tuple(next(s.desc.device for s, r in zip(slabs, slab_ranks) if r == rank)
                                if rank in ranks else "" for rank in range(n))
     table = TensorTable(entries)
@@ -245,10 +247,11 @@ def _load_whole(plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: 
 
 def _load_sharded(
     plan: LoadPlan, backend: MemoryBackend, emit: _Progress, total: int, devices: tuple[str, ...],
-    ranks: tuple[int, ...], num_threads: int | None,
-) -> tuple[list[TensorEntry], list[Slab], tuple[int, ...]]:
-    """Each rank's shard in its own slabs on its device; slab indices run over all ranks."""
-    from resident.daemon.shard_fill import fill_shards, shard_shapes
+    ranks: tuple[int, ...], num_threads: int | None, staging: StagingConfig | None, staged: bool | None,
+) -> tuple[list[TensorEntry], list[Slab], tuple[int, ...], bool]:
+    """Each rank's shard in its own slabs on its device; slab indices run over all ranks.
+    The last value says whether the checksums are wsum32 (see shard_fill.fill)."""
+    from resident.daemon.shard_fill import fill, shard_shapes
 
     shapes = shard_shapes(plan)
     sizes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shapes)]
@@ -264,8 +267,8 @@ def _load_sharded(
             slab_ranks += [r] * len(slab_sizes)
             places[r] = [(base + slab, off) for slab, off in local]
             views[r] = [s.writable() for s in slabs[base:]]
-        threads = num_threads or min(8, os.cpu_count() or 1)
-        sums = fill_shards(plan, ranks, {r: local for r in ranks}, views, emit, total, threads)
+        sums, wsum = fill(plan, ranks, {r: local for r in ranks}, views, emit, total, num_threads, staged=staged,
+                          staging=staging, pool=getattr(backend, "staging_pool", None))
         views.clear()  # writable views must be gone before sealing
         emit("pack", total, total, force=True)
         for s in slabs:
@@ -284,7 +287,7 @@ def _load_sharded(
         for r in ranks
         for t, shape, nbytes, (slab, off), crc in zip(plan.tensors, shapes, sizes, places[r], sums[r])
     ]
-    return entries, slabs, tuple(slab_ranks)
+    return entries, slabs, tuple(slab_ranks), wsum
 
 
 def content_checksum(entries: list[TensorEntry]) -> str:

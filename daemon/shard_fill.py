@@ -1,6 +1,12 @@
 """Filling tensor-parallel shards: each checkpoint tensor is read once, fused, cast or
-quantized in host memory, cut into every rank's shard (`sharding.shard_tensor`) and written
-into that rank's slabs — host memory, or the rank's GPU.
+quantized whole, cut into every rank's shard (`sharding.shard_tensor`) and written into that
+rank's slabs — host memory, or the rank's GPU.
+
+Two paths, one result. `fill_shards` (host slabs, and the reference) does the fusing, casting
+and quantizing in host memory and copies each shard into place. GPU slabs go through
+`shard_gpu.GpuShardFill` (pinned staging buffers, copies to each GPU on several streams, the
+same fuse/cast/quantize and cut on the GPU), falling back to `fill_shards` with an error in
+the log if that pipeline breaks; `fill` chooses.
 
 fp8 weights are quantized whole (one per-tensor scale of the full fused weight, replicated
 to every rank), then split, so a rank's shard dequantizes exactly like the same rows of the
@@ -9,6 +15,7 @@ A few tensors are in flight at once, bounded by `_BUDGET_BYTES` of host memory.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -18,11 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from resident.daemon import checksum, sharding
-from resident.daemon.tensor_reader import _load_tensor
+from resident.daemon.safetensors_io import CheckpointError
+from resident.daemon.tensor_reader import _load_tensor, _pread
 from resident.daemon.tensor_table import crc32_of
 
 if TYPE_CHECKING:
     from resident.daemon.load_plan import LoadPlan
+    from resident.daemon.staging import StagingConfig, StagingPool
+
+log = logging.getLogger(__name__)
 
 #: Host memory the readers may hold in full tensors at once (at least one always proceeds).
 _BUDGET_BYTES = 2 << 30
@@ -93,8 +104,58 @@ def fill_shards(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if device.type != "cpu":
-            shapes = shard_shapes(plan)
-            nbytes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shapes)]
-            sums[r] = checksum.wsum32_placed(views[r], places[r], nbytes)
+            sums[r] = wsum32_of_shard(plan, views[r], places[r])
     emit("read", total, total, force=True)
     return sums
+
+
+def wsum32_of_shard(plan: LoadPlan, views: list[torch.Tensor], places: list[tuple[int, int]]) -> list[int]:
+    """The wsum32 of each of one rank's stored tensors, in plan order: one pass per slab."""
+    nbytes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shard_shapes(plan))]
+    return checksum.wsum32_placed(views, places, nbytes)
+
+
+def fill(
+    plan: LoadPlan, ranks: Sequence[int], places: dict[int, list[tuple[int, int]]],
+    views: dict[int, list[torch.Tensor]], emit: Callable[..., None], total: int, num_threads: int | None, *,
+    staged: bool | None = None, staging: StagingConfig | None = None, pool: StagingPool | None = None,
+) -> tuple[dict[int, list[int]], bool]:
+    """Fill every rank's shard by the path its slabs want; returns (each rank's checksums in
+    plan order, whether they are wsum32).
+
+    GPU slabs go through `shard_gpu.GpuShardFill` unless `staged=False` (the host path,
+    the reference); `staged=True` sends host slabs through it too (how it is tested without
+    a GPU; the checksums are then wsum32). `staging` sizes its pipeline (default: `pool`'s
+    config — the daemon's, whose pinned buffers then fit without re-pinning).
+    """
+    on_gpu = any(v.device.type != "cpu" for r in ranks for v in views[r])
+    fast = on_gpu if staged is None else staged
+    if fast:
+        from resident.daemon.shard_gpu import GpuShardFill
+        from resident.daemon.staging import StagingConfig
+
+        config = staging or getattr(pool, "config", None) or \
+            StagingConfig(num_threads=num_threads or min(16, os.cpu_count() or 1))
+        fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
+
+        def read(p, buf, rel):
+            _pread(p, fds, buf, rel)
+
+        try:
+            sums = GpuShardFill(plan, ranks, places, views, read, config, pool).run(emit, total)
+            emit("read", total, total, force=True)
+            return sums, True
+        except (CheckpointError, OSError, MemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a pipeline bug must not cost the load
+            if not on_gpu:
+                raise
+            log.error("the GPU shard pipeline failed (%s: %s); filling the shards again through host memory "
+                      "(slower) — please report this", type(e).__name__, e, exc_info=True)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()   # the failed pipeline's temporaries
+    threads = num_threads or min(8, os.cpu_count() or 1)
+    return fill_shards(plan, ranks, places, views, emit, total, threads), on_gpu

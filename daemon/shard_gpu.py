@@ -1,0 +1,366 @@
+"""Filling tensor-parallel shards on GPUs: the fast path of `shard_fill` for GPU slabs.
+
+Every checkpoint tensor is read once from its file, in chunks, into pinned staging buffers
+(a `staging.StagingPool`: the buffers the daemon keeps for all loads; only its public
+`lease` and `HostBuffers.get` are used) by several reader
+threads, and each chunk is copied from the buffer to every GPU that holds one of the loaded
+ranks, on one of that GPU's copy streams. On each GPU, after the tensor's last chunk (same
+stream, so stream order puts it after every copy), the tensor is fused, cast or
+fp8-quantized whole with the host path's own functions (`quant`: one per-tensor scale of the
+full fused weight, the same on every GPU), cut with `sharding.shard_tensor` for each rank on
+that GPU and copied into the rank's slab. The wsum32 checksums follow in one pass per slab
+once every copy has completed (`checksum.wsum32_placed`), as in the staged TP=1 pipeline.
+
+Why every GPU receives the whole tensor, instead of one GPU cutting it and sending the
+shards to the others: there are no peer copies, so nothing depends on one GPU reaching
+another's slabs (a cuda_vmm slab is mapped for its own GPU only), each GPU works on its own
+memory alone, and a rank-subset load (LocalStore: one rank) is just the one GPU. The price
+is host-to-device traffic: each GPU's own PCIe link carries the whole checkpoint (16 GB at
+~50 GB/s = ~0.3 s, the links in parallel), N times the bytes of copy-once. Ranks that share
+a GPU share its copy.
+
+Nothing here is CUDA-only: with CPU tensors standing in for the slabs the streams are
+no-ops and the copies synchronous, which is how this path is compared with the host path
+(`shard_fill.fill_shards`) on machines without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from resident.daemon import quant, sharding
+from resident.daemon.shard_fill import wsum32_of_shard
+from resident.daemon.staging import StagingConfig, StagingPool
+
+if TYPE_CHECKING:
+    from resident.daemon.load_plan import LoadPlan, StoredTensor
+    from resident.daemon.staging import HostBuffers
+
+log = logging.getLogger(__name__)
+
+#: Device temporaries of the tensors in flight, per GPU (at least one tensor always proceeds).
+_DEVICE_BUDGET_BYTES = 2 << 30
+#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
+_QUANT_CHUNK_NUMEL = 64 << 20
+
+
+@dataclass
+class _OnDevice:
+    """One tensor's temporaries on one device."""
+
+    fused: torch.Tensor                  # uint8: the stored tensor whole (fused, cast or quantized)
+    sources: list[torch.Tensor | None]   # per part: its source bytes when it must be cast or quantized
+
+
+@dataclass
+class _Job:
+    """One stored tensor (and its fp8 scale): read once, copied to every device, cut per rank."""
+
+    index: int
+    tensor: StoredTensor
+    stream: int
+    cost: int                            # device bytes of its temporaries, on each device
+    on: list[_OnDevice] = field(default_factory=list)   # by device slot
+    left: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def chunk_done(self) -> bool:
+        """Count one copied chunk; True for the last one."""
+        with self._lock:
+            self.left -= 1
+            return self.left == 0
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    job: _Job
+    part: int
+    lo: int          # byte range [lo, hi) of the part's data in its file
+    hi: int
+    elem_off: int    # the part's first element within the stored tensor
+
+
+class _Ring:
+    """Staging buffers shared by all devices, and each device's copy streams.
+
+    A buffer is handed out again only once every copy out of it (one per device) has
+    completed: its event on each device, recorded after that device's copy; and, from a
+    pool that is still pinning them, only once it is pinned (`HostBuffers.get`).
+    """
+
+    def __init__(self, host: HostBuffers, devices: list[torch.device], num_streams: int) -> None:
+        self.host = host
+        n = len(host.buffers)
+        self.buffers: list[torch.Tensor | None] = [None] * n
+        self.memoryviews: list[memoryview | None] = [None] * n
+        self.cuda = devices[0].type == "cuda"
+        self.streams = [[torch.cuda.Stream(device=d) if self.cuda else None for _ in range(num_streams)]
+                        for d in devices]
+        # blocking=True: waiters sleep instead of spinning on a core.
+        self._events = [[torch.cuda.Event(blocking=True) for _ in range(n)] for _ in devices] if self.cuda else []
+        self._recorded = [False] * n
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(n):
+            self._free.put(i)
+        self._lock = threading.Lock()
+        self.wait_s = 0.0
+
+    def acquire(self) -> int:
+        t0 = time.monotonic()
+        i = self._free.get()
+        try:
+            if self.buffers[i] is None:   # first use in this load
+                buf = self.host.get(i)
+                self.memoryviews[i] = memoryview(buf.numpy())
+                self.buffers[i] = buf
+            if self._recorded[i]:
+                for events in self._events:
+                    events[i].synchronize()
+        except BaseException:
+            self._free.put(i)
+            raise
+        with self._lock:
+            self.wait_s += time.monotonic() - t0
+        return i
+
+    def release(self, i: int, stream: int) -> None:
+        """Return buffer `i` once the work enqueued so far on stream `stream` of every device is done."""
+        if self.cuda:
+            for events, streams in zip(self._events, self.streams):
+                events[i].record(streams[stream])
+            self._recorded[i] = True
+        self._free.put(i)
+
+    def on(self, device: int, stream: int) -> contextlib.AbstractContextManager:
+        s = self.streams[device][stream]
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        for streams in self.streams:
+            for s in streams:
+                if s is not None:
+                    s.synchronize()
+
+
+class GpuShardFill:
+    """Fill every rank's shard in `views` (one device per rank); `run()` returns each rank's
+    wsum32 checksums in plan order. `places[r][i]` = (slab index within `views[r]`, offset)."""
+
+    def __init__(self, plan: LoadPlan, ranks: Sequence[int], places: dict[int, list[tuple[int, int]]],
+                 views: dict[int, list[torch.Tensor]], read: Callable[..., None], config: StagingConfig,
+                 pool: StagingPool | None = None) -> None:
+        self.plan, self.ranks, self.places, self.views, self.read = plan, tuple(ranks), places, views, read
+        self.config, self.pool = config, pool
+        self.devices: list[torch.device] = []
+        for r in self.ranks:
+            where = {v.device for v in views[r]}
+            if len(where) != 1:
+                raise ValueError(f"rank {r}'s slabs are on several devices ({sorted(map(str, where))})")
+            if views[r][0].device not in self.devices:
+                self.devices.append(views[r][0].device)
+        if len({d.type for d in self.devices}) != 1:
+            raise ValueError(f"shards on devices of different kinds ({', '.join(map(str, self.devices))})")
+        #: The ranks each device slot cuts.
+        self.ranks_on = [[r for r in self.ranks if views[r][0].device == d] for d in self.devices]
+        self.ring: _Ring | None = None
+        self.read_s = self.finish_s = 0.0
+        self._lock = threading.Lock()
+
+    # --- planning -----------------------------------------------------------------------
+    def _jobs(self) -> Iterator[_Job]:
+        k = 0
+        for i, t in enumerate(self.plan.tensors):
+            if t.is_scale:
+                continue  # written by its weight's job
+            cost = t.nbytes + sum(p.info.nbytes for p in t.parts if self._staged_apart(t, p.info.torch_dtype))
+            yield _Job(i, t, k % self.config.num_streams, cost)
+            k += 1
+
+    @staticmethod
+    def _staged_apart(t: StoredTensor, src_dtype: torch.dtype) -> bool:
+        """Whether a part's bytes go to a temporary of their own (cast or quantized after the copy)
+        instead of straight into the fused tensor."""
+        return t.quantize or src_dtype != t.dtype
+
+    def _allocate(self, job: _Job) -> None:
+        t = job.tensor
+        for d, device in enumerate(self.devices):
+            with self.ring.on(d, job.stream):   # the allocator ties the blocks to the job's stream
+                fused = torch.empty(t.nbytes, dtype=torch.uint8, device=device)
+                sources = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=device)
+                           if self._staged_apart(t, p.info.torch_dtype) else None for p in t.parts]
+            job.on.append(_OnDevice(fused, sources))
+
+    def _chunks(self, job: _Job) -> list[_Chunk]:
+        step, out, e0 = self.config.buffer_bytes, [], 0
+        for p_idx, p in enumerate(job.tensor.parts):
+            for lo in range(0, p.info.nbytes, step):
+                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0))
+            e0 += p.info.numel
+        return out
+
+    # --- the pipeline -------------------------------------------------------------------
+    def run(self, emit: Callable[..., None], total: int) -> dict[int, list[int]]:
+        cuda = self.devices[0].type == "cuda"
+        pool = self.pool or StagingPool()
+        try:
+            with pool.lease(self.config, cuda) as (host, fresh):
+                self.ring = _Ring(host, self.devices, self.config.num_streams)
+                elapsed = self._pipeline(emit, total)
+                wait_s = self.ring.wait_s
+                self.ring = None
+        finally:
+            if self.pool is None:
+                pool.close()
+        t0 = time.monotonic()
+        sums = {r: wsum32_of_shard(self.plan, self.views[r], self.places[r]) for r in self.ranks}
+        sum_s = time.monotonic() - t0
+        if cuda:
+            # The temporaries' blocks are cached by torch's allocator; give them back to the
+            # driver (in the daemon they would otherwise be lost to the workers for good).
+            torch.cuda.empty_cache()
+        log.info(
+            "sharded GPU load: %.2f GB read in %.2f s (%.2f GB/s), copied to %d device(s) (%s) for rank(s) %s, "
+            "%s (buffers %s) per device; thread-seconds: reading %.2f, waiting for buffers %.2f, "
+            "fuse/quantize/cut enqueues %.2f; checksums %.3f s",
+            total / 1e9, elapsed + sum_s, total / 1e9 / max(elapsed + sum_s, 1e-9), len(self.devices),
+            ",".join(map(str, self.devices)), ",".join(map(str, self.ranks)), self.config.describe(),
+            "allocated for this load" if fresh else "kept from before", self.read_s, wait_s, self.finish_s, sum_s)
+        return sums
+
+    def _pipeline(self, emit: Callable[..., None], total: int) -> float:
+        """Read, copy, fuse/quantize and cut every tensor; all copies complete when it returns."""
+        threads = self.config.threads()
+        max_pending = 2 * threads + self.config.buffers()
+        done = in_flight = 0
+        t0 = time.monotonic()
+        pending: dict[Future, int] = {}
+        finished: queue.SimpleQueue[Future] = queue.SimpleQueue()
+        if self.ring.cuda:
+            for d in self.devices:   # side streams do not order themselves after the default stream
+                torch.cuda.synchronize(d)
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resident-shard-gpu")
+        try:
+            for job in self._jobs():
+                while pending and in_flight + job.cost > _DEVICE_BUDGET_BYTES:
+                    done, in_flight = self._collect(pending, finished, done, in_flight, emit, total)
+                self._allocate(job)
+                chunks = self._chunks(job)
+                job.left = len(chunks)
+                if not chunks:   # an empty tensor: nothing to read, still cut (and an fp8 scale)
+                    self._finish(job)
+                    continue
+                in_flight += job.cost
+                for c in chunks:
+                    while len(pending) >= max_pending:
+                        done, in_flight = self._collect(pending, finished, done, in_flight, emit, total)
+                    fut = pool.submit(self._run_chunk, c)
+                    pending[fut] = c.hi - c.lo
+                    fut.add_done_callback(finished.put)
+            while pending:
+                done, in_flight = self._collect(pending, finished, done, in_flight, emit, total)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            # Nothing may still be copying into the slabs (or out of the buffers) when we return.
+            self.ring.synchronize()
+        return time.monotonic() - t0
+
+    @staticmethod
+    def _collect(pending: dict[Future, int], finished: queue.SimpleQueue[Future], done: int, in_flight: int,
+                 emit: Callable[..., None], total: int) -> tuple[int, int]:
+        """Wait for at least one chunk, take every chunk finished by then; re-raise a reader's error."""
+        fut = finished.get()
+        while True:
+            done += pending.pop(fut)
+            in_flight -= fut.result()   # a tensor's last chunk frees its temporaries' share of the budget
+            try:
+                fut = finished.get_nowait()
+            except queue.Empty:
+                break
+        emit("read", done, total)
+        return done, in_flight
+
+    def _run_chunk(self, c: _Chunk) -> int:
+        """Read one chunk into a staging buffer and copy it to every device; the tensor's last
+        chunk also enqueues its fuse/quantize/cut. Returns the budget bytes it frees."""
+        job, n, ring = c.job, c.hi - c.lo, self.ring
+        i = ring.acquire()
+        try:
+            t0 = time.monotonic()
+            self.read(job.tensor.parts[c.part], ring.memoryviews[i][:n], c.lo)
+            with self._lock:
+                self.read_s += time.monotonic() - t0
+            buf = ring.buffers[i][:n]
+            for d, on in enumerate(job.on):
+                with ring.on(d, job.stream):
+                    self._chunk_dst(job, on, c).copy_(buf, non_blocking=True)
+        finally:
+            ring.release(i, job.stream)
+        if not job.chunk_done():
+            return 0
+        t0 = time.monotonic()
+        self._finish(job)
+        with self._lock:
+            self.finish_s += time.monotonic() - t0
+        return job.cost
+
+    @staticmethod
+    def _chunk_dst(job: _Job, on: _OnDevice, c: _Chunk) -> torch.Tensor:
+        source = on.sources[c.part]
+        if source is not None:
+            return source[c.lo : c.hi]
+        start = c.elem_off * job.tensor.dtype.itemsize + c.lo
+        return on.fused[start : start + c.hi - c.lo]
+
+    def _finish(self, job: _Job) -> None:
+        """On each device, on the job's stream: the stored tensor whole, then each rank's shard."""
+        t = job.tensor
+        cfg, n = self.plan.source.config, self.plan.tensor_parallel_size
+        for d, on in enumerate(job.on):
+            with self.ring.on(d, job.stream):
+                scale = fuse_cast_quantize(t, on.fused, on.sources)
+                # One-byte dtypes (fp8) are cut as raw bytes, as the host path does.
+                full = on.fused.view(t.shape) if t.dtype.itemsize == 1 else on.fused.view(t.dtype).view(t.shape)
+                for r in self.ranks_on[d]:
+                    part = sharding.shard_tensor(t.name, full, cfg, r, n).reshape(-1).view(torch.uint8)
+                    slab, off = self.places[r][job.index]
+                    self.views[r][slab][off : off + part.numel()].copy_(part)
+                    if scale is not None:
+                        ss, so = self.places[r][job.index + 1]
+                        self.views[r][ss][so : so + 4].copy_(scale.reshape(1).view(torch.uint8))
+        job.on = []   # the blocks go back to the allocator, reusable in the job's stream order
+
+
+def fuse_cast_quantize(t: StoredTensor, fused: torch.Tensor, sources: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Complete stored tensor `t` in `fused` (uint8, t.nbytes) from the parts' `sources` (their
+    checkpoint bytes; None = already copied into `fused`): cast into place, or — fp8 — quantize
+    with the scale of the whole fused weight, which is returned (float32, shape ()).
+
+    The same `quant` functions as the host path on whatever device the tensors are on; the
+    amax is reduced on the device (no host sync) and equals the host's float32 maximum.
+    """
+    parts = [(s.view(p.info.torch_dtype), p.info.numel) for s, p in zip(sources, t.parts) if s is not None]
+    if not t.quantize:
+        out, start = fused.view(t.dtype), 0
+        for s, p in zip(sources, t.parts):
+            if s is not None:
+                out[start : start + p.info.numel].copy_(s.view(p.info.torch_dtype))
+            start += p.info.numel
+        return None
+    maxima = [s.abs().max().to(torch.float32) for s, numel in parts if numel]
+    amax = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float32, device=fused.device)
+    scale = quant.fp8_scale_tensor(amax)
+    out, start = fused.view(quant.FP8_DTYPE), 0
+    for s, numel in parts:
+        quant.quantize_fp8_into(out[start : start + numel], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
+        start += numel
+    return scale
