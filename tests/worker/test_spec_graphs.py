@@ -280,6 +280,20 @@ def test_static_verification_keeps_greedy_output(target, method: str, batch: int
         assert stats.spec_num_accepted > 0
 
 
+def test_a_failed_capture_falls_back_to_eager_verification(target, caplog) -> None:
+    reqs = {str(i): (p, GREEDY) for i, p in enumerate(batch_prompts(2))}
+    plain = run(make_engine(target, None), reqs)
+    engine = make_engine(target, SpecConfig(method="ngram", num_speculative_tokens=3))
+    engine.runner.verify_graphs.capturing = True   # capturing on CPU raises: the runner must carry on eagerly
+    with caplog.at_level("WARNING"):
+        out = run(engine, reqs)
+    for rid in reqs:
+        assert tokens(out[rid]) == tokens(plain[rid])
+    assert engine.runner.verify_graphs is None and engine.runner.verify_counts["graphed"] == 0
+    assert engine.runner.verify_counts["eager"] > 0
+    assert "verification runs eagerly from now on" in caplog.text
+
+
 def test_static_verification_with_rejection_sampling_is_reproducible(target) -> None:
     params = SamplingParams(temperature=0.9, top_k=40, max_tokens=30, seed=1234, ignore_eos=True, logprobs=2)
     spec = SpecConfig(method="draft", num_speculative_tokens=3, draft_model="d")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -102,12 +103,25 @@ class SpecDecodeRunner:
         spent = sum(r.capture_graphs() for r in self._runners())
         vg = self.verify_graphs
         if vg is not None:
-            with torch.inference_mode(), torch.cuda.device(self.target.device):
-                took = vg.capture_startup()
-            logger.info("speculative verification graphs (%s, %d tokens per request): captured %d of %d batch sizes "
-                        "in %.2f s", vg.mode, vg.query_len, len(vg.capture_s), len(vg.sizes), took)
-            spent += took
+            t0 = time.monotonic()
+            try:
+                with torch.inference_mode(), torch.cuda.device(self.target.device):
+                    vg.capture_startup()
+            except Exception:  # noqa: BLE001 - verification still works eagerly
+                self._drop_verify_graphs("at start")
+            else:
+                logger.info("speculative verification graphs (%s, %d tokens per request): captured %d of %d batch "
+                            "sizes in %.2f s", vg.mode, vg.query_len, len(vg.capture_s), len(vg.sizes),
+                            time.monotonic() - t0)
+            spent += time.monotonic() - t0
         return spent
+
+    def _drop_verify_graphs(self, when: str) -> None:
+        logger.warning("capturing a speculative verification graph failed %s; verification runs eagerly from now "
+                       "on (decode graphs are unaffected)", when, exc_info=True)
+        if self.verify_graphs is not None:
+            self.verify_graphs.close()
+        self.verify_graphs = None
 
     def map_kv_blocks(self, num_blocks: int) -> None:
         for r in self._runners():
@@ -172,6 +186,13 @@ class SpecDecodeRunner:
         if batch is not None:
             for s in scheduled:   # the eager pass's checks: a scheduler bug must not reach a graph
                 self.target._check(s)
+            if not vg.captured(batch.size):
+                try:   # a failed capture ran only padding (the pad block): the eager pass below is still exact
+                    vg.capture(batch.size)
+                except Exception:  # noqa: BLE001
+                    self._drop_verify_graphs(f"for {batch.size} requests")
+                    vg = batch = None
+        if batch is not None:
             self._count("graphed", f"speculative verification replays CUDA graphs ({vg.query_len} tokens per request)")
             return vg.run(batch), batch.row_starts()
         chunks, num_logits, starts, row = [], [], [], 0

@@ -191,6 +191,10 @@ class VerifyGraphs:
             self.capture(size)
         return time.monotonic() - t0
 
+    def captured(self, size: int) -> bool:
+        """Whether `run` replays size's graph without capturing it first (always, without `capture`)."""
+        return not self.capturing or size in self._graphs
+
     def capture(self, size: int) -> None:
         if size in self._graphs:
             return
@@ -254,11 +258,11 @@ class VerifyGraphs:
 
 def verify_graphs_for(target: object, num_speculative_tokens: int, *, capture: bool = True) -> VerifyGraphs | None:
     """Verification graphs for a target ModelRunner that replays decode graphs (a GPU, graphs
-    not off, TP=1), sharing their mode, padding block and memory pool; else None."""
+    not off, TP=1, Triton kernels), sharing their mode, padding block and memory pool; else None."""
     graphs = getattr(target, "graphs", None)
     if graphs is None or not graphs.sizes or getattr(target, "parallel", None) is not None \
-            or target.pad_block is None:
-        return None
+            or target.pad_block is None or target.kernels.backend != "triton":
+        return None   # (the reference kernels read the host: they cannot be captured)
     ec = target.engine_config
     return VerifyGraphs(target._forward_logits, num_speculative_tokens=num_speculative_tokens,
                         max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
