@@ -89,6 +89,11 @@ def _split_k_is_reproducible() -> None:
     cfg = GemvConfig(block_n=16, block_k=64, split_k=4)
     first = fp8_gemv(x_q, s_a, w_q, s_w, None, torch.float32, config=cfg)
     assert torch.equal(first, fp8_gemv(x_q, s_a, w_q, s_w, None, torch.float32, config=cfg))
+    # The weight's arrival counters are back to zero after each launch, whatever the tiling.
+    counters = w_q._fp8_gemv_counters
+    assert counters.numel() == 72 // 16 + 1 and not counters.any()
+    fp8_gemv(x_q, s_a, w_q, s_w, None, torch.float32, config=GemvConfig(block_n=32, block_k=128, split_k=3))
+    assert w_q._fp8_gemv_counters is counters and not counters.any()
 
 
 def _strided_rows_and_more_tokens() -> None:
@@ -327,7 +332,7 @@ def test_gpu_fp8_linear_dispatches_by_token_count(monkeypatch) -> None:
 
 @pytest.mark.gpu
 def test_gpu_fp8_linear_small_m_replays_in_a_cuda_graph() -> None:
-    """Split-K (counters zeroed in the graph, reset by the last program), fused and unfused
+    """Split-K (the weight's counters, reset by each launch's last programs), fused and unfused
     quantization: replays with new activations equal eager calls, bit for bit."""
     from resident.worker.kernels.dispatch import get_kernels
 
@@ -343,6 +348,7 @@ def test_gpu_fp8_linear_small_m_replays_in_a_cuda_graph() -> None:
             static_x.copy_(torch.randn(m, k, dtype=torch.bfloat16, device="cuda") * scale)
             graph.replay()
             assert torch.equal(static_out, k8.fp8_linear(static_x.clone(), w_q, s_w)), (n, k, m, scale)
+        assert not w_q._fp8_gemv_counters.any()
 
 
 @pytest.mark.gpu
@@ -370,7 +376,7 @@ def test_gpu_bench_gemv_config_sweep() -> None:
                 else:
                     results.append((us, cfg))
 
-            for block_n in (32, 64, 128):
+            for block_n in (16, 32, 64, 128):           # 16, 32: mma.sync; 64, 128: wgmma
                 for block_k in (128, 256):
                     for split in (1, 2, 4, 8):
                         time_config(GemvConfig(block_n=block_n, block_k=block_k, split_k=split))

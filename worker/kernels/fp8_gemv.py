@@ -15,8 +15,12 @@ SPLIT_K programs per tile. Each writes its float32 partial tile to a workspace a
 per-tile counter; the program that arrives last sums the partials in split order (so the
 result does not depend on arrival order: bit-reproducible, as CUDA-graph replays must be),
 applies scale_a * scale_w and the bias, stores, and resets the counter to 0 for the next
-launch. The counters come from `torch.zeros` per call (a memset node in a CUDA graph): no
-state outlives a call, nothing reads the host, so the launch is graph-capturable.
+launch. The counters therefore are zero between launches: they live with the weight (an
+int32 tensor in a `_fp8_gemv_counters` attribute of the weight tensor, zeroed once on first
+use and sized for the smallest tile, so it is never replaced — a captured graph keeps
+pointing at it), which spares every split launch a zero-fill kernel in the decode graph.
+Nothing reads the host and the partials come from the caching allocator, so the launch is
+graph-capturable.
 
 Math (the oracle is `layers.linear.fp8_scaled_mm_reference`): acc = sum_k x_q[m, k] * w[n, k]
 in float32; out = acc * (scale_a * scale_w) (+ bias in float32), cast to the output dtype.
@@ -25,6 +29,10 @@ in float32; out = acc * (scale_a * scale_w) (+ bias in float32), cast to the out
 program computes amax|x| over the whole input (small at decode: it is L2-resident), derives
 the scale with `fp8_quant`'s IEEE-division steps, and quantizes its own K-slice — one launch
 instead of two, bit-identical operands to `fp8_quant.quantize_fp8_per_tensor` on a GPU.
+
+The launch shape (`GemvConfig`: BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) comes from
+`pick_config`'s constants; `test_gpu_bench_gemv_config_sweep` in
+tests/worker/test_kernels_fp8_gemv.py times the alternatives on a GPU to tune them.
 
 Triton's CPU interpreter loads float8_e4m3fn tensors and upcasts them exactly (except the
 NaN codes 0x7f/0xff, which it decodes as +-480; quantized operands never hold them), so the
@@ -52,6 +60,8 @@ FUSED_QUANT_MAX_NUMEL = 8192
 MAX_SUPPORTED_TOKENS = 64
 BLOCK_K = 256
 BLOCK_N = 64
+#: Smallest BLOCK_N a GemvConfig may ask for (tl.dot's minimum); the counters are sized for it.
+MIN_BLOCK_N = 16
 #: Split K until the grid holds this many programs per SM (or the splits get too short).
 TARGET_PROGRAMS_PER_SM = 2
 MIN_K_TILES_PER_SPLIT = 4
@@ -94,6 +104,20 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
            and k_tiles // (split * 2) >= MIN_K_TILES_PER_SPLIT):
         split *= 2
     return GemvConfig(split_k=split)
+
+
+def _tile_counters(weight: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """The weight's split-K arrival counters (zero between launches), created on first use."""
+    counters = getattr(weight, "_fp8_gemv_counters", None)
+    if counters is None:
+        counters = torch.zeros(triton.cdiv(weight.shape[0], MIN_BLOCK_N), dtype=torch.int32, device=weight.device)
+        try:
+            weight._fp8_gemv_counters = counters
+        except AttributeError:          # a tensor type without attributes: fresh zeros every call
+            return counters
+    if counters.numel() < n_tiles or counters.device != weight.device:
+        raise RuntimeError(f"fp8 GEMV counters of the weight {tuple(weight.shape)} do not fit {n_tiles} tiles")
+    return counters
 
 
 @triton.jit
@@ -212,7 +236,10 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
     m, k = x.shape
     n = weight.shape[0]
     if config is None:
-        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+        if x.is_cuda:
+            num_sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        else:
+            num_sms = 132                                   # an H100/H200's (interpreter tests)
         config = pick_config(m, n, k, num_sms)
     block_m = max(16, next_pow2(m))
     n_tiles = triton.cdiv(n, config.block_n)
@@ -223,7 +250,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if split > 1:
         part = torch.empty(split * n_tiles * config.block_n * block_m, dtype=torch.float32, device=x.device)
-        count = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+        count = _tile_counters(weight, n_tiles)
     else:
         part = count = out                                  # unused (SPLIT_K == 1 never touches them)
     scale_w = weight_scale.reshape(())
