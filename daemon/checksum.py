@@ -173,8 +173,8 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         # read signed (equal to the unsigned ones mod 2^32, |w| < 2^31), so every product
         # (c+1)·w and every partial sum over a row is an integer below 2^43 < 2^53 whatever
         # the order of summation.
-        weights = torch.stack([torch.ones(row_words, dtype=torch.float64),
-                               torch.arange(1, row_words + 1, dtype=torch.float64)], dim=1).to(dev)
+        weights = torch.stack([torch.ones(row_words, dtype=torch.float64, device=dev),
+                               torch.arange(1, row_words + 1, dtype=torch.float64, device=dev)], dim=1)
         for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
             xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.float64)
             b1 = b0 + 1 + xb.shape[0]
@@ -203,6 +203,20 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         out[:, 0] += w.sum(dim=1)
         out[:, 1] += (((pos & _MASK) * w) & _MASK).sum(dim=1)
     return out & _MASK
+
+
+def wsum32_spans_in(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """`wsum32_spans` reading only the bytes from the first span's row to the last span's end,
+    so a group of tensors can be checksummed while other parts of the slab are still being
+    written (the loader checksums each group as soon as its copies are done). Same result:
+    a span's sums depend only on its own bytes, and the window starts on a row boundary."""
+    if not spans:
+        return wsum32_spans(slab[:0], [])
+    base = min(off for off, _ in spans) // _SPAN_ROW_BYTES * _SPAN_ROW_BYTES
+    end = max(off + nb for off, nb in spans)
+    if base < 0 or end > slab.numel():
+        raise ValueError(f"wsum32_spans: spans reach [{base}, {end}) outside the slab of {slab.numel()} bytes")
+    return wsum32_spans(slab[base:end], [(off - base, nb) for off, nb in spans])
 
 
 def wsum32_placed(views: list[torch.Tensor], places: list[tuple[int, int]], nbytes: list[int]) -> list[int]:

@@ -166,11 +166,12 @@ class Daemon:
         pin them now, in the background, so the first load does not pay for it."""
         from resident.daemon.staging import StagingConfig, StagingPool
 
-        pool = backend.staging_pool = StagingPool()
+        # $RESIDENT_STAGING_* (threads, chunk MiB, buffers, streams) size every load of this daemon.
+        pool = backend.staging_pool = StagingPool(StagingConfig.from_env(os.environ))
 
         def prepare() -> None:
             try:
-                pool.prepare(StagingConfig(), pinned=True)
+                pool.prepare(pool.config, pinned=True)
             except Exception as e:  # noqa: BLE001 - the first load allocates them instead
                 log.warning("could not pin the loader's staging buffers ahead of time (%s); the first load will", e)
 

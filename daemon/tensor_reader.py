@@ -7,7 +7,7 @@ each straight into the slab with preadv, their CRC-32s combined (`checksum.crc32
 Sources that change dtype go through small staging chunks; an fp8 weight is staged whole
 (its scale needs the amax of the fused tensor). Staging memory in flight is bounded.
 
-GPU slabs go through `staging.StagedFill`: pinned staging ring, H2D copies on several
+GPU slabs go through `staged_fill.StagedFill`: pinned staging ring, H2D copies on several
 streams, cast/quantize on the GPU, the wsum32 checksums in one pass per slab (see that module).
 """
 from __future__ import annotations
@@ -63,9 +63,10 @@ def fill_slabs(
     fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
     try:
         if staged:
-            from resident.daemon.staging import StagedFill, StagingConfig
+            from resident.daemon.staged_fill import StagedFill
+            from resident.daemon.staging import StagingConfig
 
-            config = staging or StagingConfig(num_threads=num_threads)
+            config = staging or getattr(pool, "config", None) or StagingConfig(num_threads=num_threads)
             fill = StagedFill(plan, places, views, lambda p, buf, rel: _pread(p, fds, buf, rel), config, pool)
             try:
                 sums = fill.run(emit, total)

@@ -6,6 +6,7 @@
 #   steps: gputests checkpoint restart throughput handover ceiling (default: these, in order);
 #          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
+#   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   criu: copy .devdata/criu (cp -a ~/.cache/resident/criu .devdata/ here; carry it) where the snapshot tests find it
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
@@ -53,6 +54,10 @@ for s in $steps; do
         --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
       timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
         --tensor-parallel-size 2 --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
+    sweep)    # issue 4: GB/s of the staged GPU load per $RESIDENT_STAGING_* config (SWEEP_CONFIGS overrides the list)
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      timeout "${SWEEP_TIMEOUT:-90}" python3 tests/gpu_io_ceiling.py $M --sweep ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
+        --json "$OUT/sweep.json" >> "$LOG" 2>&1 ;;
     criu)     # snapshot tests: the CRIU that `.ci/setup` installed here, carried as .devdata/criu
       mkdir -p /root/.cache/resident && cp -a .devdata/criu /root/.cache/resident/ >> "$LOG" 2>&1 ;;
     gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)

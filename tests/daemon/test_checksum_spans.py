@@ -83,6 +83,26 @@ def test_spans_outside_the_slab_are_refused():
         checksum.wsum32_spans(torch.zeros(100, dtype=torch.uint8), [(64, 40)])
 
 
+@pytest.mark.parametrize("alignment", [256, 64, 4])
+def test_a_window_over_a_group_of_spans_gives_the_same_sums(alignment):
+    """The loader checksums groups of tensors as their copies finish (`wsum32_spans_in`):
+    it must give what the whole-slab pass gives, reading no byte before the group's row."""
+    rng = random.Random(alignment + 7)
+    sizes = [rng.randrange(0, 5000) for _ in range(30)] + [4, 1, 256, 4096 * 2 + 3]
+    spans = _packed_spans(sizes, alignment)
+    slab = _random_slab(spans[-1][0] + spans[-1][1] + 64, seed=alignment + 7)
+    whole = checksum.wsum32_spans(slab, spans).tolist()
+    for lo, hi in [(0, 5), (5, 6), (6, 20), (20, len(spans)), (3, len(spans) - 2)]:
+        group = spans[lo:hi]
+        first = min(o for o, _ in group) // 256 * 256
+        scrambled = slab.clone()
+        scrambled[:first] = 0x5A                      # bytes before the group's window: not read
+        assert checksum.wsum32_spans_in(scrambled, group).tolist() == whole[lo:hi], (lo, hi)
+    assert checksum.wsum32_spans_in(slab, []).shape == (0, 2)
+    with pytest.raises(ValueError, match="outside the slab"):
+        checksum.wsum32_spans_in(slab, [(slab.numel() - 4, 8)])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_spans_on_gpu_equal_the_cpu_oracle():
@@ -92,3 +112,14 @@ def test_spans_on_gpu_equal_the_cpu_oracle():
     got = checksum.wsum32_spans(slab.cuda(), spans).cpu().tolist()
     assert [checksum.wsum32_finish(p, n) for p, (_, n) in zip(got, spans)] == _expected(slab, spans)
     assert got == checksum.wsum32_spans(slab, spans).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_windows_on_gpu_equal_the_cpu_oracle():
+    spans = _packed_spans([4, 3, 4096 * 4096 + 6, 1, 256 * 1000, 70_001, 2 << 20], 2 << 20)
+    slab = _random_slab(spans[-1][0] + spans[-1][1] + 100, seed=5)
+    expected = _expected(slab, spans)
+    for lo, hi in [(0, 3), (3, 5), (5, len(spans))]:
+        got = checksum.wsum32_spans_in(slab.cuda(), spans[lo:hi]).cpu().tolist()
+        assert [checksum.wsum32_finish(p, n) for p, (_, n) in zip(got, spans[lo:hi])] == expected[lo:hi]

@@ -336,8 +336,9 @@ def test_gpu_tensor_parallel_shards_record_checksums_that_verify(tiny_model):
 
 def test_closing_the_pool_during_a_load_does_not_wait_and_frees_the_buffers_after_it():
     pool = StagingPool()
-    with pool.lease(SMALL, pinned=False) as (buffers, alloc_s):
-        assert len(buffers) == SMALL.buffers() and alloc_s > 0
+    with pool.lease(SMALL, pinned=False) as (host, fresh):
+        host.join()                        # allocated in the background
+        assert len(host.buffers) == SMALL.buffers() and fresh
         pool.close()                       # returns at once: the load still uses the buffers
         assert pool.nbytes == SMALL.buffers() * SMALL.buffer_bytes
     assert pool.nbytes == 0
@@ -367,7 +368,7 @@ def test_chunks_spread_over_streams_except_fp8_jobs_which_keep_their_own(tiny_mo
     """On a GPU an fp8 weight's quantization is ordered after its copies only by stream order;
     other tensors' chunks are spread so one large tensor does not queue on one copy stream."""
     from resident.daemon import loader
-    from resident.daemon.staging import StagedFill
+    from resident.daemon.staged_fill import StagedFill
 
     plan = loader.plan_load(LoadSpec(str(tiny_model("llama3", vocab_size=1024)), quantization="fp8_per_tensor",
                                      dtype="bfloat16"))

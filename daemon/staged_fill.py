@@ -1,0 +1,419 @@
+"""The GPU load pipeline: reader threads fill a ring of pinned staging buffers (staging.py),
+host-to-device copies run on several CUDA streams, casts and fp8 quantization on the GPU
+right after the copies, and the wsum32 checksums of a group of tensors as soon as the group's
+copies are done — while the readers are still reading the rest.
+
+Every stored tensor is a job; its source bytes are cut into chunks of at most one staging
+buffer, each chunk on one of the streams (round-robin; all of an fp8 job's chunks on the
+job's stream). The readers pull chunks in plan order from one shared cursor (no per-chunk
+futures or main-thread hand-offs: every one of those is GIL work the readers contend for),
+so all threads stay busy until the last chunk and finish within a chunk of each other. A
+reader takes a free buffer (waiting for the event of the copy that last read from it),
+preads a chunk into it, and enqueues on the chunk's stream: the copy into the slab (same
+dtype), or into a device temporary followed by a cast into the slab, or — for fp8 — into a
+device temporary holding the whole fused source. It then records the buffer's event and
+returns the buffer to the ring. For fp8, the thread that enqueues a job's last chunk also
+enqueues the amax/scale/quantize on the same stream, so stream order puts it after every
+copy of the job.
+
+Checksums: consecutive jobs of one slab form groups of about `_CHECKSUM_GROUP_BYTES`. When
+the last job of a group has been enqueued, the main thread (idle otherwise) records an event
+on every copy stream — each covers everything enqueued on it so far, so all of the group's
+copies, casts and quantizations — makes its own checksum stream wait for them, and enqueues
+`checksum.wsum32_spans_in` over just that group's bytes. The GPU checksums one group while
+the copy engines move the next; only the last group's checksum (and one read-back of all
+results) remains after the last copy. The sums are the same as one pass per slab at the
+end: wsum32 of each tensor's final bytes, whatever lies between tensors.
+
+Nothing here is GPU-only: on a CPU device the streams are None and copies synchronous, which
+is how the pipeline's logic (ordering included) is tested on machines without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from resident.daemon import checksum, quant
+from resident.daemon.staging import StagingConfig, StagingPool, StagingRing
+
+if TYPE_CHECKING:
+    from resident.daemon.load_plan import LoadPlan, StoredTensor
+
+log = logging.getLogger(__name__)
+
+#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
+_QUANT_CHUNK_NUMEL = 64 << 20
+#: Stored bytes per checksum group: small enough that the checksum left after the last copy is
+#: short, large enough that the per-group ops (a few dozen launches) stay negligible.
+_CHECKSUM_GROUP_BYTES = 256 << 20
+#: How often the main thread reports progress while it waits for groups.
+_PROGRESS_INTERVAL_S = 0.05
+_READERS_DONE = object()
+
+
+@dataclass
+class _Group:
+    """Consecutive jobs of one slab (an fp8 scale may sit in the next) checksummed together."""
+
+    indices: list[int] = field(default_factory=list)   # plan indices of the stored tensors
+    nbytes: int = 0
+    left: int = 0                                       # jobs not yet fully enqueued
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def job_done(self) -> bool:
+        with self._lock:
+            self.left -= 1
+            return self.left == 0
+
+
+@dataclass
+class _Job:
+    """One stored tensor (and its fp8 scale) on its way into the slab."""
+
+    index: int
+    tensor: StoredTensor
+    dst: torch.Tensor                  # uint8 view of the stored tensor's bytes in the slab
+    scale_dst: torch.Tensor | None     # uint8 view of the scale's 4 bytes (fp8)
+    stream: int
+    slab: int = 0
+    group: _Group | None = None
+    num_chunks: int = 0
+    temps: list[torch.Tensor] | None = None   # fp8: each part's source bytes (allocated at its first chunk)
+    _left: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def part_elem_offsets(self) -> list[int]:
+        offs, acc = [], 0
+        for p in self.tensor.parts:
+            offs.append(acc)
+            acc += p.info.numel
+        return offs
+
+    def chunk_done(self) -> bool:
+        """Count one enqueued chunk; True for the last one."""
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    job: _Job
+    part: int
+    lo: int           # byte range [lo, hi) of the part's data in its file
+    hi: int
+    elem_off: int     # the part's first element within the stored tensor
+    stream: int       # fp8: the job's stream (its quantization follows); else round-robin per chunk
+
+
+class StagedFill:
+    """Fill slabs through the staging ring; `run()` returns the wsum32 per stored tensor."""
+
+    def __init__(self, plan: LoadPlan, places: list[tuple[int, int]], views: list[torch.Tensor],
+                 read: Callable[..., None], config: StagingConfig, pool: StagingPool | None = None) -> None:
+        self.plan, self.places, self.views, self.read = plan, places, views, read
+        self.config = config
+        self.device = views[0].device
+        self.pool = pool
+        self.ring: StagingRing | None = None
+        self.finish_s = 0.0          # thread-seconds enqueuing fp8 finishes
+        self.read_s = 0.0            # thread-seconds in preads
+        self.sum_enqueue_s = 0.0     # main-thread seconds enqueuing group checksums during the reads
+        self.spread_s = 0.0          # first to last reader done
+        self._lock = threading.Lock()
+        self._cursor = 0
+        self._done_bytes = 0
+        self._stop = False
+        self._error: BaseException | None = None
+        self._running = 0
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()   # complete groups, then _READERS_DONE
+        self._sums: list[tuple[list[int], torch.Tensor]] = []   # per group and slab: plan indices, (s1, s2)
+        self._num_groups_done = 0
+        self._sum_stream: torch.cuda.Stream | None = None
+        self._reader_end: list[float] = []
+
+    # --- planning -----------------------------------------------------------------------
+    def _jobs(self) -> Iterator[_Job]:
+        k = 0
+        for i, t in enumerate(self.plan.tensors):
+            if t.is_scale:
+                continue  # written by its weight's job
+            slab, off = self.places[i]
+            scale_dst = None
+            if t.quantize:
+                ss, so = self.places[i + 1]
+                scale_dst = self.views[ss][so : so + 4]
+            job = _Job(i, t, self.views[slab][off : off + t.nbytes], scale_dst, k % self.config.num_streams, slab)
+            k += 1
+            yield job
+
+    def _chunks(self, job: _Job, first_stream: int) -> list[_Chunk]:
+        """The job's chunks. Copies (and casts) of a chunk depend on nothing else, so they are
+        spread over all streams — a 1 GB embedding must not queue on one copy stream — except
+        for fp8 jobs, whose quantization must follow every copy on the job's stream."""
+        step, n = self.config.buffer_bytes, self.config.num_streams
+        out = []
+        for p_idx, (p, e0) in enumerate(zip(job.tensor.parts, job.part_elem_offsets())):
+            for lo in range(0, p.info.nbytes, step):
+                stream = job.stream if job.tensor.quantize else (first_stream + len(out)) % n
+                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0, stream))
+        return out
+
+    @staticmethod
+    def _groups(jobs: list[_Job], group_bytes: int) -> list[_Group]:
+        """Cut the jobs (plan order) into groups of one slab and about `group_bytes` each."""
+        groups: list[_Group] = []
+        slab = -1
+        for job in jobs:
+            g = groups[-1] if groups else None
+            if g is None or job.slab != slab or g.nbytes >= group_bytes:
+                g = _Group()
+                groups.append(g)
+                slab = job.slab
+            g.indices.append(job.index)
+            if job.tensor.quantize:
+                g.indices.append(job.index + 1)   # its scale, written by its finish
+            g.nbytes += job.tensor.nbytes
+            g.left += 1
+            job.group = g
+        return groups
+
+    # --- the pipeline -------------------------------------------------------------------
+    def run(self, emit: Callable[..., None], total: int) -> list[int]:
+        pinned = self.device.type == "cuda"
+        pool = self.pool or StagingPool()
+        t0 = time.monotonic()
+        try:
+            with pool.lease(self.config, pinned) as (host, fresh):
+                self.ring = StagingRing(self.config, self.device, host)
+                reads_s = self._pipeline(emit, total)
+        finally:
+            if self.pool is None:
+                pool.close()
+        t1 = time.monotonic()
+        sums = self._collect_sums()
+        tail_s = time.monotonic() - t1
+        elapsed = time.monotonic() - t0
+        log.info(
+            "staged load: %.2f GB in %.2f s (%.2f GB/s) with %s (%s); reads and copies %.2f s, the last checksums "
+            "%.3f s after them; thread-seconds: reading %.2f, waiting for buffers %.2f, enqueuing fp8 finishes %.2f; "
+            "readers finished within %.3f s of each other; checksums of %d group(s) in %d slab(s) enqueued "
+            "alongside the reads in %.3f s", total / 1e9, elapsed, total / 1e9 / max(elapsed, 1e-9),
+            self.config.describe(),
+            f"{'pinned' if pinned else 'allocated'} now in {host.alloc_s:.2f} s alongside the first reads" if fresh
+            else "buffers kept from before",
+            reads_s, tail_s, self.read_s, self.ring.wait_s, self.finish_s, self.spread_s, self._num_groups_done,
+            len(self.views), self.sum_enqueue_s)
+        return sums
+
+    def _pipeline(self, emit: Callable[..., None], total: int) -> float:
+        """Read and copy every chunk, quantize fp8 jobs, enqueue every group's checksum; all
+        copies have completed when it returns (the checksums may still run)."""
+        t0 = time.monotonic()
+        ring = self.ring
+        if ring.cuda:
+            # The side streams do not order themselves after work queued on the default stream.
+            torch.cuda.synchronize(self.device)
+            self._sum_stream = torch.cuda.Stream(device=self.device)
+        jobs = list(self._jobs())
+        groups = self._groups(jobs, _CHECKSUM_GROUP_BYTES)
+        chunks: list[_Chunk] = []
+        for job in jobs:
+            job_chunks = self._chunks(job, len(chunks))
+            job.num_chunks = job._left = len(job_chunks)
+            chunks += job_chunks
+        for job in jobs:
+            if not job.num_chunks:   # nothing to read; an empty fp8 weight still gets its scale
+                if job.tensor.quantize:
+                    with ring.on_stream(job.stream):
+                        self._allocate_temps(job)
+                        self._finish(job)
+                self._job_enqueued(job)
+        readers: list[threading.Thread] = []
+        try:
+            for k in range(min(self.config.threads(), max(1, len(chunks)))):
+                r = threading.Thread(target=self._reader, args=(chunks,), name=f"resident-stage-{k}", daemon=True)
+                with self._lock:
+                    self._running += 1
+                try:
+                    r.start()
+                except BaseException:
+                    self._reader_exits()
+                    raise
+                readers.append(r)
+            self._serve_groups(emit, total, len(groups))
+        except BaseException:
+            self._stop = True
+            raise
+        finally:
+            for r in readers:
+                r.join()
+            # Nothing may still be copying into the slabs (or from the buffers) when we return.
+            ring.synchronize()
+        if self._error is not None:
+            raise self._error
+        if self._reader_end:
+            self.spread_s = max(self._reader_end) - min(self._reader_end)
+        return time.monotonic() - t0
+
+    def _serve_groups(self, emit: Callable[..., None], total: int, num_groups: int) -> None:
+        """The main thread while the readers run: checksum each group as it completes, report progress."""
+        while True:
+            try:
+                item = self._ready.get(timeout=_PROGRESS_INTERVAL_S)
+            except queue.Empty:
+                item = None
+            emit("read", self._done_bytes, total)
+            if item is _READERS_DONE:
+                break
+            if item is None or self._stop:
+                continue
+            t0 = time.monotonic()
+            try:
+                self._checksum_group(item)
+                self._num_groups_done += 1
+            except BaseException as e:
+                self._fail(e)
+            self.sum_enqueue_s += time.monotonic() - t0
+        if self._error is None and self._num_groups_done != num_groups:
+            raise RuntimeError(f"staged load: {self._num_groups_done} of {num_groups} checksum groups completed")
+
+    def _checksum_group(self, group: _Group) -> None:
+        """Enqueue the group's checksums behind everything enqueued so far on the copy streams."""
+        ring = self.ring
+        cs = self._sum_stream
+        if cs is not None:
+            for s in ring.streams:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                cs.wait_event(ev)
+        by_slab: dict[int, list[int]] = {}
+        for i in group.indices:
+            by_slab.setdefault(self.places[i][0], []).append(i)
+        with torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext():
+            for slab, idxs in by_slab.items():
+                spans = [(self.places[i][1], self.plan.tensors[i].nbytes) for i in idxs]
+                self._sums.append((idxs, checksum.wsum32_spans_in(self.views[slab], spans)))
+
+    def _collect_sums(self) -> list[int]:
+        """All groups' (s1, s2) to the host in one copy; wsum32 per stored tensor in plan order."""
+        if self._sum_stream is not None:
+            self._sum_stream.synchronize()
+        out = [0] * len(self.plan.tensors)
+        if not self._sums:
+            return out
+        parts = torch.cat([p for _, p in self._sums]).cpu().tolist()
+        order = [i for idxs, _ in self._sums for i in idxs]
+        for i, s in zip(order, parts):
+            out[i] = checksum.wsum32_finish(s, self.plan.tensors[i].nbytes)
+        return out
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e
+        self._stop = True
+
+    def _reader(self, chunks: list[_Chunk]) -> None:
+        try:
+            while not self._stop:
+                with self._lock:
+                    k = self._cursor
+                    if k >= len(chunks):
+                        break
+                    self._cursor = k + 1
+                self._run_chunk(chunks[k])
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._reader_exits()
+
+    def _reader_exits(self) -> None:
+        """The last reader to exit says so, after every group it or the others put. (A reader
+        started after that finds no chunk left: those that exited took them all, or stopped.)"""
+        with self._lock:
+            self._reader_end.append(time.monotonic())
+            self._running -= 1
+            last = self._running == 0
+        if last:
+            self._ready.put(_READERS_DONE)
+
+    def _run_chunk(self, c: _Chunk) -> None:
+        job = c.job
+        n = c.hi - c.lo
+        ring = self.ring
+        if job.tensor.quantize and job.temps is None:
+            with job._lock, ring.on_stream(job.stream):
+                self._allocate_temps(job)
+        i = ring.acquire()
+        try:
+            t0 = time.monotonic()
+            self.read(job.tensor.parts[c.part], ring.memoryviews[i][:n], c.lo)
+            t1 = time.monotonic()
+            buf = ring.buffers[i]
+            with ring.on_stream(c.stream):
+                self._place(c, buf if n == buf.numel() else buf[:n])
+        finally:
+            ring.release(i, c.stream)
+        with self._lock:
+            self.read_s += t1 - t0
+            self._done_bytes += n
+        if job.chunk_done():
+            if job.tensor.quantize:
+                t0 = time.monotonic()
+                with ring.on_stream(job.stream):
+                    self._finish(job)
+                dt = time.monotonic() - t0
+                with self._lock:
+                    self.finish_s += dt
+            self._job_enqueued(job)
+
+    def _job_enqueued(self, job: _Job) -> None:
+        """Every copy (and finish) of `job` is enqueued: its group may be checksummed once all are."""
+        if job.group is not None and job.group.job_done():
+            self._ready.put(job.group)
+
+    def _allocate_temps(self, job: _Job) -> None:
+        """fp8: device memory for the job's whole source (on its stream; at most one job per reader at a time)."""
+        if job.temps is None:
+            job.temps = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=self.device) for p in job.tensor.parts]
+
+    def _place(self, c: _Chunk, host: torch.Tensor) -> None:
+        """Enqueue the copy (and cast) of one chunk on the current stream."""
+        job, t = c.job, c.job.tensor
+        src_dtype = t.parts[c.part].info.torch_dtype
+        if t.quantize:
+            job.temps[c.part][c.lo : c.hi].copy_(host, non_blocking=True)
+        elif src_dtype == t.dtype:
+            start = c.elem_off * t.dtype.itemsize + c.lo
+            job.dst[start : start + host.numel()].copy_(host, non_blocking=True)
+        else:
+            tmp = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            tmp.copy_(host, non_blocking=True)
+            e0 = c.elem_off + c.lo // src_dtype.itemsize
+            n = host.numel() // src_dtype.itemsize
+            job.dst.view(t.dtype)[e0 : e0 + n].copy_(tmp.view(src_dtype))
+
+    def _finish(self, job: _Job) -> None:
+        """fp8: after all of the job's copies (same stream), the amax, scale and quantization."""
+        t = job.tensor
+        staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
+        maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
+        amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
+        scale = quant.fp8_scale_tensor(amax)
+        out = job.dst.view(quant.FP8_DTYPE)
+        start = 0
+        for s in staged:
+            quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
+            start += s.numel()
+        job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
+        job.temps = []
+

@@ -1,0 +1,279 @@
+"""The staged load pipeline's scheduling (run on CPU: same readers, groups and checksum code,
+streams as no-ops): checksums of a group start as soon as its tensors are written, while the
+readers still read the rest, and see the final bytes; a fresh pool's buffers are allocated in
+the background while the first reads run; the sweep knobs come from the environment."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from recording_backend import RecordingBackend
+
+from resident.daemon import checksum, staged_fill, staging, tensor_reader
+from resident.daemon.loader import LoadSpec, load, pack, plan_load
+from resident.daemon.safetensors_io import CheckpointError
+from resident.daemon.staged_fill import StagedFill
+from resident.daemon.staging import HostBuffers, StagingConfig, StagingPool, piece_counts
+from resident.daemon.tensor_table import crc32_of
+
+SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
+
+
+@pytest.fixture
+def backend():
+    b = RecordingBackend(max_slab_bytes=1 << 20)
+    yield b
+    for s in b.slabs:
+        s.close()
+
+
+def raw_views(m):
+    v = m.table.views([s.readable() for s in m.slabs])
+    return {k: t.reshape(-1).view(torch.uint8) for k, t in v.items()}
+
+
+@pytest.mark.parametrize("quantization,dtype", [("none", "auto"), ("none", "float32"), ("fp8_per_tensor", "bfloat16")])
+def test_groups_are_checksummed_while_reading_and_see_their_final_bytes(tiny_model, backend, monkeypatch,
+                                                                        quantization, dtype):
+    spec = LoadSpec(str(tiny_model("llama3", vocab_size=1024)), quantization=quantization, dtype=dtype)
+    ref = load(spec, backend)   # host loader: the bytes every tensor must end up with
+    expected = raw_views(ref)
+    reads = []
+    real_pread = tensor_reader._pread
+
+    lock = threading.Lock()
+    first_group = threading.Event()
+    timed_out = []
+
+    def counting(p, fds, buf, rel):
+        with lock:
+            reads.append(1)
+            late = len(reads) > 12
+        # Later reads wait until a group has been checksummed: a pipeline that checksums only
+        # after the last read would stall here (and fail below) instead of overlapping.
+        if late and not first_group.wait(timeout=30):
+            timed_out.append(1)
+        return real_pread(p, fds, buf, rel)
+
+    seen = []   # (reads done when the group was checksummed, tensors of the group)
+    real_group = StagedFill._checksum_group
+
+    def checked(self, group):
+        with lock:
+            seen.append((len(reads), len(group.indices)))
+        first_group.set()
+        for i in group.indices:
+            slab, off = self.places[i]
+            t = self.plan.tensors[i]
+            assert torch.equal(self.views[slab][off : off + t.nbytes], expected[t.name]), t.name
+        return real_group(self, group)
+
+    monkeypatch.setattr(tensor_reader, "_pread", counting)
+    monkeypatch.setattr(StagedFill, "_checksum_group", checked)
+    monkeypatch.setattr(staged_fill, "_CHECKSUM_GROUP_BYTES", 32 << 10)
+    m = load(spec, backend, staged=True, staging=SMALL)
+    assert len(seen) > 3 and not timed_out
+    assert seen[0][0] < len(reads)                   # the first group was checksummed before the last read
+    assert sum(n for _, n in seen) == len(m.table.entries)   # every tensor (fp8 scales too) exactly once
+    fv = raw_views(m)
+    for e in m.table.entries:
+        assert torch.equal(fv[e.name], expected[e.name]), e.name
+        assert e.crc32 == checksum.wsum32_reference(expected[e.name].numpy().tobytes()), e.name
+
+
+def test_groups_follow_the_slabs_and_keep_each_scale_with_its_weight(tiny_model):
+    plan = plan_load(LoadSpec(str(tiny_model("qwen3", vocab_size=1024)), quantization="fp8_per_tensor"))
+    places, sizes = pack([t.nbytes for t in plan.tensors], 256, 32 << 10)
+    assert len(sizes) > 3
+    fill = StagedFill(plan, places, [torch.empty(n, dtype=torch.uint8) for n in sizes], None, SMALL)
+    jobs = list(fill._jobs())
+    groups = fill._groups(jobs, 8 << 10)
+    covered = [i for g in groups for i in g.indices]
+    assert sorted(covered) == list(range(len(plan.tensors)))      # each stored tensor once
+    for g in groups:
+        weights = [i for i in g.indices if not plan.tensors[i].is_scale]
+        assert len({places[i][0] for i in weights}) == 1           # one slab (a scale may spill into the next)
+        assert g.left == len(weights)
+        for i in g.indices:
+            if plan.tensors[i].is_scale:
+                assert i - 1 in g.indices
+        assert sum(plan.tensors[i].nbytes for i in weights[:-1]) < 8 << 10   # closed once it reached the size
+    assert len(groups) > len(sizes)
+
+
+def test_a_fresh_pool_starts_reading_before_all_buffers_are_allocated(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)))
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
+    assert piece_counts(8) == [1, 1, 2, 4]
+    first_read = threading.Event()
+    allocations = []
+    real_alloc, real_pread = staging._alloc_host, tensor_reader._pread
+
+    def slow_alloc(nbytes, pinned):
+        if allocations:                 # every piece after the first waits for a read into the first
+            assert first_read.wait(timeout=30), "no read started while the staging buffers were allocated"
+        allocations.append(nbytes)
+        return real_alloc(nbytes, pinned)
+
+    def pread(p, fds, buf, rel):
+        first_read.set()
+        return real_pread(p, fds, buf, rel)
+
+    monkeypatch.setattr(staging, "_alloc_host", slow_alloc)
+    monkeypatch.setattr(tensor_reader, "_pread", pread)
+    backend.staging_pool = pool = StagingPool()
+    m = load(spec, backend, staged=True, staging=config)
+    assert allocations == [n * config.buffer_bytes for n in (1, 1, 2, 4)]
+    assert pool.nbytes == 8 * config.buffer_bytes
+    monkeypatch.setattr(tensor_reader, "_pread", real_pread)
+    again = load(spec, backend, staged=True, staging=config)        # kept: nothing allocated
+    assert len(allocations) == 4
+    assert [e.crc32 for e in again.table.entries] == [e.crc32 for e in m.table.entries]
+    pool.close()
+
+
+def test_a_load_during_the_daemons_prepare_reads_into_the_buffers_pinned_so_far(tiny_model, backend, monkeypatch):
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
+    first_piece, first_read = threading.Event(), threading.Event()
+    allocations = []
+    real_alloc, real_pread = staging._alloc_host, tensor_reader._pread
+
+    def slow_alloc(nbytes, pinned):
+        if allocations and not first_read.wait(timeout=30):
+            raise AssertionError("the load waited for the whole allocation")
+        allocations.append(nbytes)
+        first_piece.set()
+        return real_alloc(nbytes, pinned)
+
+    def pread(p, fds, buf, rel):
+        first_read.set()
+        return real_pread(p, fds, buf, rel)
+
+    monkeypatch.setattr(staging, "_alloc_host", slow_alloc)
+    monkeypatch.setattr(tensor_reader, "_pread", pread)
+    backend.staging_pool = pool = StagingPool(config)
+    prepare = threading.Thread(target=pool.prepare, kwargs={"pinned": False})   # host memory: no GPU here
+    prepare.start()
+    assert first_piece.wait(timeout=30)
+    m = load(LoadSpec(str(tiny_model("llama", vocab_size=1024))), backend, staged=True)
+    prepare.join()
+    assert len(allocations) == 4 and pool.nbytes == 8 * config.buffer_bytes and m.checksum == "wsum32"
+    pool.close()
+
+
+def test_a_failed_buffer_allocation_fails_the_load_and_the_pool_tries_again(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)))
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=6, num_streams=2, num_threads=4)
+    calls = []
+    real_alloc = staging._alloc_host
+
+    def failing(nbytes, pinned):
+        calls.append(nbytes)
+        if len(calls) == 3:
+            raise MemoryError("cannot pin host memory")
+        return real_alloc(nbytes, pinned)
+
+    monkeypatch.setattr(staging, "_alloc_host", failing)
+    backend.staging_pool = pool = StagingPool()
+    with pytest.raises(MemoryError, match="cannot pin"):
+        load(spec, backend, staged=True, staging=config)
+    assert pool.nbytes == 0 and all(s._fd is None for s in backend.slabs)
+    m = load(spec, backend, staged=True, staging=config)             # allocated afresh
+    assert pool.nbytes == 6 * config.buffer_bytes and m.checksum == "wsum32"
+    pool.close()
+
+
+def test_host_buffers_hand_out_each_buffer_once_it_exists():
+    host = HostBuffers(5, 64 << 10, pinned=False)
+    got = [host.get(i) for i in range(5)]
+    host.join()
+    assert [b.numel() for b in got] == [64 << 10] * 5 and host.nbytes == 5 * (64 << 10)
+    assert len({b.data_ptr() for b in got}) == 5
+
+
+@pytest.mark.parametrize("n,expected", [(1, [1]), (2, [1, 1]), (3, [1, 1, 1]), (5, [1, 1, 2, 1]),
+                                        (24, [1, 1, 2, 4, 8, 8]), (40, [1, 1, 2, 4, 8, 16, 8])])
+def test_pieces_are_powers_of_two_that_grow(n, expected):
+    assert piece_counts(n) == expected
+
+
+def test_the_staging_knobs_come_from_the_environment():
+    env = {"RESIDENT_STAGING_THREADS": "12", "RESIDENT_STAGING_CHUNK_MIB": "32", "RESIDENT_STAGING_BUFFERS": "",
+           "RESIDENT_STAGING_STREAMS": "2"}
+    c = StagingConfig.from_env(env)
+    assert (c.num_threads, c.buffer_bytes, c.num_buffers, c.num_streams) == (12, 32 << 20, 0, 2)
+    assert c.buffers() == 20 and "12 threads x 32 MiB chunks, 20 buffers, 2 streams" == c.describe()
+    assert StagingConfig.from_env({}) == StagingConfig()
+    assert StagingConfig.from_env({}, num_threads=3).threads() == 3
+    with pytest.raises(ValueError, match=r"RESIDENT_STAGING_THREADS='many' is not an integer"):
+        StagingConfig.from_env({"RESIDENT_STAGING_THREADS": "many"})
+    with pytest.raises(ValueError, match="RESIDENT_STAGING_CHUNK_MIB"):
+        StagingConfig.from_env({"RESIDENT_STAGING_CHUNK_MIB": "0"})
+    with pytest.raises(ValueError, match="num_streams must be at least 1"):
+        StagingConfig.from_env({"RESIDENT_STAGING_STREAMS": "0"})
+
+
+def test_a_daemon_pool_config_sizes_loads_without_their_own(tiny_model, backend):
+    config = StagingConfig(buffer_bytes=128 << 10, num_buffers=3, num_streams=2, num_threads=2)
+    backend.staging_pool = pool = StagingPool(config)
+    load(LoadSpec(str(tiny_model("llama", vocab_size=1024))), backend, staged=True)
+    assert pool.nbytes == 3 * (128 << 10)
+    pool.close()
+
+
+def test_more_threads_than_chunks_and_empty_models_of_chunks_finish(tiny_model, backend):
+    spec = LoadSpec(str(tiny_model("llama")))
+    big = StagingConfig(buffer_bytes=16 << 20, num_buffers=4, num_streams=2, num_threads=64)
+    m = load(spec, backend, staged=True, staging=big)
+    ref = load(spec, backend)
+    rv, v = raw_views(ref), raw_views(m)
+    assert all(torch.equal(v[e.name], rv[e.name]) for e in m.table.entries)
+
+
+def test_a_read_error_stops_every_reader_and_is_raised(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)))
+    real = tensor_reader._pread
+    calls = []
+
+    def flaky(p, fds, buf, rel):
+        calls.append(1)
+        if len(calls) == 3:
+            raise CheckpointError("disk went away")
+        return real(p, fds, buf, rel)
+
+    monkeypatch.setattr(tensor_reader, "_pread", flaky)
+    with pytest.raises(CheckpointError, match="disk went away"):
+        load(spec, backend, staged=True, staging=SMALL)
+    assert len(calls) < 3 + SMALL.threads()       # the others stopped after their current chunk
+
+
+# --- on a GPU ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization,dtype", [("none", "auto"), ("none", "float32"), ("fp8_per_tensor", "bfloat16")])
+def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, quantization, dtype):
+    """Many small groups on a GPU: each group's checksum waits on the copy streams by events
+    only; the recorded sums must equal what verifiers compute and the bytes the host loader's."""
+    from resident.daemon.memory import get_backend
+    from resident.daemon.memory.host_shm import HostShmBackend
+
+    monkeypatch.setattr(staged_fill, "_CHECKSUM_GROUP_BYTES", 96 << 10)
+    spec = LoadSpec(str(tiny_model("qwen2", vocab_size=2048, max_shard_size="200KB")), quantization=quantization,
+                    dtype=dtype)
+    gpu = get_backend("cuda_vmm", max_slab_bytes=2 << 20)
+    gpu.staging_pool = pool = StagingPool()     # fresh: pinned in the background during the first reads
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=12, num_streams=3, num_threads=8)
+    g = load(spec, gpu, staging=config)
+    h = load(spec, HostShmBackend())
+    try:
+        assert all(b.is_pinned() for b in pool._buffers) and pool.nbytes == 12 * (64 << 10)
+        gv = g.table.views([s.readable() for s in g.slabs])
+        hv = h.table.views([s.readable() for s in h.slabs])
+        for e in g.table.entries:
+            assert torch.equal(gv[e.name].cpu().reshape(-1).view(torch.uint8),
+                               hv[e.name].reshape(-1).view(torch.uint8)), e.name
+            assert e.crc32 == crc32_of(gv[e.name]) == checksum.wsum32(hv[e.name]), e.name
+    finally:
+        pool.close()
+        for s in g.slabs + h.slabs:
+            s.close()
