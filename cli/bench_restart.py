@@ -54,6 +54,10 @@ _STAGED = re.compile(r"staged load: .*")
 _KV_BREAKDOWN = re.compile(r"kv_alloc breakdown: (.*)")
 _HEADROOM = re.compile(r"kv_alloc breakdown: plan [0-9.]+ s, headroom ([a-z]+)")
 _PREINIT = re.compile(r"CUDA context (?:of|pre-creation for) cuda:\d+ .*")
+#: The import phase's parts, Triton's start-up work in the background, the warm-up's two passes.
+_IMPORTS = re.compile(r"import breakdown: (.*)")
+_TRITON = re.compile(r"Triton start-up work .*")
+_WARMUP = re.compile(r"warm-up forward passes done in (.*)")
 #: Tensor parallel (worker/tp_executor.py): the group's formation on rank 0, each other rank's start.
 _TP_GROUP = re.compile(r"tensor-parallel group of \d+ ranks formed in ([0-9.]+) s")
 _TP_RANK = re.compile(r"rank (\d+) start-up phases: import=([0-9.]+) group=([0-9.]+) shard=([0-9.]+) source=(\w+)")
@@ -174,7 +178,8 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
                             "source": src} for r, i, g, sh, src in _TP_RANK.findall(text)]
     for key, pattern, group in (("attach_breakdown", _ATTACH_BREAKDOWN, 1),
                                 ("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
-                                ("cuda_preinit", _PREINIT, 0)):
+                                ("cuda_preinit", _PREINIT, 0), ("import_breakdown", _IMPORTS, 1),
+                                ("triton_prefetch", _TRITON, 0), ("warmup_breakdown", _WARMUP, 1)):
         found = pattern.search(text)
         if found:
             row[key] = found.group(group)
@@ -402,7 +407,8 @@ def _report(results: dict, variants: list[str]) -> None:
             click.echo(f"{'':<28}  attach: the daemon's Attach handler took {r['daemon_attach_s'] * 1e3:.2f} ms of it "
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
-        for key in ("attach_breakdown", "kv_alloc_breakdown", "cuda_preinit"):
+        for key in ("import_breakdown", "attach_breakdown", "kv_alloc_breakdown", "warmup_breakdown", "cuda_preinit",
+                    "triton_prefetch"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
         if "tp_group_s" in r:

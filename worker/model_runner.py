@@ -393,13 +393,17 @@ class ModelRunner:
             prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy, prompt, [])
             out = self.execute(SchedulerOutput([prefill], num_tokens))
             tok = out.sampled["warmup-0"]
+            t_prefill = time.monotonic()
             decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, seeded, prompt, [tok])
             self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
         finally:
             self.graphs = graphs
             self._generators.pop("warmup-1", None)
             self.kv_cache.zero_blocks(blocks)
-        logger.info("warm-up forward passes done in %.2f s", time.monotonic() - t0)
+        now = time.monotonic()
+        # Mostly first launches (Triton specializations, cuBLAS, the sampler's kernels) on a GPU.
+        logger.info("warm-up forward passes done in %.2f s (prefill of %d tokens %.2f s, decode %.2f s)", now - t0,
+                    num_tokens, t_prefill - t0, now - t_prefill)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
