@@ -123,7 +123,8 @@ def _tile_counters(weight: torch.Tensor, n_tiles: int) -> torch.Tensor:
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, part_ptr, count_ptr,
                      M, N, K, stride_xm, stride_wn, stride_om, k_tiles_per_split,
-                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr,
+                     SPLIT_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -154,13 +155,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, 
         ks = kt * BLOCK_K + offs_k
         if EVEN_K:
             w = tl.load(w_ptr + w_rows[:, None] + ks[None, :])
-            x = tl.load(x_ptr + x_rows[None, :] + ks[:, None])
         else:
             w = tl.load(w_ptr + w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0)
-            x = tl.load(x_ptr + x_rows[None, :] + ks[:, None], mask=ks[:, None] < K, other=0.0)
-        if QUANT_X:
-            x = _quantize_tile(x.to(tl.float32), scale_a, FP8_MAX).to(tl.float8e4nv)
-        acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
+        if ONE_ROW:
+            # M == 1: load (and quantize) one vector, not BLOCK_M copies of it.
+            x1 = tl.load(x_ptr + ks, mask=ks < K, other=0.0) if not EVEN_K else tl.load(x_ptr + ks)
+            if QUANT_X:
+                x1 = _quantize_tile(x1.to(tl.float32), scale_a, FP8_MAX).to(tl.float8e4nv)
+            x = tl.broadcast_to(x1.to(tl.float16)[:, None], (BLOCK_K, BLOCK_M))
+        else:
+            if EVEN_K:
+                x = tl.load(x_ptr + x_rows[None, :] + ks[:, None])
+            else:
+                x = tl.load(x_ptr + x_rows[None, :] + ks[:, None], mask=ks[:, None] < K, other=0.0)
+            if QUANT_X:
+                x = _quantize_tile(x.to(tl.float32), scale_a, FP8_MAX).to(tl.float8e4nv)
+            x = x.to(tl.float16)
+        acc = tl.dot(w.to(tl.float16), x, acc)
 
     tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
     if SPLIT_K > 1:
@@ -258,7 +269,8 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
         x, weight, out, scale_a if scale_a is not None else scale_w, scale_w,
         bias if bias is not None else scale_w, part, count,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_tiles_per_split,
-        HAS_BIAS=bias is not None, QUANT_X=fuse_quant, EVEN_K=k % config.block_k == 0, SPLIT_K=split,
+        HAS_BIAS=bias is not None, QUANT_X=fuse_quant, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1,
+        SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         AMAX_BLOCK=min(next_pow2(k), AMAX_BLOCK), FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
         num_warps=config.num_warps, num_stages=config.num_stages)
