@@ -92,6 +92,7 @@ class TritonPrefetch:
                 self.skipped = "the worker does not compute on a GPU"
                 return
             major, minor = self._capability
+            mark = time.monotonic()   # waiting for the device is not work
             step = "kernels"
             self._kernel_cache_keys()
             done("kernels")
