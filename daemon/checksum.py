@@ -117,8 +117,9 @@ def wsum32_parts(t: torch.Tensor) -> torch.Tensor:
 
 #: Bytes per row when `wsum32_spans` reduces a whole slab (spans start on row boundaries).
 _SPAN_ROW_BYTES = 256
-#: Rows reduced at once by `wsum32_spans` (64 MiB of slab; bounds its int64 temporary).
-_SPAN_BLOCK_ROWS = (64 << 20) // _SPAN_ROW_BYTES
+#: Rows reduced at once by `wsum32_spans`: 128 MiB of slab, so a 256 MiB float64 temporary;
+#: fewer, larger blocks mean fewer launches (the loader enqueues them while its readers run).
+_SPAN_BLOCK_ROWS = (128 << 20) // _SPAN_ROW_BYTES
 
 
 def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
