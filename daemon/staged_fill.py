@@ -238,6 +238,7 @@ class StagedFill:
                         self._finish(job)
                 self._job_enqueued(job)
         readers: list[threading.Thread] = []
+        served = False
         try:
             for k in range(min(self.config.threads(), max(1, len(chunks)))):
                 r = threading.Thread(target=self._reader, args=(chunks,), name=f"resident-stage-{k}", daemon=True)
@@ -250,14 +251,18 @@ class StagedFill:
                     raise
                 readers.append(r)
             self._serve_groups(emit, total, len(groups))
+            served = self._error is None
         except BaseException:
             self._stop = True
             raise
         finally:
             for r in readers:
                 r.join()
-            # Nothing may still be copying into the slabs (or from the buffers) when we return.
+            # Nothing may still be copying into the slabs (or from the buffers) when we return;
+            # after a failure nothing may still be checksumming them either (the caller frees them).
             ring.synchronize()
+            if not served and self._sum_stream is not None:
+                self._sum_stream.synchronize()
         if self._error is not None:
             raise self._error
         if self._reader_end:
