@@ -1,4 +1,4 @@
-"""Speculative verification over static (graph) inputs, on CPU.
+"""Speculative verification over static (graph) inputs, and chained greedy draft passes, on CPU.
 
 CUDA graphs cannot run here, so `VerifyGraphs(capture=False)` runs the forward a graph
 records, eagerly over the same static buffers: the staging (padding short proposals to K,
@@ -31,6 +31,8 @@ from resident.worker.request import RequestOutput  # noqa: E402
 from resident.worker.sampling_params import SamplingParams  # noqa: E402
 from resident.worker.spec_decode.build import build_spec_runner  # noqa: E402
 from resident.worker.spec_decode.config import SpecConfig  # noqa: E402
+from resident.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from resident.worker.spec_decode.draft_chain import chainable, stage_chain  # noqa: E402
 from resident.worker.spec_decode.verify_graphs import (PAD_TOKEN, VerifyGraphs, stage_verify_batch,  # noqa: E402
                                                        verify_batch_sizes, verify_graphs_for)
 
@@ -292,6 +294,59 @@ def test_a_failed_capture_falls_back_to_eager_verification(target, caplog) -> No
     assert engine.runner.verify_graphs is None and engine.runner.verify_counts["graphed"] == 0
     assert engine.runner.verify_counts["eager"] > 0
     assert "verification runs eagerly from now on" in caplog.text
+
+
+# --- chained greedy draft passes ---------------------------------------------------------------
+def test_chain_staging_advances_positions_over_the_same_tables() -> None:
+    a = decode("a", 7, start=5, table=[3, 9, 4], num_spec=4)   # passes feed drafts at positions 6, 7, 8
+    b = decode("b", 8, start=2, table=[6, 2], num_spec=4)      # 3, 4, 5
+    assert chainable([a, b], 4) and not chainable([a, b], 1)
+    assert not chainable([a, decode("c", 1, 0, [1], num_spec=3)], 4)
+    assert not chainable([decode("s", 1, 0, [1], params=SamplingParams(temperature=0.5))], 4)
+    assert not chainable([decode("p", 1, 0, [1], params=SamplingParams(temperature=0.0, repetition_penalty=1.2))], 4)
+    staged = stage_chain([a, b], 3, size=4, block_size=BS, pad_block=50, max_width=10)
+    assert staged is not None
+    vecs, tables = staged
+    assert len(vecs) == 3 * 4 * 4 and tables == [3, 9, 4, 6, 2, 50] + [50] * 6
+    first = vecs[:16]
+    assert first[:4] == [0, 0, 0, 0]                                    # ids: written on the device
+    assert first[4:8] == [6, 3, 0, 0]                                    # positions (bucket rows: 0)
+    assert first[8:12] == [9 * BS + 2, 6 * BS + 3, 200, 200]             # slots (bucket rows: the pad slot)
+    assert first[12:16] == [7, 4, 1, 1]                                  # context lengths
+    assert vecs[32 + 4:32 + 6] == [8, 5] and vecs[32 + 8:32 + 10] == [4 * BS + 0, 2 * BS + 1]
+    assert stage_chain([a, b], 3, size=4, block_size=BS, pad_block=50, max_width=2) is None
+    assert stage_chain([decode("a", 7, 5, [3, 9])], 3, size=1, block_size=BS, pad_block=50, max_width=10) is None
+
+
+def cpu_decode_graphs(runner: ModelRunner) -> DecodeGraphs:
+    """A CPU stand-in for the draft's decode graphs: the recorded forward run eagerly over the
+    static buffers (capturing needs CUDA)."""
+    g = DecodeGraphs(runner._forward_logits, max_num_seqs=ENGINE.max_num_seqs,
+                     max_blocks_per_seq=runner.max_blocks_per_seq, pad_slot=NUM_BLOCKS * BS, pad_block=NUM_BLOCKS,
+                     device=runner.device)
+    g.run = lambda size, staged, tables: (g.load(size, staged, tables), g.eager_logits(size))[1]
+    runner.graphs, runner.pad_block = g, NUM_BLOCKS
+    return g
+
+
+def test_chained_greedy_draft_passes_propose_what_the_loop_proposes(target) -> None:
+    reqs = {str(i): (p, SamplingParams(temperature=0.0, max_tokens=38 - 3 * i, ignore_eos=True))
+            for i, p in enumerate(batch_prompts(3))}
+    plain = run(make_engine(target, None), reqs)
+    noisy = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
+             for k, v in target[1].items()}
+    spec = SpecConfig(method="draft", num_speculative_tokens=4, draft_model="d")
+    loop = make_engine(target, spec, noisy)
+    loop_out = run(loop, reqs)
+    chained = make_engine(target, spec, noisy)
+    cpu_decode_graphs(chained.runner.draft_runner)
+    out = run(chained, reqs)
+    for rid in reqs:
+        assert tokens(out[rid]) == tokens(plain[rid]) == tokens(loop_out[rid])
+    assert chained.runner.proposer._chain.num_chained_passes > 0
+    assert loop.runner.proposer._chain.num_chained_passes == 0
+    a, b = loop.stats(), chained.stats()
+    assert (a.spec_num_proposed, a.spec_num_accepted) == (b.spec_num_proposed, b.spec_num_accepted)
 
 
 def test_static_verification_with_rejection_sampling_is_reproducible(target) -> None:

@@ -1,7 +1,8 @@
 """Speculative verification replayed from CUDA graphs (skipped without CUDA).
 
 - graph-verified greedy output equals plain greedy decoding token for token, for prompt
-  lookup and a draft model, batch 1 and 3, with proposals shorter than K (padded);
+  lookup and a draft model (its greedy passes chained on the device), batch 1 and 3, with
+  proposals shorter than K (padded);
 - a verification graph's logits and KV writes equal the eager verification pass's;
 - rejection-sampled runs (seeded, with logprobs) still reproduce with graphs on;
 - the graphs survive KV growth (the padding block moves).
@@ -106,8 +107,9 @@ def test_graph_verified_greedy_output_equals_plain_greedy(target, method: str, b
     assert engine.runner.verify_counts["graphed"] > 0 and vg.num_replays == engine.runner.verify_counts["graphed"]
     padded = any(n < vg.query_len for b in staged if b is not None for n in b.num_real)
     assert padded or (method, batch) == ("draft", 1), "no proposal was padded"
-    if method == "draft":   # the draft's one-token passes replay its own decode graphs
+    if method == "draft":   # the draft's one-token passes replay its own decode graphs, greedy ones chained
         assert engine.runner.draft_runner.graphs.num_replays >= engine.runner.verify_counts["graphed"]
+        assert engine.runner.proposer._chain.num_chained_passes > 0
 
 
 def test_verification_graph_logits_and_kv_equal_the_eager_pass(target) -> None:

@@ -6,9 +6,10 @@ computes in a step (prefill chunks included) the draft computes too, at the same
 positions, so wherever the target's KV is valid the draft's is as well — after
 preemption, and in blocks handed out by the prefix cache. A decoding request with room for
 k drafts then gets k draft forward passes: the first is that mirrored chunk (its last
-token's logits give d_1), each further one feeds the previous draft token. Draft KV of
-rejected drafts lies beyond the request's committed tokens and is rewritten when those
-positions are computed again. One case is caught up lazily: when all k drafts are
+token's logits give d_1), each further one feeds the previous draft token (one-token
+passes replay the draft's decode graphs; for greedy batches they are chained on the
+device, draft_chain.py). Draft KV of rejected drafts lies beyond the request's committed
+tokens and is rewritten when those positions are computed again. One case is caught up lazily: when all k drafts are
 accepted the draft never computed d_k, so the next step feeds it again before the new token
 (`SpecDecodeRunner.num_catch_up_tokens`): the scheduler counts that token in the step's
 budget and keeps the block holding d_k's position out of the prefix cache until the draft
@@ -24,6 +25,7 @@ import torch
 from resident.worker.layers.sampler import SamplingRow
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest
+from resident.worker.spec_decode.draft_chain import DraftChain, chainable
 from resident.worker.spec_decode.probs import exponential_noise, greedy_tokens, needs_penalties, processed_probs
 
 #: Seeded requests draw draft samples from a generator of their own, seeded with seed ^ this.
@@ -42,6 +44,7 @@ class DraftProposer:
         self._valid: dict[str, int] = {}  # leading positions whose draft KV matches the committed tokens
         self._base: dict[str, int] = {}  # position of the first draft token of the current step
         self._generators: dict[str, torch.Generator] = {}
+        self._chain = DraftChain(runner)
         self._shared = torch.Generator(device=runner.device)
         if seed is not None:
             self._shared.manual_seed(seed)
@@ -85,7 +88,15 @@ class DraftProposer:
         active = [s for s in scheduled if s.num_spec_tokens > 0]
         drafts: dict[str, list[int]] = {s.request_id: [] for s in active}
         probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in active}
-        for j in range(max((s.num_spec_tokens for s in active), default=0)):
+        num_drafts = max((s.num_spec_tokens for s in active), default=0)
+        if self.runner.graphs is not None and chainable(active, num_drafts):   # greedy: see draft_chain.py
+            first = logits.argmax(dim=-1)
+            rest = self._chain.run(active, first, num_drafts)
+            if rest is not None:
+                for s, row in zip(active, torch.cat([first[:, None], rest], dim=1).tolist()):
+                    drafts[s.request_id] = row
+                num_drafts = 0
+        for j in range(num_drafts):
             if j > 0:
                 active = [s for s in active if s.num_spec_tokens > j]
                 chunks = [ScheduledRequest(s.request_id, [drafts[s.request_id][-1]],
