@@ -267,8 +267,8 @@ def test_scheduler_budgets_and_allocates_the_draft_tokens() -> None:
 
 @pytest.mark.gpu
 def test_gpu_speculation_with_cuda_graphs_equals_plain_greedy(tmp_path) -> None:
-    """On CUDA: verification runs eagerly, K=0 decode steps and the draft's single-token
-    passes replay CUDA graphs; greedy output still equals plain decoding."""
+    """On CUDA: verification (spec_decode/verify_graphs.py), K=0 decode steps and the draft's
+    single-token passes replay CUDA graphs; greedy output still equals plain decoding."""
     path = make_tiny_model(tmp_path / "t", "llama", num_hidden_layers=3, init_std=0.3)
     cfg = json.loads((path / "config.json").read_text())
     weights = {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
