@@ -162,6 +162,9 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     r0 = offs // row_bytes
     k = nbs // row_bytes                      # whole rows of each span
     rem = nbs - k * row_bytes                 # bytes in its last partial row
+    # The per-span indices reach the device in one copy (each host-to-device copy of a
+    # pageable tensor waits for the stream: the loader calls this while copies run).
+    lo, hi, start, rem_d, k_d = torch.stack([r0, r0 + k, offs + k * row_bytes, rem, k]).to(dev)
     # --- whole rows: per-row sums over the rows any span covers, then prefix sums ---------
     last_row = int((r0 + k).max())
     if last_row:
@@ -187,7 +190,6 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
             torch.bitwise_and(rows * a1[b0 + 1 : b1], _MASK, out=ar[b0 + 1 : b1])
         # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
         p1, p2, pr = a1.cumsum_(0), a2.cumsum_(0), ar.cumsum_(0)
-        lo, hi = r0.to(dev), (r0 + k).to(dev)
         s1 = (p1[hi] - p1[lo]) & _MASK
         sr = (pr[hi] - pr[lo]) & _MASK
         s2 = ((((sr - ((lo * s1) & _MASK)) & _MASK) * row_words) + ((p2[hi] - p2[lo]) & _MASK)) & _MASK
@@ -195,12 +197,11 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         out[:, 1] = s2
     # --- the last partial row of every span, masked past the span's end -----------------
     if int(rem.max()):
-        start = (offs + k * row_bytes).to(dev)
         j = torch.arange(row_bytes, dtype=torch.int64, device=dev)
         idx = (start[:, None] + j).clamp_(max=size - 1)
-        tail = torch.where(j < rem.to(dev)[:, None], slab[idx], 0).to(torch.uint8)
+        tail = torch.where(j < rem_d[:, None], slab[idx], 0).to(torch.uint8)
         w = tail.view(torch.int32).to(torch.int64) & _MASK          # [n, row_words]
-        pos = k.to(dev)[:, None] * row_words + torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
+        pos = k_d[:, None] * row_words + torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
         out[:, 0] += w.sum(dim=1)
         out[:, 1] += (((pos & _MASK) * w) & _MASK).sum(dim=1)
     return out & _MASK
