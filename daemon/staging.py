@@ -174,6 +174,7 @@ class StagingPool:
 
     @property
     def _buffers(self) -> list[torch.Tensor]:
+        """The buffers allocated so far (for checks and tests)."""
         return [b for b in self._host.buffers if b is not None] if self._host else []
 
     @contextlib.contextmanager
@@ -230,7 +231,8 @@ class StagingPool:
         return self._host.nbytes if self._host else 0
 
     def close(self) -> None:
-        """Free the buffers now, or — while a load uses them — as soon as it ends (never waits)."""
+        """Free the buffers now, or — while a load uses them — as soon as it ends (never waits
+        for a load; at most for a background allocation in progress to end)."""
         self._closed = True
         if self._lock.acquire(blocking=False):
             try:
