@@ -230,7 +230,11 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     if device.type == "cuda":
         startup.phases["cuda_context"] = time.time() - t0 - startup.phases["import"]
     if prefetch is not None:
-        prefetch.set_device(torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        from resident.worker.triton_specializations import source_for
+
+        on_gpu = device.type == "cuda"
+        prefetch.set_device(torch.cuda.get_device_capability(device) if on_gpu else None, device.index or 0,
+                            source_for(config) if on_gpu else None)
         startup.triton_prefetch = prefetch
     return replace(config, device=str(device)), startup
 

@@ -107,6 +107,7 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
 def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
     """Everything between import and ready; runs in a thread (the event loop serves probes)."""
     from resident.daemon.loader import LoadSpec
+    from resident.worker import triton_specializations
     from resident.worker.async_engine import AsyncEngine
     from resident.worker.config import ModelConfig
     from resident.worker.engine import LLMEngine
@@ -219,10 +220,12 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner,
                      {**getattr(target_runner, "build_s", {}), **target_runner.kv_cache.alloc_s},
                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
-        runner.warmup()
-        startup.end("warmup")
-        runner.capture_graphs()
-        startup.end("graphs")
+        with triton_specializations.recording(prefetch) as recorded:   # preloaded at the next start
+            runner.warmup()
+            startup.end("warmup")
+            runner.capture_graphs()
+            startup.end("graphs")
+        triton_specializations.store_loaded(prefetch, recorded)
     except BaseException:
         store.close()
         if draft is not None and draft.store is not None:

@@ -10,11 +10,12 @@ computing them earlier is the same work, just done sooner. The hashing and the s
 release the GIL, so a thread started right after `import torch` overlaps them with the worker's
 remaining imports and the weight attach instead of adding them to the warm-up phase.
 
-Two stages: (1) import triton and compute `triton_key()` (needs no device; skipped where
+Stages: (1) import triton and compute `triton_key()` (needs no device; skipped where
 no GPU will be used: `--device cpu`, or `auto` when the CUDA context pre-creation found none);
 (2) once the main thread resolved the device (`set_device`): import the worker's kernel
 modules, compute their JIT cache keys, create Triton's active driver and get the ptxas
-version for the GPU's architecture.
+version for the GPU's architecture; (3) with a `triton_specializations.SpecializationCache`:
+preload the kernel specializations the last start with this configuration loaded.
 
 `join()` must be called before anything launches a Triton kernel (startup.build_worker does
 it before the KV planning, whose probe may run kernels): Triton's lazy driver creation is
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,13 @@ class TritonPrefetch:
         self._gpu_present = gpu_present
         self._device_set = threading.Event()
         self._capability: tuple[int, int] | None = None
+        self._index = 0
+        self._specializations: tuple[Any, str] | None = None
+        #: the specialization cache and this start's full key in it (stage 3), for build_worker's store
+        self.specialization_cache: Any = None
+        self.specialization_key: str | None = None
+        self.cached: list[Any] = []       # the cache's entries for that key
+        self.preloaded: Any = None        # triton_specializations.PreloadResult
         self._thread: threading.Thread | None = None
         self._joined = False
         #: step -> seconds, in the order done
@@ -57,10 +66,12 @@ class TritonPrefetch:
         self._thread.start()
         return self
 
-    def set_device(self, capability: tuple[int, int] | None) -> None:
-        """The worker's GPU compute capability (major, minor), or None when it computes
-        elsewhere (the thread then stops after stage 1). Call once, from the main thread."""
-        self._capability = capability
+    def set_device(self, capability: tuple[int, int] | None, index: int = 0,
+                   specializations: tuple[Any, str] | None = None) -> None:
+        """The worker's GPU compute capability (major, minor) and index, or None when it
+        computes elsewhere (the thread then stops after stage 1); `specializations`:
+        (SpecializationCache, the configuration's key) for stage 3. Call once, from the main thread."""
+        self._capability, self._index, self._specializations = capability, index, specializations
         self._device_set.set()
 
     def _run(self) -> None:
@@ -106,8 +117,26 @@ class TritonPrefetch:
 
             get_ptxas_version(major * 10 + minor)
             done("ptxas")
+            if self._specializations is not None:
+                step = "preload"
+                self._preload(*self._specializations)
+                done("preload")
         except BaseException as e:  # noqa: BLE001 - never fails a start: the first launch does the work
             self.error = f"{step}: {type(e).__name__}: {e}"
+
+    def _preload(self, cache: Any, config_key: str) -> None:
+        import torch
+        import triton
+
+        from resident.worker.triton_specializations import preload
+
+        # Triton, torch and the GPU are part of the key (read here, off the main thread).
+        self.specialization_key = "|".join([config_key, f"triton {triton.__version__}", f"torch {torch.__version__}",
+                                            torch.cuda.get_device_name(self._index), f"sm {self._capability}"])
+        self.specialization_cache = cache
+        self.cached = cache.load(self.specialization_key)
+        if self.cached:
+            self.preloaded = preload(self.cached, self._index)
 
     @staticmethod
     def _kernel_cache_keys() -> None:
@@ -147,8 +176,12 @@ class TritonPrefetch:
                     "the first kernel launches do it")
         if self.skipped is not None:
             return f"Triton start-up work in the background: {self.skipped} ({steps or 'nothing done'})"
+        preloaded = ""
+        if self.specialization_key is not None:
+            preloaded = (f"; kernel specializations: {self.preloaded.describe()}" if self.preloaded is not None
+                         else "; no kernel specializations recorded for this configuration yet")
         return (f"Triton start-up work done in the background in {sum(self.seconds.values()):.2f} s ({steps}); "
-                f"waited {self.waited_s:.2f} s for it")
+                f"waited {self.waited_s:.2f} s for it{preloaded}")
 
 
 def start_triton_prefetch(device: str, gpu_present: Callable[[], bool] | None) -> TritonPrefetch | None:
