@@ -131,7 +131,8 @@ class TritonPrefetch:
         from resident.worker.triton_specializations import preload
 
         # Triton, torch and the GPU are part of the key (read here, off the main thread).
-        self.specialization_key = "|".join([config_key, f"triton {triton.__version__}", f"torch {torch.__version__}",
+        self.specialization_key = "|".join([config_key, f"triton {triton.__version__} at {triton.__path__[0]}",
+                                            f"torch {torch.__version__}",
                                             torch.cuda.get_device_name(self._index), f"sm {self._capability}"])
         self.specialization_cache = cache
         self.cached = cache.load(self.specialization_key)
