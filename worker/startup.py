@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -138,6 +139,7 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         tp = TPGroup(config, spec, device)   # spawns ranks 1..N-1; each opens only its shard
     store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device))
     draft = None
+    recording = ExitStack()   # the Triton specializations loaded from the KV plan to the graphs
     try:
         draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
         metrics.set_weights_source(store.source)
@@ -165,6 +167,9 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         prefetch = startup.triton_prefetch
         if prefetch is not None:
             prefetch.join()   # before anything launches a Triton kernel (the headroom probe may)
+        # Recorded for the next start's preload, the headroom probe's too: a start without the
+        # probe (headroom cached) then finds them loaded; the probe's own extras are few.
+        recorded = recording.enter_context(triton_specializations.recording(prefetch))
         if device.type == "cuda":
             cache_path = resolve_cache_path(config.kv_profile_cache, os.environ)
             planner = partial(tp.plan_gpu_kv_cache, weights) if tp else partial(
@@ -220,13 +225,14 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner,
                      {**getattr(target_runner, "build_s", {}), **target_runner.kv_cache.alloc_s},
                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
-        with triton_specializations.recording(prefetch) as recorded:   # preloaded at the next start
-            runner.warmup()
-            startup.end("warmup")
-            runner.capture_graphs()
-            startup.end("graphs")
+        runner.warmup()
+        startup.end("warmup")
+        runner.capture_graphs()
+        startup.end("graphs")
+        recording.close()
         triton_specializations.store_loaded(prefetch, recorded)
     except BaseException:
+        recording.close()
         store.close()
         if draft is not None and draft.store is not None:
             draft.store.close()
