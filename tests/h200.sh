@@ -5,7 +5,8 @@
 # Usage: OUT=/some/dir tests/h200.sh [STEP ...]
 #   steps: gputests checkpoint restart throughput handover ceiling (default: these, in order);
 #          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
-#   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2
+#   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
+#      GPU test files; "" skips them)
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   criu: copy .devdata/criu (cp -a ~/.cache/resident/criu .devdata/ here; carry it) where the snapshot tests find it
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
@@ -47,9 +48,12 @@ for s in $steps; do
       timeout "${CEILING_TIMEOUT:-60}" python3 tests/gpu_io_ceiling.py $M --json "$OUT/ceiling.json" >> "$LOG" 2>&1 ;;
     tp)   # issue 8 on 2 GPUs: the 2-GPU tests, restart of a TP=2 group (cold vs from the daemon), TP=2 decode
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
-      timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s \
-        --timeout 120 tests/worker/test_tensor_parallel_gpu.py tests/worker/test_tp_replicas.py >> "$LOG" 2>&1
-      echo "tp gpu tests rc=$?" >> "$LOG"; cleanup tp-tests
+      if [ -n "${TP_TESTS-x}" ]; then   # TP_TESTS="" skips them (e.g. when `gputests` ran them)
+        timeout -s INT -k 20 "${TP_TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s \
+          --timeout 120 ${TP_TESTS:-tests/worker/test_tensor_parallel_gpu.py tests/worker/test_tp_replicas.py \
+          tests/daemon/test_shard_fill_gpu.py} >> "$LOG" 2>&1
+        echo "tp gpu tests rc=$?" >> "$LOG"; cleanup tp-tests
+      fi
       timeout "${TP_RESTART_TIMEOUT:-100}" $B restart $M --device cuda --runs 1 --tensor-parallel-size 2 \
         --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
       timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
@@ -79,4 +83,6 @@ for s in $steps; do
   cleanup "$s"
 done
 tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log 2>/dev/null
+# At most 8 files come back: JSON and pictures travel in one archive.
+(cd "$OUT" && ls *.json *.png >/dev/null 2>&1 && tar czf results.tgz *.json *.png && rm -f *.json *.png)
 tail -n 60 "$LOG"
