@@ -8,7 +8,8 @@
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
 #      GPU test files; "" skips them)
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
-#   criu: copy .devdata/criu (cp -a ~/.cache/resident/criu .devdata/ here; carry it) where the snapshot tests find it
+#   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
+#      it) where the snapshot tests find CRIU
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
@@ -63,7 +64,7 @@ for s in $steps; do
       timeout "${SWEEP_TIMEOUT:-90}" python3 tests/gpu_io_ceiling.py $M --sweep ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
         --json "$OUT/sweep.json" >> "$LOG" 2>&1 ;;
     criu)     # snapshot tests: the CRIU that `.ci/setup` installed here, carried as .devdata/criu
-      mkdir -p /root/.cache/resident && cp -a .devdata/criu /root/.cache/resident/ >> "$LOG" 2>&1 ;;
+      mkdir -p /root/.cache/resident && tar xJf .devdata/criu.tar.xz -C /root/.cache/resident >> "$LOG" 2>&1 ;;
     gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)
       mkdir -p /tmp/gguf-parts && cp .devdata/smollm2.gguf.part-aa /tmp/gguf-parts/ >> "$LOG" 2>&1 ;;
     model)    # second call: join the halves, install gguf, prepare the default model in /tmp/models
