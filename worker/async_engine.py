@@ -276,10 +276,10 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(self._deliver_error, cmd.request_id, e)
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
+                    if self._on_step is not None:   # metrics first: a client that saw the step's
+                        self._on_step(engine.stats())   # output then finds it in /metrics
                     if outputs:
                         loop.call_soon_threadsafe(self._deliver, outputs)
-                    if self._on_step is not None:
-                        self._on_step(engine.stats())
                 has_work = engine.has_unfinished_requests()
         except BaseException as e:  # noqa: BLE001 - every waiting request must learn of it
             logger.exception("the engine thread failed; all in-flight requests fail")
