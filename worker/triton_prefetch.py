@@ -42,7 +42,8 @@ class TritonPrefetch:
     """One background run of Triton's start-up work (see the module doc)."""
 
     def __init__(self, gpu_present: Callable[[], bool] | None = None) -> None:
-        """`gpu_present`: called first in the thread; False skips everything (no GPU here)."""
+        """`gpu_present`: called first in the thread; False defers everything until
+        `set_device` names a GPU (and skips it all when it names none)."""
         self._gpu_present = gpu_present
         self._device_set = threading.Event()
         self._capability: tuple[int, int] | None = None
@@ -86,8 +87,11 @@ class TritonPrefetch:
 
         try:
             if self._gpu_present is not None and not self._gpu_present():
-                self.skipped = "no GPU"
-                return
+                # No CUDA context made in advance (no GPU, or no cuda-python): the device the
+                # main thread resolves decides.
+                if not self._device_set.wait(DEVICE_WAIT_S) or self._capability is None:
+                    self.skipped = "no GPU"
+                    return
             step = "import"
             from triton.runtime.cache import triton_key
 

@@ -62,6 +62,20 @@ print(p.join(), "triton" in sys.modules, p.skipped)
 
 
 @needs_triton
+def test_without_a_context_made_in_advance_the_resolved_device_decides() -> None:
+    # --device auto on a GPU host without cuda-python: no pre-created context, but the device
+    # the main thread resolves is a GPU, so the work runs (stage 2 then fails here: no driver).
+    out = _run("""
+from resident.worker.triton_prefetch import start_triton_prefetch
+p = start_triton_prefetch("auto", lambda: False)
+p.set_device((9, 0))
+p.join()
+print(sorted(p.seconds), p.skipped)
+""")
+    assert "libtriton hash" in out and "kernels" in out and out.strip().endswith("None"), out
+
+
+@needs_triton
 def test_an_explicit_gpu_device_does_not_wait_for_the_verdict() -> None:
     out = _run("""
 from resident.worker.triton_prefetch import start_triton_prefetch
