@@ -7,6 +7,8 @@ with its warm-up, LLMEngine). For each batch size B: B requests of `--context` r
 prompt tokens (ignore_eos, greedy, no prefix caching) are prefilled, `--warmup-steps`
 decode steps run untimed (lazy graph capture, allocator warm-up), then `--steps` decode
 steps are timed. Only steps in which every request decodes one token count.
+With `--profile` (cli/bench_profile.py) a few more decode steps of the same batch then run
+under torch.profiler, after the timed ones, so they leave the timed figures alone.
 
 Roofline: a decode step must read every weight once (the embedding table only for the B
 looked-up rows, unless tied as the LM head) plus the KV cache of every sequence so far;
@@ -20,6 +22,8 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import click
@@ -79,14 +83,19 @@ def prefill_steps_bound(batch: int, context: int, max_num_batched_tokens: int) -
     return -(-(batch * (context + 1)) // max_num_batched_tokens) + 1
 
 
-def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: int, device) -> dict:
+def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: int, device,
+             after_timing: Callable[[Callable[[], int], float], dict] | None = None, extra_steps: int = 0) -> dict:
+    """Prefill `batch` requests, decode `warmup` steps, time `steps`; then `after_timing(step, step_s)`
+    (the profile) may run up to `extra_steps` more decode steps of the same batch, its result kept
+    under "profile"."""
     from resident.worker.sampling_params import SamplingParams
 
     rng = random.Random(batch)
     # Requests whose prefill finishes early decode while the others still prefill: give
     # every request room for those tokens too, so none leaves the batch during timed steps.
     prefill_bound = prefill_steps_bound(batch, context, engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=warmup + steps + 4 + prefill_bound, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=warmup + steps + 4 + prefill_bound + extra_steps, ignore_eos=True,
+                            temperature=0.0)
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(context)], params)
@@ -113,13 +122,14 @@ def _measure(engine, batch: int, context: int, warmup: int, steps: int, vocab: i
     _sync(device)
     elapsed = time.perf_counter() - t
     clean = all(n == batch for n in decoded) and engine.stats().num_preemptions == preempted
+    profile = after_timing(step, elapsed / steps) if after_timing is not None else None
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
     return {"batch": batch, "prefill_steps": prefill_steps, "prefill_s": prefill_s, "steps": steps,
             "step_s": elapsed / steps, "tokens_per_s": sum(decoded) / elapsed, "all_decode_steps": clean,
-            "mean_seq_len": context + 1 + warmup + (steps - 1) / 2}
+            "mean_seq_len": context + 1 + warmup + (steps - 1) / 2, **({"profile": profile} if profile else {})}
 
 
 def engine_config_for(batch_sizes: list[int], context: int, warmup: int, steps: int, block_size: int,
@@ -146,8 +156,9 @@ def add_roofline(r: dict, tensors: dict, batch: int, model_config, kv_dtype, ban
 
 
 def run_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int], context: int,
-                   warmup: int, steps: int, bandwidth: float, block_size: int = 16) -> dict:
-    """One weight variant: load, build the engine, measure every batch size."""
+                   warmup: int, steps: int, bandwidth: float, block_size: int = 16, profile: bool = False) -> dict:
+    """One weight variant: load, build the engine, measure every batch size (and profile it after
+    its timed steps when `profile`: cli/bench_profile.py)."""
     from resident.cli.bench_common import loaded_variant
     from resident.worker.config import ModelConfig
     from resident.worker.engine import LLMEngine
@@ -163,8 +174,15 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
         v.engine = LLMEngine(engine_config, v.runner)
         kv_dtype = v.tensors[EMBED].dtype
         rows = []
+        after, extra = None, 0
+        if profile:
+            from resident.cli.bench_profile import EXTRA_STEPS, gemm_weight_bytes, profile_decode
+
+            after, extra = partial(profile_decode, runner=v.runner, on_gpu=device == "cuda",
+                                   gemm_bytes=gemm_weight_bytes(v.tensors), copy_bandwidth=bandwidth), EXTRA_STEPS
         for b in batch_sizes:
-            r = add_roofline(_measure(v.engine, b, context, warmup, steps, model_config.vocab_size, device),
+            r = add_roofline(_measure(v.engine, b, context, warmup, steps, model_config.vocab_size, device,
+                                      after_timing=after, extra_steps=extra),
                              v.tensors, b, model_config, kv_dtype, bandwidth)
             rows.append(r)
             log.info("%s batch %d: %.1f tokens/s, %.2f ms/step, %.0f%% of the roofline", quantization, b,
@@ -198,8 +216,12 @@ def _csv_ints(value: str) -> list[int]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Measure a TP group of N ranks (cli/bench_tp.py) instead of one device.")
+@click.option("--profile", is_flag=True,
+              help="After each row's timed steps, profile a few decode steps (torch.profiler): time per kernel "
+                   "category, GEMM GB/s, and the gap between the step time and the kernels (cli/bench_profile.py).")
 def bench_throughput(model: str, device: str, batch_sizes: str, context: int, quantization: str, dtype: str,
-                     steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int) -> None:
+                     steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int,
+                     profile: bool) -> None:
     """Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."""
     from resident.daemon.quant import check_dtype, check_quantization
 
@@ -211,6 +233,8 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
         check_dtype(dtype)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if profile and tensor_parallel_size > 1:
+        raise click.UsageError("--profile profiles one device; drop --tensor-parallel-size or --profile")
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -220,10 +244,8 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     doc = {"benchmark": "throughput", "model": model, "device": device,
            "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "", "context": context,
            "copy_bandwidth_bytes_per_s": bw, "variants": []}
-    run = run_throughput
+    run = partial(run_throughput, profile=profile)
     if tensor_parallel_size > 1:
-        from functools import partial
-
         from resident.cli.bench_tp import run_tp_throughput
 
         run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size)
@@ -241,6 +263,13 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
                          "" if r["all_decode_steps"] else "mixed steps"])
     click.echo(format_table(["QUANT", "DTYPE", "BATCH", "TOK/S", "STEP MS", "GB/STEP", "ROOFLINE MS",
                              "OF ROOFLINE", "NOTE"], rows))
+    if profile:
+        from resident.cli.bench_profile import format_profile
+
+        for v in doc["variants"]:
+            for r in v["results"]:
+                click.echo("\n" + format_profile(f"profile {v['quantization']} batch {r['batch']}", r["profile"]))
+        click.echo("")
     for v in doc["variants"]:
         click.echo(f"{v['quantization']}: loaded in {v['load_s']:.2f} s ({v['load_gb_s']:.2f} GB/s)")
     if json_path:

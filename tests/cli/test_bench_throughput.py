@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from resident.cli.bench_throughput import copy_bandwidth, weight_bytes_per_step
@@ -74,3 +75,77 @@ def test_throughput_of_a_tp2_group_on_cpu(tiny_model, tmp_path):
     assert [res["batch"] for res in variant["results"]] == [1, 2]
     for res in variant["results"]:
         assert res["all_decode_steps"] and res["tokens_per_s"] > 0 and res["roofline_fraction"] > 0
+
+
+def _counts(profile: dict) -> dict[str, float]:
+    return {c: v["calls_per_step"] for c, v in profile["categories"].items()}
+
+
+def test_throughput_profile_on_cpu(tiny_model, tmp_path):
+    """`--profile`: per row, a table of kernel categories (CPU ops here) and a `profile` key in the JSON,
+    taken after the timed steps; refused with a TP group."""
+    folder = tiny_model("llama", dtype="bfloat16")
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--batch-sizes", "1,2", "--context", "24", "--steps", "2", "--warmup-steps", "1",
+                        "--quantization", "none,fp8_per_tensor", "--profile", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for needle in ("profile none batch 1", "profile fp8_per_tensor batch 2", "GEMM/GEMV", "gap (step - kernels)",
+                   "rotary+KV write", "same kernels"):
+        assert needle in r.stdout, r.stdout
+    doc = json.loads(out.read_text())
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    for v in doc["variants"]:
+        for res in v["results"]:
+            assert res["all_decode_steps"] and res["tokens_per_s"] > 0   # the timed figures are all there
+            p = res["profile"]
+            assert "error" not in p, p
+            assert p["time_source"] == "cpu op self time" and p["step_us"] == pytest.approx(res["step_s"] * 1e6)
+            calls = _counts(p)
+            # every layer's reference kernels show up under their categories
+            for cat in ("gemm", "attention", "norm", "rotary_kv", "activation", "sampling"):
+                assert calls[cat] >= layers, (cat, calls)
+            assert (calls["quantization"] > 0) == (v["quantization"] == "fp8_per_tensor"), calls
+            assert p["gemm_bytes_per_s"] > 0
+            assert p["kernel_us_per_step"] == pytest.approx(sum(c["us_per_step"] for c in p["categories"].values()))
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder), "--profile",
+                        "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--profile profiles one device" in r.stderr, r.stderr
+
+
+def test_throughput_without_profile_has_no_profile_key(tiny_model, tmp_path):
+    folder = tiny_model("llama", dtype="float32")
+    out = tmp_path / "plain.json"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--batch-sizes", "1", "--context", "16", "--steps", "2", "--warmup-steps", "0",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GEMM/GEMV" not in r.stdout
+    assert all("profile" not in res for v in json.loads(out.read_text())["variants"] for res in v["results"])
+
+
+@pytest.mark.gpu
+def test_throughput_profile_on_gpu(tiny_model, tmp_path):
+    """On CUDA every kernel of the decode step is named by PATTERNS: each layer's GEMMs, attention,
+    norms, rotary+KV write and silu-mul are counted in their category, and the graph-mode pass
+    saw the replays."""
+    folder = tiny_model("llama", dtype="bfloat16")
+    out = tmp_path / "profile-gpu.json"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--device", "cuda", "--batch-sizes", "1,8", "--context", "64", "--steps", "4",
+                        "--warmup-steps", "2", "--quantization", "none,fp8_per_tensor", "--profile",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(r.stdout)
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    for v in json.loads(out.read_text())["variants"]:
+        for res in v["results"]:
+            p = res["profile"]
+            assert "error" not in p, p
+            calls = _counts(p)
+            assert calls["gemm"] >= 4 * layers + 1, calls      # qkv, o, gate_up, down per layer; the LM head
+            for cat in ("attention", "rotary_kv", "activation"):
+                assert calls[cat] >= layers, (cat, calls)
+            assert calls["norm"] >= 2 * layers, calls
+            assert p["graph_mode"] is not None and p["graph_mode"]["calls_per_step"] > 0
