@@ -19,6 +19,11 @@ A second table compares, at `--gemv-tokens` (decode batch sizes), the decode GEM
 the quantize kernel + `_scaled_mm`: microseconds, weight bytes read per second (GB/s) and
 that rate's share of the copy bandwidth, with the split-K factor the GEMV picked.
 
+A third table does the same for bf16 weights (2 bytes per element): the 16-bit GEMV
+(`kernels/gemv.py`, taken at decode sizes when RESIDENT_GEMV=on) against `torch.matmul`
+(cuBLAS, what `F.linear` runs), at the four shapes and the LM head (128256x4096), to decide
+whether the GEMV beats cuBLAS on this GPU.
+
 Calls are captured `--reps` at a time in a CUDA graph (as decode steps run in the engine)
 and replayed `--iters` times between CUDA events; `--eager` times plain launches instead.
 Random N(0, 1) activations, fp8 weights quantized per tensor from N(0, 0.02).
@@ -37,6 +42,8 @@ from resident.cli.common import format_table
 
 #: (name, out_features N, in_features K) of one Llama-3-8B decoder layer's GEMMs.
 LLAMA3_8B_LINEARS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+#: The LM head of Llama-3-8B, added to the bf16 GEMV comparison.
+LLAMA3_8B_LM_HEAD = ("lm_head", 128256, 4096)
 #: Token counts of the GEMV vs _scaled_mm comparison (decode batch sizes).
 GEMV_TOKENS = (1, 8, 16, 64)
 #: `fp8_gemv.MAX_SUPPORTED_TOKENS`, repeated so that parsing options imports neither torch nor triton.
@@ -133,10 +140,38 @@ def _gemv_rows(name: str, w_q: Any, w_scale: Any, token_counts: list[int], bw: f
     return rows
 
 
+def _gemv16_rows(name: str, w: Any, token_counts: list[int], bw: float, reps: int, iters: int,
+                 graph: bool) -> list[dict[str, Any]]:
+    """The 16-bit GEMV vs `torch.matmul` at each token count, for one bf16 weight."""
+    import torch
+
+    from resident.worker.kernels.fp8_gemv import MAX_SUPPORTED_TOKENS
+    from resident.worker.kernels.gemv import gemv, pick_config
+
+    n, k = w.shape
+    nbytes = n * k * w.element_size()
+    sms = torch.cuda.get_device_properties(w.device).multi_processor_count
+    rows = []
+    for m in token_counts:
+        if m > MAX_SUPPORTED_TOKENS:
+            continue
+        x = torch.randn(m, k, device="cuda", dtype=w.dtype)
+        row: dict[str, Any] = {"linear": name, "n": n, "k": k, "tokens": m,
+                               "split_k": pick_config(m, n, k, sms).split_k}
+        for key, fn in (("matmul", lambda: torch.matmul(x, w.t())), ("gemv", lambda: gemv(x, w))):
+            us = _time_us(fn, reps, iters, graph)
+            row[f"{key}_us"] = us
+            row[f"{key}_gb_s"] = nbytes / (us * 1e-6) / 1e9
+            row[f"{key}_of_copy"] = nbytes / (us * 1e-6) / bw
+        rows.append(row)
+    return rows
+
+
 def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool,
                      gemv_tokens: list[int] | None = None) -> dict[str, Any]:
-    """Rows per (linear, token count); `gemv_rows` per (linear, gemv token count) (None:
-    GEMV_TOKENS; counts above the GEMV's MAX_SUPPORTED_TOKENS are left out)."""
+    """Rows per (linear, token count); `gemv_rows` (fp8) and `gemv16_rows` (bf16, + the LM head)
+    per (linear, gemv token count) (None: GEMV_TOKENS; counts above the GEMV's
+    MAX_SUPPORTED_TOKENS are left out)."""
     import torch
     import torch.nn.functional as F
 
@@ -147,6 +182,8 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
     bw = copy_bandwidth_bytes_per_s()
     rows = []
     gemv_rows = []
+    gemv16_rows = []
+    gemv_counts = list(GEMV_TOKENS if gemv_tokens is None else gemv_tokens)
     for name, n, k in LLAMA3_8B_LINEARS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         w_scale = (w.float().abs().amax() / FP8_MAX).reshape(())
@@ -161,19 +198,25 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
                    "weight_roofline_us": n * k / bw * 1e6}
             row["fp8_of_roofline"] = row["weight_roofline_us"] / row["fp8_linear_us"]
             rows.append(row)
-        gemv_rows += _gemv_rows(name, w_q, w_scale, list(GEMV_TOKENS if gemv_tokens is None else gemv_tokens), bw,
-                                reps, iters, graph)
+        gemv_rows += _gemv_rows(name, w_q, w_scale, gemv_counts, bw, reps, iters, graph)
+        gemv16_rows += _gemv16_rows(name, w, gemv_counts, bw, reps, iters, graph)
         del w, w_q
         torch.cuda.empty_cache()
+    name, n, k = LLAMA3_8B_LM_HEAD
+    gemv16_rows += _gemv16_rows(name, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, gemv_counts,
+                                bw, reps, iters, graph)
+    torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gb_s": bw / 1e9,
-            "graph": graph, "reps": reps, "iters": iters, "rows": rows, "gemv_rows": gemv_rows}
+            "graph": graph, "reps": reps, "iters": iters, "rows": rows, "gemv_rows": gemv_rows,
+            "gemv16_rows": gemv16_rows}
 
 
 @click.command("kernels")
 @click.option("--tokens", "token_counts", default="1,64,2048", show_default=True, callback=_parse_counts,
               help="Comma-separated token counts (decode batch sizes, prefill chunk).")
 @click.option("--gemv-tokens", "gemv_tokens", default=",".join(map(str, GEMV_TOKENS)), show_default=True,
-              callback=_parse_gemv_counts, help="Token counts of the GEMV vs _scaled_mm comparison (at most 64).")
+              callback=_parse_gemv_counts,
+              help="Token counts of the GEMV comparisons (fp8 vs _scaled_mm, bf16 vs torch.matmul; at most 64).")
 @click.option("--reps", default=20, show_default=True, type=click.IntRange(min=1),
               help="Calls per captured graph (or per eager timing loop).")
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="Timed replays.")
@@ -181,7 +224,7 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
 def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, iters: int, eager: bool,
                   json_path: Path | None) -> None:
-    """fp8 activation quantization (reference vs fused) and fp8 vs bf16 linears at Llama-3-8B shapes."""
+    """fp8 activation quantization (reference vs fused), fp8 vs bf16 linears, decode GEMVs at Llama-3-8B shapes."""
     import torch
 
     if not torch.cuda.is_available():
@@ -203,6 +246,13 @@ def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, it
           *(v for key in ("scaled_mm", "gemv", "gemv_fused")
             for v in (f"{r[key + '_us']:.1f}", f"{r[key + '_gb_s']:.0f}", f"{100 * r[key + '_of_copy']:.0f} %")),
           r["split_k"]] for r in doc["gemv_rows"]]))
+    click.echo("\nbf16 decode GEMV vs torch.matmul: microseconds per call, weight GB/s, % of copy bandwidth")
+    click.echo(format_table(
+        ["LINEAR", "N x K", "TOKENS", "MATMUL", "GB/S", "OF COPY", "GEMV", "GB/S", "OF COPY", "SPLIT K"],
+        [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"],
+          *(v for key in ("matmul", "gemv")
+            for v in (f"{r[key + '_us']:.1f}", f"{r[key + '_gb_s']:.0f}", f"{100 * r[key + '_of_copy']:.0f} %")),
+          r["split_k"]] for r in doc["gemv16_rows"]]))
     if json_path:
         json_path.write_text(json.dumps(doc, indent=2))
         click.echo(f"wrote {json_path}")

@@ -9,6 +9,7 @@
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 90 s): the throughput step with --profile: time per kernel category per row
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
+#   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
@@ -68,6 +69,10 @@ for s in $steps; do
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       timeout "${SWEEP_TIMEOUT:-90}" python3 tests/gpu_io_ceiling.py $M --sweep ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
         --json "$OUT/sweep.json" >> "$LOG" 2>&1 ;;
+    throughput-gemv)   # issue 4: decode with the Triton GEMV for bf16 linears too (compare with throughput.json)
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      RESIDENT_GEMV=on timeout "${THROUGHPUT_GEMV_TIMEOUT:-90}" $B throughput $M --device cuda --batch-sizes 1,64 \
+        --context 1024 --quantization none,fp8_per_tensor --json "$OUT/throughput-gemv.json" >> "$LOG" 2>&1 ;;
     criu)     # snapshot tests: the CRIU that `.ci/setup` installed here, carried as .devdata/criu
       mkdir -p /root/.cache/resident && tar xJf .devdata/criu.tar.xz -C /root/.cache/resident >> "$LOG" 2>&1 ;;
     gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)

@@ -3,6 +3,8 @@
 Backends:
 - `triton`: the Triton kernels of this package (+ `torch._scaled_mm` for fp8). Needs a
   CUDA device, or a CPU device under Triton's interpreter (TRITON_INTERPRET=1, tests only).
+  Its unquantized `linear` is `gemv.linear` (the decode GEMV) when RESIDENT_GEMV=on, else
+  `F.linear` itself (see `gemv.GEMV_MODE`, read once per process).
 - `torch`: the reference layers (`resident.worker.layers`) under the same signatures.
 - `auto`: `triton` on CUDA when triton imports, else `torch`.
 Triton is imported only when the triton backend is chosen, so the CPU path never needs it.
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ class Kernels:
     paged_attention: Callable[..., torch.Tensor]
     #: (x [..., K], weight [N,K] fp8, weight_scale float32 (), bias [N] | None) -> [..., N]
     fp8_linear: Callable[..., torch.Tensor]
+    #: (x [..., K], weight [N,K] 16-bit or float32, bias [N] | None) -> [..., N] (F.linear's contract)
+    linear: Callable[..., torch.Tensor] = F.linear
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -53,10 +58,11 @@ def _torch_kernels() -> Kernels:
 
 
 def _triton_kernels() -> Kernels:
-    from resident.worker.kernels import activation, fp8, paged_attention, rmsnorm, rotary
+    from resident.worker.kernels import activation, fp8, gemv, paged_attention, rmsnorm, rotary
 
     return Kernels("triton", rmsnorm.rms_norm, rmsnorm.fused_add_rms_norm, rotary.rotary_kv_write,
-                   activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear)
+                   activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear,
+                   gemv.linear if gemv.GEMV_MODE == "on" else F.linear)
 
 
 def triton_available() -> bool:

@@ -16,7 +16,8 @@ reaches well under the HBM roofline there, for the split-K kernel of `fp8_gemv` 
 math, float32 accumulation of exact products; any N and K). Up to
 `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes in-kernel (one launch
 per linear). Should Triton fail to build or load it (a TritonError), the call logs a warning
-and takes the `_scaled_mm` path instead.
+and takes the `_scaled_mm` path instead. RESIDENT_GEMV=off (`gemv.GEMV_MODE`, read once per
+process) keeps every M on `_scaled_mm`; its default, `fp8`, and `on` take the GEMV.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import logging
 import torch
 from triton.errors import TritonError
 
-from resident.worker.kernels import fp8_gemv
+from resident.worker.kernels import fp8_gemv, gemv
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import FP8_DTYPE, fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
 
@@ -63,7 +64,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS:
+    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE != "off":
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, weight_scale, bias)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)

@@ -1,7 +1,8 @@
 """Linear layers over stored weights, with the method chosen from the weights present.
 
 Two methods sit behind one small registry:
-- `unquantized`: `F.linear(x, w, b)` in the weights' dtype.
+- `unquantized`: `F.linear(x, w, b)` in the weights' dtype (with `kernels`, `kernels.linear`:
+  on the triton backend with RESIDENT_GEMV=on, the decode-size GEMV of `kernels/gemv.py`).
 - `fp8_per_tensor`: W8A8 as vLLM does it. The weight is float8_e4m3fn with a float32
   per-tensor scale (`<prefix>.weight_scale`, w ~ q * scale); activations are quantized per
   tensor on the fly (scale_a = amax|x| / 448). The reference performs exactly the steps of
@@ -75,6 +76,8 @@ class UnquantizedLinear(LinearMethod):
             raise ValueError(f"{prefix}.weight is {self.weight.dtype} without a {prefix}.weight_scale")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -121,7 +124,8 @@ LINEAR_METHODS = tuple(_registry())
 def make_linear(weights: Mapping[str, torch.Tensor], prefix: str, method: str | None = None,
                 kernels: Any = None) -> LinearMethod:
     """The linear layer for `<prefix>.weight` (+ `.bias`, `.weight_scale`); with `kernels`
-    (a `worker.kernels.dispatch.Kernels`), fp8 GEMMs run through `kernels.fp8_linear`."""
+    (a `worker.kernels.dispatch.Kernels`), fp8 GEMMs run through `kernels.fp8_linear` and
+    unquantized ones through `kernels.linear`."""
     if f"{prefix}.weight" not in weights:
         raise KeyError(f"weights lack {prefix}.weight")
     registry = _registry()

@@ -249,7 +249,7 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, H] (the full vocabulary on every rank)."""
-        logits = F.linear(hidden, self.lm_head)
+        logits = self.kernels.linear(hidden, self.lm_head)
         if self.parallel is not None:
             logits = self.parallel.all_gather(logits, dim=-1)
         return logits.to(torch.float32)

@@ -1,0 +1,220 @@
+"""bf16/fp16 GEMM for decode-sized M (Triton): split-K over the weight, read once at full bandwidth.
+
+At decode (issue 4: batch 1 reached 73 % of the HBM roofline on an H200) an unquantized linear
+is a pure stream of its [N, K] 16-bit weight. This is the 16-bit twin of `fp8_gemv`, with its
+structure and helpers (`GemvConfig`, the launch-shape policy, the weight's split-K arrival
+counters): weight tiles [BLOCK_N, BLOCK_K] streamed once through cp.async (BLOCK_K = 128 keeps
+a tile row at 256 contiguous bytes, as the fp8 kernel's), multiplied as stored — bf16 or fp16
+tensor cores, float32 accumulation; products of two 16-bit floats are exact in float32, so
+the result is the float32 sum of exact products up to summation order — plus the bias in
+float32, one final cast to x's dtype. M is padded to BLOCK_M = 16 (tl.dot's minimum); padded
+rows repeat row M - 1 and are never stored; M = 1 loads one activation vector per K tile.
+Split-K: the last of a tile's SPLIT_K programs to arrive sums the float32 partials in split
+order (bit-reproducible, graph-capturable; counters on the weight, see `fp8_gemv`).
+
+Which decode GEMMs take the GEMV kernels is one switch, RESIDENT_GEMV, read once when this
+module is imported (`GEMV_MODE`): `off` (cuBLAS / `_scaled_mm` everywhere), `fp8` (the
+default: only fp8 weights, through `fp8_gemv` — the behaviour before this switch) or `on`
+(fp8 and 16-bit weights). 16-bit weights are off by default because nobody has yet measured
+this kernel against cuBLAS on the H200 (`resident bench kernels`, `tests/h200.sh
+throughput-gemv`); the lead flips the default to `on` once the measurement says it wins.
+
+Triton's CPU interpreter stores bf16 as raw uint16 and multiplies those bits in tl.dot; the
+tests patch its dot and float32 -> bf16 cast to exact equivalents (fp16 runs as is). The
+bf16 tensor-core path itself is checked by the GPU tests.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.errors import TritonError
+
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
+from resident.worker.kernels.fp8_gemv import (
+    BLOCK_N, MAX_SPLIT_K, MAX_SUPPORTED_TOKENS, MAX_TOKENS, MIN_K_TILES_PER_SPLIT, TARGET_PROGRAMS_PER_SM,
+    GemvConfig, _num_sms, _tile_counters,
+)
+
+logger = logging.getLogger(__name__)
+
+#: RESIDENT_GEMV values: no GEMV kernel, fp8 weights only, fp8 and 16-bit weights.
+GEMV_MODES = ("off", "fp8", "on")
+DEFAULT_GEMV_MODE = "fp8"
+#: Weight (= activation) dtypes of this kernel; float32 stays on F.linear (tl.dot would use TF32).
+GEMV_DTYPES = (torch.float16, torch.bfloat16)
+#: 128 16-bit elements: 256 contiguous bytes per tile row, like fp8_gemv's BLOCK_K of 256.
+BLOCK_K = 128
+
+
+def gemv_mode(env: Mapping[str, str]) -> str:
+    """The RESIDENT_GEMV value in `env` (unset or empty: DEFAULT_GEMV_MODE)."""
+    value = env.get("RESIDENT_GEMV", "").strip().lower() or DEFAULT_GEMV_MODE
+    if value not in GEMV_MODES:
+        raise ValueError(f"RESIDENT_GEMV={env.get('RESIDENT_GEMV')!r} is not a GEMV mode; valid: "
+                         f"{', '.join(GEMV_MODES)} (default {DEFAULT_GEMV_MODE}); fix or unset it")
+    return value
+
+
+#: Read once per process; fp8.fp8_linear and dispatch.get_kernels consult it.
+GEMV_MODE = gemv_mode(os.environ)
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
+    """`fp8_gemv.pick_config`'s policy over BLOCK_N x BLOCK_K (128) tiles: split K (powers of two)
+    until TARGET_PROGRAMS_PER_SM * num_sms programs, keeping >= MIN_K_TILES_PER_SPLIT tiles per split."""
+    n_tiles = triton.cdiv(n, BLOCK_N)
+    k_tiles = triton.cdiv(k, BLOCK_K)
+    split = 1
+    while (n_tiles * split < TARGET_PROGRAMS_PER_SM * num_sms and split * 2 <= MAX_SPLIT_K
+           and k_tiles // (split * 2) >= MIN_K_TILES_PER_SPLIT):
+        split *= 2
+    return GemvConfig(block_k=BLOCK_K, split_k=split)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_om, k_tiles_per_split,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Out-of-range rows read a valid row (N - 1, M - 1) instead of masking: the loads of a
+    # full K tile stay unmasked and vectorized; those results are never stored.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    x_rows = tl.minimum(offs_m, M - 1).to(tl.int64) * stride_xm
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * k_tiles_per_split
+    k_end = tl.minimum(k_begin + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for kt in range(k_begin, k_end):
+        ks = kt * BLOCK_K + offs_k
+        if EVEN_K:
+            w = tl.load(w_ptr + w_rows[:, None] + ks[None, :])
+        else:
+            w = tl.load(w_ptr + w_rows[:, None] + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        if ONE_ROW:
+            # M == 1: load one vector, not BLOCK_M copies of it.
+            x1 = tl.load(x_ptr + ks) if EVEN_K else tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            x = tl.broadcast_to(x1[:, None], (BLOCK_K, BLOCK_M))
+        elif EVEN_K:
+            x = tl.load(x_ptr + x_rows[None, :] + ks[:, None])
+        else:
+            x = tl.load(x_ptr + x_rows[None, :] + ks[:, None], mask=ks[:, None] < K, other=0.0)
+        acc = tl.dot(w, x, acc)
+
+    tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+    if SPLIT_K > 1:
+        n_tiles = tl.num_programs(0)
+        tl.store(part_ptr + (pid_k * n_tiles + pid_n) * (BLOCK_N * BLOCK_M) + tile_offs, acc)
+        # The barrier orders every thread's partial stores before the (one-thread, gpu-scope
+        # acq_rel) count: whoever counts last sees all partials.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):           # fixed order: the sum does not depend on who came last
+                acc += tl.load(part_ptr + (s * n_tiles + pid_n) * (BLOCK_N * BLOCK_M) + tile_offs,
+                               cache_modifier=".cg")
+            _epilogue(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+            tl.store(count_ptr + pid_n, 0)     # ready for the next launch (graph replay)
+    else:
+        _epilogue(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    # Bias added in float32 to the float32 sum, one final cast (as cuBLAS's bias epilogue).
+    out = acc
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"GEMV expects x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype not in GEMV_DTYPES or x.dtype != weight.dtype:
+        raise TypeError(f"GEMV takes a float16 or bfloat16 weight and x of the same dtype, got weight "
+                        f"{weight.dtype} and x {x.dtype}; use F.linear for other dtypes")
+    check_last_dim_contiguous("weight", weight)
+    check_last_dim_contiguous("x", x)
+    if not 1 <= x.shape[0] <= MAX_SUPPORTED_TOKENS:
+        raise ValueError(f"GEMV takes 1..{MAX_SUPPORTED_TOKENS} rows, got {x.shape[0]}; use F.linear above")
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{weight.shape[0]}]")
+    check_same_device(x=x, weight=weight, **({"bias": bias} if bias is not None else {}))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """out [M, N] = x @ weight.T (+ bias) in x's dtype: float32 sums of exact products, bias added
+    in float32, one rounding. x [M, K] with M in 1..MAX_SUPPORTED_TOKENS, weight [N, K] of x's
+    dtype (float16 or bfloat16), both with a contiguous last dimension; any N and K."""
+    _check(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if config is None:
+        if x.is_cuda:
+            num_sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        else:
+            num_sms = 132                                   # an H100/H200's (interpreter tests)
+        config = pick_config(m, n, k, num_sms)
+    block_m = max(16, triton.next_power_of_2(m))
+    n_tiles = triton.cdiv(n, config.block_n)
+    k_tiles = triton.cdiv(k, config.block_k)
+    split = min(config.split_k, k_tiles)
+    k_tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_tiles_per_split)        # no empty splits
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty(split * n_tiles * config.block_n * block_m, dtype=torch.float32, device=x.device)
+        count = _tile_counters(weight, n_tiles)
+    else:
+        part = count = out                                  # unused (SPLIT_K == 1 never touches them)
+    _gemv_kernel[(n_tiles, split)](
+        x, weight, out, bias if bias is not None else out, part, count,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_tiles_per_split,
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through `gemv` for decode sizes: x on CUDA with at most
+    MAX_TOKENS rows, 16-bit weight of x's dtype with a contiguous last dimension. Everything else
+    — and a weight whose GEMV failed to build or launch (TritonError, logged once) — takes F.linear.
+    The triton backend's `Kernels.linear` when GEMV_MODE is `on`."""
+    k = x.shape[-1]
+    if (x.is_cuda and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.dim() == 2
+            and weight.shape[1] == k and weight.stride(1) == 1 and k > 0
+            and 0 < x.numel() // k <= MAX_TOKENS and not getattr(weight, "_gemv_unavailable", False)):
+        x2 = x.reshape(-1, k)
+        try:
+            out = gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), weight,
+                       bias.contiguous() if bias is not None else None)
+        except TritonError as e:
+            logger.warning("GEMV kernel unavailable for the %s weight %s (M=%d): %s; using F.linear for it",
+                           weight.dtype, tuple(weight.shape), x2.shape[0], e)
+            try:
+                weight._gemv_unavailable = True
+            except AttributeError:        # a tensor type without attributes: try again next call
+                pass
+        else:
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "gemv", "gemv_mode", "linear",
+           "pick_config"]
