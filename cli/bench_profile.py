@@ -63,13 +63,12 @@ PATTERNS: tuple[tuple[str, str], ...] = (
     # nvjet_*, cutlass3x_*, gemv2T_kernel, gemvx, gemmSN_*, splitKreduce_kernel; on CPU the
     # reference fp8 GEMM (linear.fp8_scaled_mm_reference).
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|splitkreduce|cublas|scaled_mm"),
-    ("rotary_kv", r"rotary|reshape_and_cache|write_kv"),
+    ("rotary_kv", r"rotary|reshape_and_cache|write_kv"),   # before attention: layers/attention.write_kv
     ("attention", r"flash|fmha|paged_attention|attention"),
     # PyTorch's elementwise/reduce kernels (elementwise_kernel, vectorized_elementwise_kernel,
     # reduce_kernel) carry their functor in the name; sort by that.
     ("activation", r"silu|gelu|swiglu"),
     ("norm", r"rms_?norm|layer_?norm|rsqrt"),
-    ("rotary_kv", r"rotary|reshape_and_cache|write_kv"),
     ("quantization", r"quantize|scaled_fp8_quant"),
     ("sampling", r"argmax|argmin|softmax|topk|top_k|sort|multinomial|exponential|cumsum|sampler|compute_logits"),
     # Runtime copies (Memcpy HtoD/DtoH/DtoD, Memset), PyTorch's copy/fill kernels, gathers of
