@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and the H200 benchmarks in one go (the device machine has no pip index and no
-# network). Writes one log, JSON and the restart plot under $OUT (default ./h200-out);
-# at most 8 files come back from that machine, so the text output goes to one log.txt.
+# network). Writes one log (log.txt), the workers' logs (logs.tgz) and the JSON and plots (results.tgz)
+# under $OUT (default ./h200-out): at most 8 files come back from that machine.
 # Usage: OUT=/some/dir tests/h200.sh [STEP ...]
 #   steps: gputests checkpoint restart throughput handover ceiling (default: these, in order);
 #          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
@@ -12,7 +12,7 @@
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
-#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones)
+#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,7 @@ for s in $steps; do
   case "$s" in
     gputests)
       timeout -s INT -k 20 "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
+        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
         --timeout 90 --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
     checkpoint)
       timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b --force >> "$LOG" 2>&1 ;;
