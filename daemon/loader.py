@@ -162,6 +162,27 @@ def load(
     checksums are then wsum32). `device` places every slab there (instead of spec.devices).
     A sharded spec loads the shards of `ranks` (default: all), rank r's on its device; its
     GPU shards go through shard_gpu's pipeline, or with `staged=False` through host memory."""
+    try:
+        return _load(spec, backend, progress, num_threads=num_threads, device=device, staging=staging,
+                     staged=staged, ranks=ranks)
+    finally:
+        release_gpu_cache()
+
+
+def release_gpu_cache() -> None:
+    """Give the caching allocator's free blocks back to the driver once a load is over (its
+    staging temporaries and checksum scratch, ~0.6-1.1 GB measured in the daemon on an H200):
+    the daemon holds them for nothing, and a worker that loads in-process would otherwise
+    count them as used when it sizes its KV cache."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _load(spec: LoadSpec, backend: MemoryBackend, progress: Callable[[LoadProgressEvent], None] | None, *,
+          num_threads: int | None, device: str | None, staging: StagingConfig | None, staged: bool | None,
+          ranks: tuple[int, ...] | None) -> LoadedModel:
     t0 = time.monotonic()
     emit = _Progress(progress, t0)
     plan = plan_load(spec)

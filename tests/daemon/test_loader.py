@@ -187,3 +187,20 @@ def test_crc_of_zero_copy_views_matches_file_bytes(tiny_model, backend):
     raw = load_file(str(folder / "model.safetensors"))["model.norm.weight"].numpy().tobytes()
     assert e.crc32 == zlib.crc32(raw)
 
+
+
+def test_a_load_gives_the_allocators_free_gpu_memory_back(tmp_path, monkeypatch):
+    """After every load (also a failed one) the caching allocator's free blocks go back to the
+    driver when CUDA is in use: the daemon would hold its staging temporaries for nothing."""
+    import torch
+
+    from resident.daemon import loader as loader_module
+    from resident.daemon.memory import get_backend
+
+    backend = get_backend("host_shm")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    with pytest.raises(Exception, match="missing"):
+        loader_module.load(LoadSpec(model=str(tmp_path / "missing")), backend)
+    assert calls == [1]
