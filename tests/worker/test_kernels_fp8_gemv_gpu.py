@@ -64,8 +64,9 @@ def test_gpu_fused_quantization_equals_the_quantize_kernel(shape: tuple[int, int
 
 @pytest.mark.gpu
 def test_gpu_fp8_linear_dispatches_by_token_count(monkeypatch) -> None:
-    from resident.worker.kernels import fp8, fp8_gemv
+    from resident.worker.kernels import fp8, fp8_gemv, gemv
 
+    monkeypatch.setattr(gemv, "GEMV_MODE", "fp8")   # opt-in (RESIDENT_GEMV=fp8); the default is off
     calls = []
     real = fp8_gemv.fp8_gemv
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

@@ -11,13 +11,14 @@ row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-maj
 element. Shapes it cannot take (K or N not a multiple of 16) go through the reference
 math instead, which is exact but slow; a debug log line says so.
 
-Decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm`, which
-reaches well under the HBM roofline there, for the split-K kernel of `fp8_gemv` (the same
-math, float32 accumulation of exact products; any N and K). Up to
-`fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes in-kernel (one launch
-per linear). Should Triton fail to build or load it (a TritonError), the call logs a warning
-and takes the `_scaled_mm` path instead. RESIDENT_GEMV=off (`gemv.GEMV_MODE`, read once per
-process) keeps every M on `_scaled_mm`; its default, `fp8`, and `on` take the GEMV.
+With RESIDENT_GEMV=fp8 or on (`gemv.GEMV_MODE`, read once per process; default off),
+decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm` for the
+split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact products; any N
+and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes
+in-kernel (one launch per linear). Should Triton fail to build or load it (a TritonError),
+the call logs a warning and takes the `_scaled_mm` path instead. Off by default: on the H200
+its GEMMs reached 58 % of the copy bandwidth at batch 1 and decode was slower than with
+`_scaled_mm` (docs/benchmarks.md, session 3).
 """
 from __future__ import annotations
 

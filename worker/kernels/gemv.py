@@ -13,11 +13,13 @@ Split-K: the last of a tile's SPLIT_K programs to arrive sums the float32 partia
 order (bit-reproducible, graph-capturable; counters on the weight, see `fp8_gemv`).
 
 Which decode GEMMs take the GEMV kernels is one switch, RESIDENT_GEMV, read once when this
-module is imported (`GEMV_MODE`): `off` (cuBLAS / `_scaled_mm` everywhere), `fp8` (the
-default: only fp8 weights, through `fp8_gemv` — the behaviour before this switch) or `on`
-(fp8 and 16-bit weights). 16-bit weights are off by default because nobody has yet measured
-this kernel against cuBLAS on the H200 (`resident bench kernels`, `tests/h200.sh
-throughput-gemv`); the lead flips the default to `on` once the measurement says it wins.
+module is imported (`GEMV_MODE`): `off` (the default: cuBLAS / `_scaled_mm` everywhere),
+`fp8` (only fp8 weights, through `fp8_gemv`) or `on` (fp8 and 16-bit weights). Off by default
+because both lost on the H200 (session 3, Llama-3-8B shape, decode at batch 1, same host):
+bf16 172 tokens/s with this kernel vs 204 with cuBLAS (whose GEMMs ran at 91 % of the copy
+bandwidth); fp8 232 tokens/s with `fp8_gemv` (its GEMMs at 58 % of the copy bandwidth) where
+`_scaled_mm` had given 274 in an earlier run. They stay as opt-in kernels to tune
+(`resident bench kernels --gemv-tokens`, the launch-shape sweep in the GPU tests).
 
 Triton's CPU interpreter stores bf16 as raw uint16 and multiplies those bits in tl.dot; the
 tests patch its dot and float32 -> bf16 cast to exact equivalents (fp16 runs as is). The
@@ -45,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 #: RESIDENT_GEMV values: no GEMV kernel, fp8 weights only, fp8 and 16-bit weights.
 GEMV_MODES = ("off", "fp8", "on")
-DEFAULT_GEMV_MODE = "fp8"
+DEFAULT_GEMV_MODE = "off"
 #: Weight (= activation) dtypes of this kernel; float32 stays on F.linear (tl.dot would use TF32).
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 #: 128 16-bit elements: 256 contiguous bytes per tile row, like fp8_gemv's BLOCK_K of 256.
