@@ -48,7 +48,8 @@ class FakeClient:
         w = torch.zeros(2)
         table = TensorTable([TensorEntry("w", "float32", (2,), (1,), 0, 0, 8, crc32_of(w))])
         return SimpleNamespace(lease_id="L1", info=SimpleNamespace(backend="host_shm"), tensors={"w": w},
-                               config={"a": 1}, attach_s=0.001, table=table, draft_tensors=None, draft_config=None)
+                               config={"a": 1}, attach_s=0.001, table=table, draft_tensors=None, draft_config=None,
+                               describe_breakdown=lambda: "rpc 0.5, fds 0.1, map 0.3, views 0.1 ms")
 
     def load(self, model, name="", dtype="auto", quantization="none", revision="", *, draft="",
              tensor_parallel_size=1, devices=()):
