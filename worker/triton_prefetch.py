@@ -10,7 +10,8 @@ computing them earlier is the same work, just done sooner. The hashing and the s
 release the GIL, so a thread started right after `import torch` overlaps them with the worker's
 remaining imports and the weight attach instead of adding them to the warm-up phase.
 
-Stages: (1) import triton and compute `triton_key()` (needs no device; skipped where
+Stages: (1) import triton and compute `triton_key()`, or take it from `triton_key_cache`
+when the installation has not changed since a start remembered it (needs no device; skipped where
 no GPU will be used: `--device cpu`, or `auto` when the CUDA context pre-creation found none);
 (2) once the main thread resolved the device (`set_device`): import the worker's kernel
 modules, compute their JIT cache keys, create Triton's active driver and get the ptxas
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -41,10 +43,13 @@ DEVICE_WAIT_S = 120.0
 class TritonPrefetch:
     """One background run of Triton's start-up work (see the module doc)."""
 
-    def __init__(self, gpu_present: Callable[[], bool] | None = None) -> None:
+    def __init__(self, gpu_present: Callable[[], bool] | None = None, key_cache: Path | None = None) -> None:
         """`gpu_present`: called first in the thread; False defers everything until
-        `set_device` names a GPU (and skips it all when it names none)."""
+        `set_device` names a GPU (and skips it all when it names none). `key_cache`: the
+        file that remembers `triton_key()` across starts (`triton_key_cache`; None: hash)."""
         self._gpu_present = gpu_present
+        self._key_cache = key_cache
+        self.key_source = ""   # triton_key_cache.prime's answer
         self._device_set = threading.Event()
         self._capability: tuple[int, int] | None = None
         self._index = 0
@@ -93,11 +98,13 @@ class TritonPrefetch:
                     self.skipped = "no GPU"
                     return
             step = "import"
-            from triton.runtime.cache import triton_key
+            import triton.runtime.cache  # noqa: F401
+
+            from resident.worker import triton_key_cache
 
             done("import")
             step = "libtriton hash"
-            triton_key()
+            self.key_source = triton_key_cache.prime(self._key_cache)
             done("libtriton hash")
             step = "device"
             if not self._device_set.wait(DEVICE_WAIT_S):
@@ -185,21 +192,23 @@ class TritonPrefetch:
         if self.specialization_key is not None:
             preloaded = (f"; kernel specializations: {self.preloaded.describe()}" if self.preloaded is not None
                          else "; no kernel specializations recorded for this configuration yet")
-        return (f"Triton start-up work done in the background in {sum(self.seconds.values()):.2f} s ({steps}); "
-                f"waited {self.waited_s:.2f} s for it{preloaded}")
+        return (f"Triton start-up work done in the background in {sum(self.seconds.values()):.2f} s ({steps}; "
+                f"compile-cache key {self.key_source}); waited {self.waited_s:.2f} s for it{preloaded}")
 
 
-def start_triton_prefetch(device: str, gpu_present: Callable[[], bool] | None) -> TritonPrefetch | None:
+def start_triton_prefetch(device: str, gpu_present: Callable[[], bool] | None,
+                          key_cache: Path | None = None) -> TritonPrefetch | None:
     """Start the prefetch for --device `device`: None for `cpu` (or a spelling that names no
     GPU) or where triton is not installed. `gpu_present` decides for `auto` (the CUDA context
-    pre-creation's outcome); an explicit `cuda`/`cuda:N` runs stage 1 without asking."""
+    pre-creation's outcome); an explicit `cuda`/`cuda:N` runs stage 1 without asking.
+    `key_cache`: see TritonPrefetch."""
     import importlib.util
 
     if not (device == "auto" or device == "cuda" or device.startswith("cuda:")):
         return None
     if importlib.util.find_spec("triton") is None:
         return None
-    return TritonPrefetch(gpu_present if device == "auto" else None).start()
+    return TritonPrefetch(gpu_present if device == "auto" else None, key_cache).start()
 
 
 __all__ = ["TritonPrefetch", "start_triton_prefetch"]
