@@ -67,6 +67,7 @@ class BlockManager:
         return (self.num_blocks - len(self._free_queue)) / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's live block table (grown and trimmed in place): copy it to keep it."""
         return self._req_blocks.get(request_id, [])
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -109,7 +110,18 @@ class BlockManager:
         request then holds no blocks yet and its new tokens follow the hit.
         """
         rid = request.request_id
-        held = self._req_blocks.get(rid, [])
+        held = self._req_blocks.get(rid)
+        if computed_blocks is None and held is not None:
+            # A running request (every decode step): usually its last block has room; else
+            # the new blocks go onto its table in place (the scheduler hands runners copies).
+            num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(held)
+            if num_needed <= 0:
+                return True
+            if num_needed > len(self._free_queue):
+                return False
+            held.extend([self._pop_free_block() for _ in range(num_needed)])
+            return True
+        held = held if held is not None else []
         if computed_blocks is not None:
             assert not held, f"{request} already holds blocks"
             num_total = len(computed_blocks) * self.block_size + num_new_tokens
@@ -154,6 +166,8 @@ class BlockManager:
         num_computed = request.num_computed_tokens if num_tokens is None else min(num_tokens,
                                                                                   request.num_computed_tokens)
         num_full = num_computed // self.block_size
+        if num_full <= self._req_num_registered[rid]:
+            return  # no block filled up since the last call (most decode steps)
         hashes = self._full_block_hashes(request, num_full * self.block_size)
         for i in range(self._req_num_registered[rid], num_full):
             block, h = blocks[i], hashes[i]

@@ -203,3 +203,25 @@ def test_integrity_check_catches_corruption():
     bm._ref_counts[bm.block_table("a")[0]] += 1  # a leaked reference
     with pytest.raises(AssertionError, match="ref counts"):
         bm.check_integrity()
+
+
+def test_decode_growth_extends_the_table_and_caches_each_block_as_it_fills():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    req = make_request("a", [1, 2, 3])
+    admit(bm, req)
+    first = list(bm.block_table("a"))   # the live table grows in place
+    assert len(first) == 1
+    for t in range(10):   # one decode token per step, as the scheduler runs them
+        req.advance(req.num_tokens - req.num_computed_tokens)
+        bm.cache_full_blocks(req)
+        req.append_output_token(100 + t)
+        assert bm.allocate_slots(req, 1)
+        assert len(bm.block_table("a")) == -(-req.num_tokens // 4)
+        bm.check_integrity()
+    assert bm.block_table("a")[:1] == first
+    # Every block filled on the way is in the prefix cache: a copy of the sequence hits them.
+    twin = make_request("b", list(req.all_token_ids))
+    blocks, num_cached = bm.get_computed_blocks(twin)
+    assert num_cached == 12 and blocks == bm.block_table("a")[:3]
+    assert not bm.allocate_slots(req, 4 * 8), "more tokens than free blocks"
+    assert len(bm.block_table("a")) == 4

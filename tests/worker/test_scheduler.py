@@ -185,3 +185,17 @@ def test_runner_that_skips_a_sample_is_an_error():
     out = h.sched.schedule()
     with pytest.raises(RuntimeError, match="sampled no token"):
         h.sched.update_from_output(out, ModelRunnerOutput(sampled={}))
+
+
+def test_a_steps_block_tables_stay_as_scheduled_while_the_request_grows():
+    # The block manager grows a running request's table in place; what a runner was handed
+    # (and the TP executor may still be sending) must not change under it.
+    h = Harness()
+    h.add("a", 3)
+    tables = []
+    for _ in range(6):   # decoding crosses block boundaries at 4 and 8 tokens
+        out = h.step()
+        tables.append((out.scheduled[0].start_pos + len(out.scheduled[0].token_ids), out.scheduled[0].block_table))
+    for end, table in tables:
+        assert len(table) == -(-end // 4), (end, table)
+    assert tables[-1][1][:1] == tables[0][1]
