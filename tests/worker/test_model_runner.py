@@ -199,7 +199,9 @@ def test_non_sampling_chunks_and_logprobs(tiny_model) -> None:
 @pytest.mark.parametrize("bad, message", [
     (lambda: _req("x", range(9), 0, [0, 1]), "cannot hold positions up to 8"),
     (lambda: _req("x", range(3), 0, [64]), "block id outside"),
+    (lambda: _req("x", range(3), 0, [-1]), "block id outside"),
     (lambda: _req("x", [999], 0, [0]), "token id outside"),
+    (lambda: _req("x", [3, -2], 0, [0]), "token id outside"),
     (lambda: _req("x", [1], 64, list(range(17))), "exceed max_model_len"),
 ])
 def test_bad_batches_fail_naming_the_request(tiny_model, bad, message: str) -> None:

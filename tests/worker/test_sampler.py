@@ -136,3 +136,15 @@ def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
 def test_sampler_rejects_shape_mismatch() -> None:
     with pytest.raises(ValueError, match="for 2 rows"):
         Sampler()(torch.zeros(3, 5), [row(), row()])
+
+
+def test_plain_greedy_fast_path_matches_the_full_sampler() -> None:
+    from resident.worker.layers.sampler import is_plain_greedy
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    full = Sampler(seed=0)(logits, [row(temperature=0.0)] * 5)
+    assert Sampler.greedy(logits) == full.token_ids == logits.argmax(-1).tolist()
+    assert is_plain_greedy(SamplingParams(temperature=0.0, seed=4, top_k=3, stop_token_ids=[1]))
+    for other in ({"temperature": 0.5}, {"logprobs": 0}, {"repetition_penalty": 1.1},
+                  {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}):
+        assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **other})), other

@@ -38,6 +38,13 @@ class SamplingRow:
     generator: torch.Generator | None = None   # set for seeded requests
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """True when the token is just the argmax of the raw logits: temperature 0, no penalty,
+    no logprobs. A batch of only such rows needs no per-row tensors (`Sampler.greedy`)."""
+    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -143,6 +150,15 @@ class Sampler:
                 top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n and top_ids is not None else []
                 logprobs[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[i], top=top)
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> list[int]:
+        """The argmax of every row, read back with one `.tolist()` (one device sync): what
+        `__call__` returns for a batch whose rows are all `is_plain_greedy`, without building
+        the rows."""
+        if logits.dim() != 2:
+            raise ValueError(f"sampler got logits {tuple(logits.shape)}; expected [rows, vocab]")
+        return logits.argmax(dim=-1).tolist()
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
