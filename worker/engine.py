@@ -161,7 +161,8 @@ class LLMEngine:
         """Check the request's num_new new tokens for stops, in order; cut the run at a stop."""
         rid = request.request_id
         params = request.sampling_params
-        logprobs: list[TokenLogprob | None] = [None] * num_new
+        state = self._states[rid]
+        logprobs: list[TokenLogprob | None] | None = None
         if params.logprobs is not None:
             spec = runner_output.spec.get(rid)
             got = spec.logprobs if spec is not None else [runner_output.logprobs.get(rid)]
@@ -171,13 +172,12 @@ class LLMEngine:
             logprobs = list(got)
         first = request.num_output_tokens - num_new
         for i in range(num_new):
-            status = self._process_token(request, first + i, logprobs[i])
+            status = self._process_token(request, state, first + i, logprobs[i] if logprobs else None)
             if status is not None:
                 if i + 1 < num_new:
                     request.truncate_output(first + i + 1)
                 self.scheduler.finish_request(rid, status)
                 break
-        state = self._states[rid]
         if request.is_finished:
             del self._states[rid]
         out = state.make_output()
@@ -185,9 +185,9 @@ class LLMEngine:
             out.spec_decode = request.spec_stats
         return out
 
-    def _process_token(self, request: Request, index: int, logprob: TokenLogprob | None) -> RequestStatus | None:
+    def _process_token(self, request: Request, state: OutputState, index: int,
+                       logprob: TokenLogprob | None) -> RequestStatus | None:
         """Output token `index`: its logprob and text; the finish status it causes, if any."""
-        state = self._states[request.request_id]
         token = request.output_token_ids[index]
         params = request.sampling_params
         self.num_generated_tokens += 1
@@ -198,7 +198,8 @@ class LLMEngine:
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
         # A stop token's own text is shown only with include_stop_str_in_output.
-        stop_string = state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output)
+        stop_string = state.detokenizer is not None and state.add_token(
+            token, detokenize=not stop_token or params.include_stop_str_in_output)
         if stop_string:
             status = RequestStatus.FINISHED_STOPPED
         elif status is None and index + 1 >= request.max_output_tokens:

@@ -86,8 +86,10 @@ class OutputState:
         """Everything new since the last output (text held back while a stop string may be forming)."""
         request = self.request
         finished = request.is_finished
-        end = len(self.text) if finished else max(self.num_sent_chars, len(self.text) - self._num_held_chars())
-        new_text = self.text[self.num_sent_chars:end]
+        end = len(self.text)
+        if not finished:   # _num_held_chars is 0 without stop strings to hold back: skip its call
+            end = max(self.num_sent_chars, end - self._num_held_chars() if self.hold_back else end)
+        new_text = self.text[self.num_sent_chars:end] if end > self.num_sent_chars else ""
         self.num_sent_chars = end
         new_tokens = request.output_token_ids[self.num_sent_tokens:]
         self.num_sent_tokens = request.num_output_tokens
