@@ -15,6 +15,8 @@ import datetime
 import logging
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,19 +113,60 @@ class ParallelGroup:
                 dist.destroy_process_group()
             raise ParallelError(f"rank {config.rank}/{config.size}: cannot form the {config.backend} group ({e})") from e
         logger.info("tensor-parallel rank %d/%d joined (%s)", config.rank, config.size, config.backend)
+        self._comm_warmup: threading.Thread | None = None
+        self._comm_warmup_error: BaseException | None = None
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
+    def start_comm_warmup(self, device: torch.device | str) -> None:
+        """NCCL creates its communicator at the group's first collective (about a second on
+        2xH200: topology, NVLink, buffers), which would land in the warm-up; every rank calls
+        this right after joining, so a thread of each does one small all-reduce while the
+        main threads attach weights and plan the KV cache. The first `all_reduce` or
+        `all_gather` waits for it (one attribute test a call), so the collectives' order holds.
+        On gloo (CPU) the same runs, cheaply, so the CPU tests cover the mechanism."""
+        if self.size == 1:
+            return
+        on_gpu = torch.device(device).type == "cuda"
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                if on_gpu:
+                    torch.cuda.set_device(device)
+                t = torch.zeros(1, device=device)
+                dist.all_reduce(t)
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+                logger.info("%s communicator of rank %d ready in %.2f s (set up beside the start-up)",
+                            self.backend.upper(), self.rank, time.monotonic() - t0)
+            except BaseException as e:  # noqa: BLE001 - raised by the first collective that waits for it
+                self._comm_warmup_error = e
+
+        self._comm_warmup = threading.Thread(target=run, name="nccl-warmup", daemon=True)
+        self._comm_warmup.start()
+
+    def _wait_comm_warmup(self) -> None:
+        thread, self._comm_warmup = self._comm_warmup, None
+        thread.join()
+        if self._comm_warmup_error is not None:
+            raise ParallelError(f"rank {self.rank}: setting up the {self.backend} communicator failed "
+                                f"({type(self._comm_warmup_error).__name__}: {self._comm_warmup_error})")
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns `t`."""
+        if self._comm_warmup is not None:
+            self._wait_comm_warmup()
         if self.size > 1:
             dist.all_reduce(t)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `t` (same shape on all ranks) concatenated along `dim`, in rank order."""
+        if self._comm_warmup is not None:
+            self._wait_comm_warmup()
         if self.size == 1:
             return t
         t = t.contiguous()

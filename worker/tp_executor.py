@@ -293,6 +293,7 @@ class TPGroup:
                     ", ".join(str(p.pid) for p in self._procs), "before the imports" if early else "now")
         self.group = ParallelGroup(ParallelConfig(0, size, backend_for(device), store_port=self._store.port),
                                    store=self._store)
+        self.group.start_comm_warmup(self.devices[0])   # NCCL's communicator, beside the weights and KV plan
         self.formed_s = time.monotonic() - t0
         logger.info("tensor-parallel group of %d ranks formed in %.2f s (spawning the other ranks, their import "
                     "of torch, the rendezvous)", size, self.formed_s)
@@ -398,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     t_group = time.time()
     group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
                                          store_port=launch.store_port))
+    group.start_comm_warmup(device)
     group_s = time.time() - t_group
     store = None
     try:

@@ -347,6 +347,9 @@ def test_serve_tp2_over_http_equals_tp1_and_dies_with_a_rank(tmp_path):
     try:
         assert [completion(tp2.base_url, p) for p in prompts] == want
         assert "started before the imports" in log.read_text()   # tp_spawn: rank 1 imported beside rank 0
+        # Each rank's communicator set up by a thread beside the start-up (start_comm_warmup).
+        assert re.search(r"GLOO communicator of rank 0 ready", log.read_text())
+        assert re.search(r"tp-rank1 .*GLOO communicator of rank 1 ready", log.read_text())
         child = int(re.search(r"children pids (\d+)", log.read_text()).group(1))
         os.kill(child, signal.SIGKILL)
         deadline = time.monotonic() + 30
