@@ -99,18 +99,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[tuple[Request, int, int]] = []  # (request, tokens to compute, draft tokens)
         preempted = False
+        running, lagging, speculate = self.running, self._lagging, self.num_speculative_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
-            num_spec = self._num_spec_tokens(request, budget)
+            num_spec = self._num_spec_tokens(request, budget) if speculate else 0
             if num_spec and self.block_manager.allocate_slots(request, 1 + num_spec):
                 chunks.append((request, 1, num_spec))
                 budget -= 1 + num_spec   # covers the draft's catch-up token too (1 <= num_spec)
                 i += 1
                 continue
-            lag = 1 if request.request_id in self._lagging else 0
+            lag = 1 if lagging and request.request_id in lagging else 0
             if num_new + lag > budget:   # decoding (lag implies it): wait for a step with room
                 i += 1
                 continue
@@ -170,17 +171,23 @@ class Scheduler:
 
     def _build_output(self, chunks: list[tuple[Request, int, int]]) -> SchedulerOutput:
         scheduled = []
+        block_table, bs = self.block_manager.block_table, self.block_manager.block_size
+        num_tokens = 0
         for request, num_new, num_spec in chunks:
             start = request.num_computed_tokens
             end = start + num_new
-            blocks = self.block_manager.block_table(request.request_id)
-            assert len(blocks) == self.block_manager.num_blocks_for(end + num_spec), (request, blocks)
+            num_tokens += num_new + num_spec
+            all_tokens = request.all_token_ids
+            blocks = block_table(request.request_id)
+            assert len(blocks) == -(-(end + num_spec) // bs), (request, blocks)
             scheduled.append(ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=all_tokens[start:end],
                 start_pos=start,
-                block_table=list(blocks),
-                sample=end == request.num_tokens,
+                # A copy: the block manager grows the live table in place, while a runner (or the
+                # TP executor sending it) may still hold this step's.
+                block_table=blocks[:],
+                sample=end == len(all_tokens),
                 sampling_params=request.sampling_params,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
@@ -191,9 +198,9 @@ class Scheduler:
             finished, self._finished_ids = self._finished_ids, set()
         # The budget's count: the target's chunks and drafts, and the draft's catch-up tokens
         # of requests without drafts (those of requests with drafts fit in their 1 + k).
-        catch_up = sum(1 for r, _, k in chunks if not k and r.request_id in self._lagging)
-        return SchedulerOutput(scheduled=scheduled,
-                               num_batched_tokens=sum(n + k for _, n, k in chunks) + catch_up,
+        if self._lagging:
+            num_tokens += sum(1 for r, _, k in chunks if not k and r.request_id in self._lagging)
+        return SchedulerOutput(scheduled=scheduled, num_batched_tokens=num_tokens,
                                finished_request_ids=finished)
 
     def update_from_output(self, out: SchedulerOutput,
@@ -201,11 +208,14 @@ class Scheduler:
         """Record the computed KV and the sampled tokens; returns the requests that got tokens,
         with how many (stop conditions are the engine's to check)."""
         sampled = []
+        requests, lagging, running = self.requests, self._lagging, RequestStatus.RUNNING
+        cache_full_blocks, tokens = self.block_manager.cache_full_blocks, runner_out.sampled
         for sched in out.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(sched.request_id)
+            if request is None or request.status != running:
                 continue  # finished while the step ran
-            self._lagging.discard(sched.request_id)   # the draft's pass caught up with this chunk
+            if lagging:
+                lagging.discard(sched.request_id)   # the draft's pass caught up with this chunk
             spec = runner_out.spec.get(sched.request_id) if sched.num_spec_tokens else None
             if spec is not None:
                 if spec.num_proposed > sched.num_spec_tokens:
@@ -224,10 +234,10 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request, num_valid)
                 sampled.append((request, len(spec.token_ids)))
                 continue
-            request.advance(sched.num_tokens)
-            self.block_manager.cache_full_blocks(request)
+            request.advance(len(sched.token_ids))
+            cache_full_blocks(request)
             if sched.sample:
-                token = runner_out.sampled.get(sched.request_id)
+                token = tokens.get(sched.request_id)
                 if token is None:
                     raise RuntimeError(f"the model runner sampled no token for request "
                                        f"{sched.request_id!r}, which was scheduled with sample=True")
