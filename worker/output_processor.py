@@ -85,23 +85,26 @@ class OutputState:
     def make_output(self) -> RequestOutput:
         """Everything new since the last output (text held back while a stop string may be forming)."""
         request = self.request
-        finished = request.is_finished
+        status = request.status
+        finished = status.is_finished
         end = len(self.text)
         if not finished:   # _num_held_chars is 0 without stop strings to hold back: skip its call
             end = max(self.num_sent_chars, end - self._num_held_chars() if self.hold_back else end)
         new_text = self.text[self.num_sent_chars:end] if end > self.num_sent_chars else ""
         self.num_sent_chars = end
-        new_tokens = request.output_token_ids[self.num_sent_tokens:]
-        self.num_sent_tokens = request.num_output_tokens
+        output_ids = request.output_token_ids
+        num_output = len(output_ids)
+        new_tokens = output_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = num_output
         logprobs, self.pending_logprobs = self.pending_logprobs, []
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,
             new_text=new_text,
             finished=finished,
-            finish_reason=request.status.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            finish_reason=status.finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=num_output,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             logprobs=logprobs,
         )
