@@ -41,7 +41,8 @@ from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
 from resident.worker.serve_config import ServeConfig
-from resident.worker.startup import StartupTimer, Worker, build_worker, in_thread, process_start_time, start_kv_growth
+from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, in_thread,
+                                     process_start_time, start_kv_growth)
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class Replica:
         # GPU: grow the KV cache to this replica's share, chunk by chunk as the GPU has room
         # (an outgoing replica's cache is unmapped only when it exits; kv_budget.py).
         self._growth = start_kv_growth(self.worker, self.metrics, self.config.gpu_memory_utilization)
+        compile_chat_template_after_ready(self.worker)   # as a single worker does (jinja2 off the path to ready)
         if self.options.standby:
             self.state = ReplicaState.STANDBY
         else:
