@@ -173,6 +173,7 @@ def two_gpus() -> bool:
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)   # 4 worker processes, each compiling Triton kernels on a fresh machine (hit 90 s once)
 @pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")
 def test_tp_replicas_on_two_gpus_roll_out_without_failures(short_tmp, tmp_path):
     """Two replicas x TP=2 on cuda:0 and cuda:1 (every replica's rank r on cuda:r, each GPU's
