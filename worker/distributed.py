@@ -81,6 +81,10 @@ def open_store_master(size: int, host: str = "127.0.0.1", timeout_s: float = DEF
                          wait_for_workers=False, master_listen_fd=listen_fd)
 
 
+#: Element counts of the all-reduces `start_comm_warmup` runs (bf16 on GPUs: 2 B, 128 KiB, 8 MiB).
+COMM_WARMUP_NUMELS = (1, 64 << 10, 4 << 20)
+
+
 class ParallelGroup:
     """rank, size, backend; all_reduce (sum, in place), all_gather (concatenated along a
     dim), broadcast_object (from rank 0); `close()` destroys the process group.
@@ -104,6 +108,11 @@ class ParallelGroup:
         self._store = store
         # torch 2.13 renamed all_gather_into_tensor (the H200's 2.11 has only the old name).
         self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if config.backend == "nccl":
+            # All of NCCL's connections at communicator set-up, which start_comm_warmup runs
+            # beside the start-up, rather than at each algorithm's first collective (NCCL >= 2.22
+            # connects lazily by default; the user's setting wins).
+            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         try:
             dist.init_process_group(config.backend, store=store, rank=config.rank, world_size=config.size,
                                     timeout=timeout)
@@ -123,10 +132,10 @@ class ParallelGroup:
     def start_comm_warmup(self, device: torch.device | str) -> None:
         """NCCL creates its communicator at the group's first collective (about a second on
         2xH200: topology, NVLink, buffers), which would land in the warm-up; every rank calls
-        this right after joining, so a thread of each does one small all-reduce while the
-        main threads attach weights and plan the KV cache. The first `all_reduce` or
-        `all_gather` waits for it (one attribute test a call), so the collectives' order holds.
-        On gloo (CPU) the same runs, cheaply, so the CPU tests cover the mechanism."""
+        this right after joining, so a thread of each does a few all-reduces while the main
+        threads attach weights and plan the KV cache (which waits for it, `wait_comm_warmup`);
+        the first `all_reduce` or `all_gather` waits for it too (one attribute test a call),
+        so the collectives' order holds. On gloo (CPU) it runs in the caller (see below)."""
         if self.size == 1:
             return
         on_gpu = torch.device(device).type == "cuda"
@@ -136,8 +145,11 @@ class ParallelGroup:
             try:
                 if on_gpu:
                     torch.cuda.set_device(device)
-                t = torch.zeros(1, device=device)
-                dist.all_reduce(t)
+                # Sizes that take NCCL's LL, LL128 and Simple protocols (2 B, 128 KiB, 8 MiB):
+                # it connects each lazily at its first use otherwise (NCCL_RUNTIME_CONNECT=1).
+                for numel in COMM_WARMUP_NUMELS if on_gpu else (1,):
+                    dist.all_reduce(torch.zeros(numel, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                                                device=device))
                 if on_gpu:
                     torch.cuda.synchronize(device)
                 logger.info("%s communicator of rank %d ready in %.2f s (set up beside the start-up)",
@@ -145,15 +157,33 @@ class ParallelGroup:
             except BaseException as e:  # noqa: BLE001 - raised by the first collective that waits for it
                 self._comm_warmup_error = e
 
+        if self._cpu_group is None:
+            # gloo: the default group also carries the object collectives (broadcast_object,
+            # all_min), so a thread's all-reduce there could interleave with them differently
+            # on each rank; run it here instead (gloo connects at init: nothing to hide).
+            run()
+            if self._comm_warmup_error is not None:
+                self._raise_comm_warmup_error()
+            return
         self._comm_warmup = threading.Thread(target=run, name="nccl-warmup", daemon=True)
         self._comm_warmup.start()
+
+    def wait_comm_warmup(self) -> None:
+        """Wait for `start_comm_warmup`'s thread, if one runs (the KV plan calls this: the
+        communicator's buffers must be allocated before free memory is measured)."""
+        if self._comm_warmup is not None:
+            self._wait_comm_warmup()
 
     def _wait_comm_warmup(self) -> None:
         thread, self._comm_warmup = self._comm_warmup, None
         thread.join()
         if self._comm_warmup_error is not None:
-            raise ParallelError(f"rank {self.rank}: setting up the {self.backend} communicator failed "
-                                f"({type(self._comm_warmup_error).__name__}: {self._comm_warmup_error})")
+            self._raise_comm_warmup_error()
+
+    def _raise_comm_warmup_error(self) -> None:
+        e = self._comm_warmup_error
+        raise ParallelError(f"rank {self.rank}: setting up the {self.backend} communicator failed "
+                            f"({type(e).__name__}: {e})") from e
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns `t`."""

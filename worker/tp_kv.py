@@ -55,11 +55,14 @@ def plan_rank_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mappi
 
     dev = torch.device(device)
     t0 = time.monotonic()
+    group.wait_comm_warmup()   # the communicator's buffers are in use before free memory is read
+    timings_wait = time.monotonic() - t0
+    t0 = time.monotonic()
     torch.cuda.synchronize(dev)
     free, total = gm.gpu_memory_info(dev.index)
     bs, max_len, seqs = kw["block_size"], kw["max_model_len"], kw["max_num_seqs"]
     per_seq = -(-max_len // bs)
-    timings = {"measure": time.monotonic() - t0}
+    timings = {"comm wait": timings_wait, "measure": time.monotonic() - t0}
     if cached_headroom is not None:
         headroom, source = cached_headroom, "cached"
         timings["cache_lookup"] = kw.get("cache_lookup_s", 0.0)
@@ -81,7 +84,7 @@ def plan_rank_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mappi
         source = "measured" if cache is not None or group.rank else "measured (cache off)"
         if group.rank == 0 and cache is not None:
             key = tp_headroom_key(group, model_config, weights, device, kw)
-            stored = cache.store(key, headroom, sum(timings.values()) - timings["measure"])
+            stored = cache.store(key, headroom, sum(timings.values()) - timings["measure"] - timings["comm wait"])
             logger.info("activation/graph headroom %.0f MiB measured (largest of %d ranks)%s", headroom / 2**20,
                         group.size, f"; stored in {cache.path} for the next start" if stored else "")
     budget = gm.GpuMemoryBudget(total_bytes=total, used_bytes=total - free, utilization=kw["utilization"],

@@ -43,6 +43,9 @@ class ScriptedGroup:
         self.seen.append(value)
         return min(value, self.peer.pop(0))
 
+    def wait_comm_warmup(self) -> None:
+        self.comm_waited = True
+
 
 class Probe:
     def __init__(self, peak: int, built: list) -> None:
@@ -85,7 +88,8 @@ def test_measured_headroom_is_the_largest_ranks_and_is_cached_for_the_same_group
                               None, cache)
     assert len(built) == 1 and built[0].closed
     assert plan.headroom_source == "measured" and plan.budget.headroom_bytes == 300 * MiB
-    assert set(plan.timings) >= {"measure", "probe_build", "profile_forward"}
+    assert set(plan.timings) >= {"comm wait", "measure", "probe_build", "profile_forward"}
+    assert group.comm_waited                              # NCCL's buffers exist before free memory is read
     assert plan.num_kv_blocks == 40                       # the smallest rank's
     assert plan.max_num_kv_blocks == 16 * 8               # room to grow to max_num_seqs full requests
 
