@@ -12,7 +12,8 @@
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
-#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter
+#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter;
+#      -s, so the figures tests print (snapshot restore times, TP agreement, shard load GB/s) reach the log
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ for s in $steps; do
   step "$s"
   case "$s" in
     gputests)
-      timeout -s INT -k 20 "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
+      timeout -s INT -k 20 "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
         ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
         --timeout 90 --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
     checkpoint)
