@@ -22,31 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from resident.worker.metrics import ServerMetrics
+from resident.worker.proc_time import process_start_time  # noqa: F401 - re-exported (entrypoint, replica)
 from resident.worker.serve_config import CPU_MAX_MODEL_LEN, ServeConfig
 
 logger = logging.getLogger(__name__)
 
 #: GPU KV cache mapped per background growth step (one short pause of the engine thread each).
 KV_GROWTH_CHUNK_BYTES = 2 * 2**30
-
-
-def process_start_time() -> float:
-    """When this process started (unix time), from the kernel's record.
-
-    The process's age is /proc/uptime minus its start in clock ticks since boot (10 ms
-    resolution); psutil's create_time adds that to /proc/stat's boot time, which is whole
-    seconds and can put the start up to a second early.
-    """
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rpartition(")")[2].split()[19])
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        import psutil
-
-        return psutil.Process().create_time()
 
 
 class StartupTimer:

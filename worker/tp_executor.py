@@ -59,6 +59,7 @@ from resident.daemon.loader import LoadSpec
 from resident.worker.config import ModelConfig
 from resident.worker.distributed import ParallelConfig, ParallelError, ParallelGroup, backend_for, open_store_master
 from resident.worker.tp_kv import KVMapper, grow_in_lockstep, plan_rank_kv, tp_headroom_key
+from resident.worker.proc_time import process_start_time
 from resident.worker.tp_spawn import RankLaunch, spawn_ranks, take_early
 from resident.worker.weight_store import WeightStore, open_store
 
@@ -366,15 +367,6 @@ class TPGroup:
         self.group.close()
 
 
-def _process_start_time() -> float:
-    """When this process started (unix time), from the kernel's record (clock ticks since boot)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rpartition(")")[2].split()[19])
-    with open("/proc/uptime") as f:
-        uptime_s = float(f.read().split()[0])
-    return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
-
-
 def _watch_parent(fd: int) -> None:
     while os.read(fd, 1):
         pass
@@ -383,7 +375,7 @@ def _watch_parent(fd: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """A child rank: join the group, open this rank's shard, serve rank 0's commands."""
-    imported_s = time.time() - _process_start_time()   # interpreter start and `import torch`
+    imported_s = time.time() - process_start_time()   # interpreter start and `import torch`
     args = argv if argv is not None else sys.argv[1:]
     launch = RankLaunch(**json.loads(args[0]))
     logging.basicConfig(level=logging.INFO,
