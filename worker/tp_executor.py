@@ -35,7 +35,9 @@ serves, rank 0 logs which rank died and exits at once (the group cannot compute 
 it; waiting would hang in a collective). A forward-running command that raises on a child
 ends that child (rank 0 may be waiting in a collective of that forward, which the child
 will not join), so the group exits within seconds instead of after the collective timeout;
-a failed KV growth ends no rank (`tp_kv.grow_in_lockstep`).
+when rank 0's own part of such a command raises, it ends the other ranks (after END_GRACE_S,
+for one whose failure caused it to log why) and its watchers exit the worker the same way
+(`TPGroup.end_ranks`); a failed KV growth ends no rank (`tp_kv.grow_in_lockstep`).
 """
 from __future__ import annotations
 
@@ -67,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 #: Exit status of rank 0 when a child rank died under it.
 RANK_DIED_EXIT = 3
+#: After rank 0's own step failed: how long the other ranks may take to exit on their own
+#: (one whose failure caused rank 0's logs why) before they are killed.
+END_GRACE_S = 2.0
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:
@@ -163,18 +168,30 @@ def _receive(f: Any) -> tuple:
 class TPRunner:
     """Rank 0's ModelRunner of a TP group: forward-running methods go to every rank."""
 
-    def __init__(self, group: ParallelGroup, runner: Any, send: Callable[[tuple], None]) -> None:
+    def __init__(self, group: ParallelGroup, runner: Any, send: Callable[[tuple], None],
+                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
+        """`on_failure(method, error)`: rank 0's own part of a forward-running call raised —
+        the other ranks may be waiting in that call's collectives, which rank 0 will not join."""
         self.group = group
         self.runner = runner
         self._send = send
+        self._on_failure = on_failure
+
+    def _local(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.runner, method)(*args)
+        except BaseException as e:
+            if self._on_failure is not None and method != "close":
+                self._on_failure(method, e)
+            raise
 
     def _all(self, method: str, *args: Any) -> Any:
         self._send(("call", method, args))
-        return getattr(self.runner, method)(*args)
+        return self._local(method, *args)
 
     def _step(self, method: str, out: Any) -> Any:
         self._send(("call", method, (compact(out),)))
-        return getattr(self.runner, method)(out)
+        return self._local(method, out)
 
     def execute(self, out: Any) -> Any:
         return self._step("execute", out)
@@ -278,6 +295,8 @@ class TPGroup:
         self.devices = rank_devices(device, size)
         self.config, self.spec = config, spec
         self._stopping = threading.Event()
+        self._ended_by: str | None = None   # end_ranks' reason
+        self._killed: set[int] = set()       # pids end_ranks killed
         self._procs: list[subprocess.Popen] = []
         early = take_early(self.devices, lambda fields: LoadSpec(**fields) == spec)
         spawned = early or spawn_ranks(config, self.devices, dataclasses.asdict(spec))
@@ -303,9 +322,13 @@ class TPGroup:
         code = proc.wait()
         if self._stopping.is_set():
             return
-        logger.error("tensor-parallel rank %d (pid %d) exited with status %s: the group cannot compute without "
-                     "it; this worker exits (a supervisor replaces it, else restart it; see rank %d's log above for "
-                     "why)", rank, proc.pid, code, rank)
+        if proc.pid in self._killed:
+            logger.error("tensor-parallel rank %d (pid %d) ended after %s; this worker exits (a supervisor "
+                         "replaces it, else restart it)", rank, proc.pid, self._ended_by)
+        else:
+            logger.error("tensor-parallel rank %d (pid %d) exited with status %s: the group cannot compute without "
+                         "it; this worker exits (a supervisor replaces it, else restart it; see rank %d's log above "
+                         "for why)", rank, proc.pid, code, rank)
         logging.shutdown()
         os._exit(RANK_DIED_EXIT)
 
@@ -344,7 +367,28 @@ class TPGroup:
         kwargs: engine_config, cuda_graphs, max_num_kv_blocks, kernel_backend."""
         self._commands.send(("build", kwargs))
         return TPRunner(self.group, _build_runner(self.group, self.model_config, weights, self.devices[0],
-                                                  dict(kwargs)), self._commands.send)
+                                                  dict(kwargs)), self._commands.send, self.end_ranks)
+
+    def end_ranks(self, method: str, error: BaseException) -> None:
+        """Rank 0's `method` raised: end the other ranks now (they may wait in its collectives
+        until the 600 s timeout otherwise); their watchers then exit this worker."""
+        if self._stopping.is_set() or self._ended_by is not None:
+            return
+        self._ended_by = f"rank 0's {method} failed ({type(error).__name__}: {error})"
+        logger.error("tensor parallel: %s; ending the other ranks in %.0f s unless they exit first (they may wait "
+                     "in its collectives)", self._ended_by, END_GRACE_S)
+
+        def kill_stuck() -> None:
+            # A rank whose own failure caused rank 0's gets the grace to log why and exit.
+            deadline = time.monotonic() + END_GRACE_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
+                time.sleep(0.05)
+            for p in self._procs:
+                if p.poll() is None:
+                    self._killed.add(p.pid)
+                    p.kill()
+
+        threading.Thread(target=kill_stuck, name="tp-end-ranks", daemon=True).start()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the children (after the runner's own close) and leave the group."""

@@ -198,7 +198,8 @@ def test_mapper_maps_off_the_calling_thread_and_reports_its_error_once():
 # --- a real 2-rank group over gloo whose rank 1 fails -----------------------------------------
 #: Stands in for the child ranks' interpreter: makes rank 1's mapping (`map`: what a GPU rank
 #: does on its mapper thread), taking of the blocks (`take`: where a CPU cache allocates) or
-#: step (`execute`) fail, then runs the real child (`python -m resident.worker.tp_executor SPEC`).
+#: step (`execute`) fail (`none`: nothing), then runs the real child
+#: (`python -m resident.worker.tp_executor SPEC`).
 INJECT = '''
 import json, runpy, sys
 from resident.worker.kv_cache import KVCache
@@ -211,7 +212,7 @@ if json.loads(spec)["rank"] == rank:
         ModelRunner.map_kv_blocks = fail
     elif where == "take":
         KVCache.grow = fail
-    else:
+    elif where == "execute":
         def fail_step(self, out):
             raise MemoryError("out of memory in the forward (injected)")
         ModelRunner.execute = fail_step
@@ -345,3 +346,42 @@ def test_a_rank_whose_step_fails_ends_the_group_at_once(tiny_model, tmp_path, mo
     assert exited == [RANK_DIED_EXIT]
     assert re.search(r"rank 1: execute failed \(MemoryError: out of memory in the forward \(injected\)\); "
                      r"this rank exits", capfd.readouterr().err)
+
+
+def test_rank_0s_failing_step_ends_the_other_ranks_at_once(tiny_model, tmp_path, monkeypatch, caplog):
+    """Rank 0's own forward raises after the step went to rank 1, which then waits in the
+    step's collectives for a rank 0 that never joins: rank 0 ends rank 1 at once and its
+    watcher exits the worker with RANK_DIED_EXIT, instead of rank 1 waiting out 600 s."""
+    import logging
+    import os
+    import threading
+
+    from resident.worker.model_runner import ModelRunner
+    from resident.worker.tp_executor import RANK_DIED_EXIT
+
+    exited: list[int] = []
+    watched = threading.Event()
+
+    def record_exit(code: int) -> None:
+        exited.append(code)
+        watched.set()
+
+    monkeypatch.setattr(os, "_exit", record_exit)          # the watcher's exit: not this test process's
+    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    errors: list[BaseException] = []
+
+    def scenario(engine) -> None:
+        def fail_step(self, out):
+            raise MemoryError("out of memory in rank 0's forward (injected)")
+
+        monkeypatch.setattr(ModelRunner, "execute", fail_step)   # this process is rank 0 only
+        try:
+            greedy(engine, PROMPTS)
+        except MemoryError as e:
+            errors.append(e)
+        watched.wait(BOUND_S / 2)
+
+    run_with_failing_rank1(tiny_model("qwen2"), tmp_path, monkeypatch, "none", scenario)
+    assert errors and exited == [RANK_DIED_EXIT]
+    assert re.search(r"tensor-parallel rank 1 \(pid \d+\) ended after rank 0's execute failed \(MemoryError: out "
+                     r"of memory in rank 0's forward \(injected\)\)", caplog.text)
