@@ -285,6 +285,25 @@ def run_with_failing_rank1(path, tmp_path, monkeypatch, where: str, scenario) ->
         group.close()
 
 
+def record_watcher_exits(monkeypatch):
+    """The exit codes rank 0's rank watchers ask for (os._exit recorded, not done) and an
+    event set at the first."""
+    import logging
+    import os
+    import threading
+
+    exited: list[int] = []
+    watched = threading.Event()
+
+    def record_exit(code: int) -> None:
+        exited.append(code)
+        watched.set()
+
+    monkeypatch.setattr(os, "_exit", record_exit)          # the watcher's exit: not this test process's
+    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    return exited, watched
+
+
 @pytest.mark.parametrize("where", ["map", "take"])
 def test_a_rank_that_cannot_grow_fails_the_growth_on_every_rank_and_the_group_keeps_serving(
         tiny_model, tmp_path, monkeypatch, capfd, where):
@@ -317,21 +336,9 @@ def test_a_rank_whose_step_fails_ends_the_group_at_once(tiny_model, tmp_path, mo
     """Rank 1's forward raises while rank 0 is in the step's collectives: rank 1 exits (it
     will not join them), so rank 0's step fails within seconds and its rank watcher exits
     the worker with RANK_DIED_EXIT for the supervisor, instead of waiting 600 s."""
-    import logging
-    import os
-    import threading
-
     from resident.worker.tp_executor import RANK_DIED_EXIT
 
-    exited: list[int] = []
-    watched = threading.Event()
-
-    def record_exit(code: int) -> None:
-        exited.append(code)
-        watched.set()
-
-    monkeypatch.setattr(os, "_exit", record_exit)          # the watcher's exit: not this test process's
-    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    exited, watched = record_watcher_exits(monkeypatch)
     errors: list[BaseException] = []
 
     def scenario(engine) -> None:
@@ -352,22 +359,10 @@ def test_rank_0s_failing_step_ends_the_other_ranks_at_once(tiny_model, tmp_path,
     """Rank 0's own forward raises after the step went to rank 1, which then waits in the
     step's collectives for a rank 0 that never joins: rank 0 ends rank 1 at once and its
     watcher exits the worker with RANK_DIED_EXIT, instead of rank 1 waiting out 600 s."""
-    import logging
-    import os
-    import threading
-
     from resident.worker.model_runner import ModelRunner
     from resident.worker.tp_executor import RANK_DIED_EXIT
 
-    exited: list[int] = []
-    watched = threading.Event()
-
-    def record_exit(code: int) -> None:
-        exited.append(code)
-        watched.set()
-
-    monkeypatch.setattr(os, "_exit", record_exit)          # the watcher's exit: not this test process's
-    monkeypatch.setattr(logging, "shutdown", lambda: None)
+    exited, watched = record_watcher_exits(monkeypatch)
     errors: list[BaseException] = []
 
     def scenario(engine) -> None:
