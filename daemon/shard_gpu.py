@@ -25,7 +25,6 @@ no-ops and the copies synchronous, which is how this path is compared with the h
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -39,11 +38,10 @@ import torch
 
 from resident.daemon import quant, sharding
 from resident.daemon.shard_fill import wsum32_of_shard
-from resident.daemon.staging import StagingConfig, StagingPool
+from resident.daemon.staging import StagingConfig, StagingPool, StagingRing
 
 if TYPE_CHECKING:
     from resident.daemon.load_plan import LoadPlan, StoredTensor
-    from resident.daemon.staging import HostBuffers
 
 log = logging.getLogger(__name__)
 
@@ -89,68 +87,6 @@ class _Chunk:
     elem_off: int    # the part's first element within the stored tensor
 
 
-class _Ring:
-    """Staging buffers shared by all devices, and each device's copy streams.
-
-    A buffer is handed out again only once every copy out of it (one per device) has
-    completed: its event on each device, recorded after that device's copy; and, from a
-    pool that is still pinning them, only once it is pinned (`HostBuffers.get`).
-    """
-
-    def __init__(self, host: HostBuffers, devices: list[torch.device], num_streams: int) -> None:
-        self.host = host
-        n = len(host.buffers)
-        self.buffers: list[torch.Tensor | None] = [None] * n
-        self.memoryviews: list[memoryview | None] = [None] * n
-        self.cuda = devices[0].type == "cuda"
-        self.streams = [[torch.cuda.Stream(device=d) if self.cuda else None for _ in range(num_streams)]
-                        for d in devices]
-        # blocking=True: waiters sleep instead of spinning on a core.
-        self._events = [[torch.cuda.Event(blocking=True) for _ in range(n)] for _ in devices] if self.cuda else []
-        self._recorded = [False] * n
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(n):
-            self._free.put(i)
-        self._lock = threading.Lock()
-        self.wait_s = 0.0
-
-    def acquire(self) -> int:
-        t0 = time.monotonic()
-        i = self._free.get()
-        try:
-            if self.buffers[i] is None:   # first use in this load
-                buf = self.host.get(i)
-                self.memoryviews[i] = memoryview(buf.numpy())
-                self.buffers[i] = buf
-            if self._recorded[i]:
-                for events in self._events:
-                    events[i].synchronize()
-        except BaseException:
-            self._free.put(i)
-            raise
-        with self._lock:
-            self.wait_s += time.monotonic() - t0
-        return i
-
-    def release(self, i: int, stream: int) -> None:
-        """Return buffer `i` once the work enqueued so far on stream `stream` of every device is done."""
-        if self.cuda:
-            for events, streams in zip(self._events, self.streams):
-                events[i].record(streams[stream])
-            self._recorded[i] = True
-        self._free.put(i)
-
-    def on(self, device: int, stream: int) -> contextlib.AbstractContextManager:
-        s = self.streams[device][stream]
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        for streams in self.streams:
-            for s in streams:
-                if s is not None:
-                    s.synchronize()
-
-
 class GpuShardFill:
     """Fill every rank's shard in `views` (one device per rank); `run()` returns each rank's
     wsum32 checksums in plan order. `places[r][i]` = (slab index within `views[r]`, offset)."""
@@ -171,7 +107,7 @@ class GpuShardFill:
             raise ValueError(f"shards on devices of different kinds ({', '.join(map(str, self.devices))})")
         #: The ranks each device slot cuts.
         self.ranks_on = [[r for r in self.ranks if views[r][0].device == d] for d in self.devices]
-        self.ring: _Ring | None = None
+        self.ring: StagingRing | None = None
         self.read_s = self.finish_s = 0.0
         self._lock = threading.Lock()
 
@@ -194,7 +130,7 @@ class GpuShardFill:
     def _allocate(self, job: _Job) -> None:
         t = job.tensor
         for d, device in enumerate(self.devices):
-            with self.ring.on(d, job.stream):   # the allocator ties the blocks to the job's stream
+            with self.ring.on_stream(job.stream, d):   # the allocator ties the blocks to the job's stream
                 fused = torch.empty(t.nbytes, dtype=torch.uint8, device=device)
                 sources = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=device)
                            if self._staged_apart(t, p.info.torch_dtype) else None for p in t.parts]
@@ -214,7 +150,7 @@ class GpuShardFill:
         pool = self.pool or StagingPool()
         try:
             with pool.lease(self.config, cuda) as (host, fresh):
-                self.ring = _Ring(host, self.devices, self.config.num_streams)
+                self.ring = StagingRing(self.config, self.devices, host)
                 elapsed = self._pipeline(emit, total)
                 wait_s = self.ring.wait_s
                 self.ring = None
@@ -301,7 +237,7 @@ class GpuShardFill:
                 self.read_s += time.monotonic() - t0
             buf = ring.buffers[i][:n]
             for d, on in enumerate(job.on):
-                with ring.on(d, job.stream):
+                with ring.on_stream(job.stream, d):
                     self._chunk_dst(job, on, c).copy_(buf, non_blocking=True)
         finally:
             ring.release(i, job.stream)
@@ -326,7 +262,7 @@ class GpuShardFill:
         t = job.tensor
         cfg, n = self.plan.source.config, self.plan.tensor_parallel_size
         for d, on in enumerate(job.on):
-            with self.ring.on(d, job.stream):
+            with self.ring.on_stream(job.stream, d):
                 scale = fuse_cast_quantize(t, on.fused, on.sources)
                 # One-byte dtypes (fp8) are cut as raw bytes, as the host path does.
                 full = on.fused.view(t.shape) if t.dtype.itemsize == 1 else on.fused.view(t.dtype).view(t.shape)

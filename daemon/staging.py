@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -255,29 +255,36 @@ class StagingPool:
 
 
 class StagingRing:
-    """The staging buffers of one load and the copy streams of one device.
+    """The staging buffers of one load and the copy streams of each of its devices (one for a
+    whole-model load; every GPU that receives a copy for a sharded one, shard_gpu.py).
 
-    A buffer is handed out only after the copy that last read it has completed (its event),
-    so a reader never overwrites bytes a copy engine is still reading; and, on a fresh pool,
-    only once it is pinned. Events and streams are made once per load, not per chunk.
+    A buffer is handed out only after every copy that last read it has completed (its event
+    on each device), so a reader never overwrites bytes a copy engine is still reading; and,
+    on a fresh pool, only once it is pinned. Events and streams are made once per load, not
+    per chunk.
     """
 
-    def __init__(self, config: StagingConfig, device: torch.device, host: HostBuffers) -> None:
+    def __init__(self, config: StagingConfig, devices: torch.device | Sequence[torch.device],
+                 host: HostBuffers) -> None:
         self.config = config
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self.devices = [devices] if isinstance(devices, torch.device) else list(devices)
+        self.device = self.devices[0]
+        self.cuda = self.device.type == "cuda"
         self.host = host
         n = len(host.buffers)
         self.buffers: list[torch.Tensor | None] = [None] * n
         self.memoryviews: list[memoryview | None] = [None] * n
-        # blocking=True: waiters sleep instead of spinning on a core.
-        self._events = [torch.cuda.Event(blocking=True) for _ in range(n)] if self.cuda else [None] * n
+        # blocking=True: waiters sleep instead of spinning on a core. One list per device.
+        self._events = [[torch.cuda.Event(blocking=True) for _ in range(n)] for _ in self.devices] if self.cuda \
+            else []
         self._recorded = [False] * n
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(n):
             self._free.put(i)
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(config.num_streams)] if self.cuda \
-            else [None] * config.num_streams
+        #: per device, its copy streams (None on the CPU)
+        self.device_streams = [[torch.cuda.Stream(device=d) if self.cuda else None for _ in range(config.num_streams)]
+                               for d in self.devices]
+        self.streams = self.device_streams[0]   # the first device's
         self._lock = threading.Lock()
         self.wait_s = 0.0    # time readers waited for a free (or not yet pinned) buffer, summed over threads
 
@@ -290,7 +297,8 @@ class StagingRing:
                 self.memoryviews[i] = memoryview(buf.numpy())
                 self.buffers[i] = buf
             if self._recorded[i]:
-                self._events[i].synchronize()
+                for events in self._events:
+                    events[i].synchronize()
         except BaseException:
             self._free.put(i)
             raise
@@ -300,16 +308,21 @@ class StagingRing:
         return i
 
     def release(self, i: int, stream_index: int) -> None:
-        """Return buffer `i` once the work enqueued so far on that stream is done with it."""
+        """Return buffer `i` once the work enqueued so far on stream `stream_index` of every
+        device is done with it."""
         if self.cuda:
-            self._events[i].record(self.streams[stream_index])
+            for events, streams in zip(self._events, self.device_streams):
+                events[i].record(streams[stream_index])
             self._recorded[i] = True
         self._free.put(i)
 
-    def on_stream(self, index: int) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.streams[index]) if self.cuda else contextlib.nullcontext()
+    def on_stream(self, index: int, device: int = 0) -> contextlib.AbstractContextManager:
+        """Stream `index` of the `device`-th device made current (nothing on the CPU)."""
+        s = self.device_streams[device][index]
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
 
     def synchronize(self) -> None:
-        for s in self.streams:
-            if s is not None:
-                s.synchronize()
+        for streams in self.device_streams:
+            for s in streams:
+                if s is not None:
+                    s.synchronize()
