@@ -160,10 +160,6 @@ class GpuShardFill:
         t0 = time.monotonic()
         sums = {r: wsum32_of_shard(self.plan, self.views[r], self.places[r]) for r in self.ranks}
         sum_s = time.monotonic() - t0
-        if cuda:
-            # The temporaries' blocks are cached by torch's allocator; give them back to the
-            # driver (in the daemon they would otherwise be lost to the workers for good).
-            torch.cuda.empty_cache()
         log.info(
             "sharded GPU load: %.2f GB read in %.2f s (%.2f GB/s), copied to %d device(s) (%s) for rank(s) %s, "
             "%s (buffers %s) per device; thread-seconds: reading %.2f, waiting for buffers %.2f, "
