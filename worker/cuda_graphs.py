@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -59,6 +60,23 @@ def check_mode(mode: str) -> str:
 
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def record_graph(device: torch.device, forward: Callable[[], torch.Tensor],
+                 pool: Any = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` captured into a CUDA graph (its memory in `pool`, when given) and the
+    graph's output tensor. It runs once on a side stream first: lazy initialisation (kernel
+    loads, workspaces) must not happen inside a capture."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    torch.cuda.synchronize(device)
+    return graph, out
 
 
 class DecodeGraphs:
@@ -116,18 +134,9 @@ class DecodeGraphs:
             raise ValueError(f"batch size {size} is not a graph bucket; buckets: {self.sizes}")
         t0 = time.monotonic()
         self._reset_padding(size)
-        # Warm up on a side stream first (lazy initialisation must not happen inside a capture).
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.eager_logits(size)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.eager_logits(size)
+        graph, out = record_graph(self.device, lambda: self.eager_logits(size), self._pool)
         if self._pool is None:
             self._pool = graph.pool()
-        torch.cuda.synchronize(self.device)
         self._graphs[size] = (graph, out)
         self.capture_s[size] = time.monotonic() - t0
         logger.info("captured the decode graph for batch size %d in %.3f s", size, self.capture_s[size])

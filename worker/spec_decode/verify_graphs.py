@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from resident.worker.cuda_graphs import EAGER_SIZES, ForwardFn, bucket_for, check_mode, graph_batch_sizes
+from resident.worker.cuda_graphs import (EAGER_SIZES, ForwardFn, bucket_for, check_mode, graph_batch_sizes,
+                                          record_graph)
 from resident.worker.input_batch import HostToDevice
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.outputs import ScheduledRequest
@@ -202,20 +203,11 @@ class VerifyGraphs:
             raise ValueError(f"batch size {size} is not a verification graph bucket; buckets: {self.sizes}")
         t0 = time.monotonic()
         self._reset_padding(size)
-        # Warm up on a side stream first (lazy initialisation must not happen inside a capture).
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.eager_logits(size)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         pool = self._pool
         if pool is None and self._shared_pool is not None:
             pool = self._shared_pool()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self.eager_logits(size)
+        graph, out = record_graph(self.device, lambda: self.eager_logits(size), pool)
         self._pool = pool if pool is not None else graph.pool()
-        torch.cuda.synchronize(self.device)
         self._graphs[size] = (graph, out)
         self.capture_s[size] = time.monotonic() - t0
         logger.info("captured the verification graph for %d requests x %d tokens in %.3f s", size, self.query_len,
