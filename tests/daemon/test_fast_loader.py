@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from recording_backend import RecordingBackend
+from recording_backend import SMALL_STAGING as SMALL, RecordingBackend, raw_views, recording_backend
 
 from resident.daemon import checksum, tensor_reader
 from resident.daemon.loader import LoadSpec, load
@@ -17,22 +17,11 @@ from resident.daemon.safetensors_io import CheckpointError
 from resident.daemon.staging import StagingConfig, StagingPool
 from resident.daemon.tensor_table import crc32_of
 
-# Tiny buffers so every tensor of the test models spans several chunks, fewer buffers than
-# threads so readers wait for buffers, and several "streams".
-SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
 
 
 @pytest.fixture
 def backend():
-    b = RecordingBackend(max_slab_bytes=1 << 20)
-    yield b
-    for s in b.slabs:
-        s.close()
-
-
-def raw_views(m):
-    v = m.table.views([s.readable() for s in m.slabs])
-    return {k: t.reshape(-1).view(torch.uint8) for k, t in v.items()}
+    yield from recording_backend(1 << 20)
 
 
 CASES = [

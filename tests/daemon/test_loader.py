@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fake_hub import COMMIT, fake_hub
-from recording_backend import RecordingBackend
+from recording_backend import RecordingBackend, recording_backend
 from resident.daemon import loader, tensor_reader
 from resident.daemon.loader import LoadSpec, key_for, load, pack
 from resident.daemon.safetensors_io import CheckpointError
@@ -20,10 +20,7 @@ from resident.daemon.tensor_table import crc32_of
 
 @pytest.fixture
 def backend():
-    b = RecordingBackend(max_slab_bytes=64 << 10)
-    yield b
-    for s in b.slabs:
-        s.close()
+    yield from recording_backend(64 << 10)
 
 
 def views_of(m):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recording_backend import RecordingBackend
+from recording_backend import SMALL_STAGING as SMALL, recording_backend
 
 from resident.daemon import checksum, shard_fill, shard_gpu
 from resident.daemon.loader import LoadSpec, load
@@ -14,17 +14,11 @@ from resident.daemon.safetensors_io import CheckpointError
 from resident.daemon.staging import StagingConfig
 from resident.daemon.tensor_table import select_rank
 
-# Tiny buffers so every tensor spans several chunks, fewer buffers than threads so readers
-# wait for buffers, and several "streams".
-SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
 
 
 @pytest.fixture
 def backend():
-    b = RecordingBackend(max_slab_bytes=1 << 20)
-    yield b
-    for s in b.slabs:
-        s.close()
+    yield from recording_backend(1 << 20)
 
 
 def rank_bytes(m, rank: int) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from recording_backend import RecordingBackend
+from recording_backend import SMALL_STAGING as SMALL, raw_views, recording_backend
 
 from resident.daemon import checksum, staged_fill, staging, tensor_reader
 from resident.daemon.loader import LoadSpec, load, pack, plan_load
@@ -17,20 +17,11 @@ from resident.daemon.staged_fill import StagedFill
 from resident.daemon.staging import HostBuffers, StagingConfig, StagingPool, piece_counts
 from resident.daemon.tensor_table import crc32_of
 
-SMALL = StagingConfig(buffer_bytes=64 << 10, num_buffers=2, num_streams=3, num_threads=3)
 
 
 @pytest.fixture
 def backend():
-    b = RecordingBackend(max_slab_bytes=1 << 20)
-    yield b
-    for s in b.slabs:
-        s.close()
-
-
-def raw_views(m):
-    v = m.table.views([s.readable() for s in m.slabs])
-    return {k: t.reshape(-1).view(torch.uint8) for k, t in v.items()}
+    yield from recording_backend(1 << 20)
 
 
 @pytest.mark.parametrize("quantization,dtype", [("none", "auto"), ("none", "float32"), ("fp8_per_tensor", "bfloat16")])
