@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fake_hub import COMMIT, fake_hub
-from recording_backend import RecordingBackend, recording_backend
+from recording_backend import recording_backend
 from resident.daemon import loader, tensor_reader
 from resident.daemon.loader import LoadSpec, key_for, load, pack
 from resident.daemon.safetensors_io import CheckpointError
