@@ -19,6 +19,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
 from fixtures_models import make_tiny_model  # noqa: E402
+from test_spec_decode import run, tokens  # noqa: E402
 from weights_util import fused_weights_from_hf_folder  # noqa: E402
 
 from resident.worker.config import ModelConfig  # noqa: E402
@@ -27,7 +28,6 @@ from resident.worker.engine_config import EngineConfig  # noqa: E402
 from resident.worker.layers.attention import AttentionMetadata, paged_attention  # noqa: E402
 from resident.worker.model_runner import ModelRunner  # noqa: E402
 from resident.worker.outputs import ScheduledRequest  # noqa: E402
-from resident.worker.request import RequestOutput  # noqa: E402
 from resident.worker.sampling_params import SamplingParams  # noqa: E402
 from resident.worker.spec_decode.build import build_spec_runner  # noqa: E402
 from resident.worker.spec_decode.config import SpecConfig  # noqa: E402
@@ -215,25 +215,6 @@ def test_static_verification_writes_the_eager_passs_kv_and_logits(target) -> Non
 
 
 # --- end to end: greedy output equals plain decoding -----------------------------------------
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outs: dict[str, list[RequestOutput]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-        engine.scheduler.block_manager.check_integrity()
-        steps += 1
-        assert steps < 2000
-    assert engine.scheduler.block_manager.check_integrity().num_used == 0, "blocks leaked"
-    return outs
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
-
-
 def make_engine(target, spec: SpecConfig | None, draft: dict | None = None, static: bool = True) -> LLMEngine:
     cfg, weights = target
     runner = ModelRunner(ModelConfig.from_hf(cfg), RUNNER, weights)

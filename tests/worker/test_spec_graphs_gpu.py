@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fixtures_models import make_tiny_model
+from test_spec_decode import run, tokens
 from weights_util import fused_weights_from_hf_folder
 
 from resident.worker.config import ModelConfig
@@ -22,7 +23,6 @@ from resident.worker.engine import LLMEngine
 from resident.worker.engine_config import EngineConfig
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest
-from resident.worker.request import RequestOutput
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.spec_decode.build import build_spec_runner
 from resident.worker.spec_decode.config import SpecConfig
@@ -37,24 +37,6 @@ def target(tmp_path_factory) -> tuple[dict, dict]:
     path = make_tiny_model(tmp_path_factory.mktemp("specg") / "t", "llama", num_hidden_layers=3, init_std=0.3)
     weights = {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
     return json.loads((path / "config.json").read_text()), weights
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outs: dict[str, list[RequestOutput]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-        steps += 1
-        assert steps < 2000
-    assert engine.scheduler.block_manager.check_integrity().num_used == 0, "blocks leaked"
-    return outs
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def batch_prompts(n: int) -> list[list[int]]:
