@@ -105,6 +105,17 @@ def copy_bandwidth_bytes_per_s() -> float:
     return 2 * src.numel() * src.element_size() / (us / 1e6)
 
 
+def _time_into(row: dict[str, Any], fns: Any, weight_bytes: int, bw: float, reps: int, iters: int,
+               graph: bool) -> None:
+    """Time each (key, fn) of `fns` into `row`: `<key>_us`, and the weight bytes read per second
+    (`<key>_gb_s`) and as a share of the copy bandwidth (`<key>_of_copy`)."""
+    for key, fn in fns:
+        us = _time_us(fn, reps, iters, graph)
+        row[f"{key}_us"] = us
+        row[f"{key}_gb_s"] = weight_bytes / (us * 1e-6) / 1e9
+        row[f"{key}_of_copy"] = weight_bytes / (us * 1e-6) / bw
+
+
 def _gemv_rows(name: str, w_q: Any, w_scale: Any, token_counts: list[int], bw: float, reps: int, iters: int,
                graph: bool) -> list[dict[str, Any]]:
     """The GEMV (unfused, fused) vs quantize + `_scaled_mm` at each token count, for one weight."""
@@ -130,12 +141,9 @@ def _gemv_rows(name: str, w_q: Any, w_scale: Any, token_counts: list[int], bw: f
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row: dict[str, Any] = {"linear": name, "n": n, "k": k, "tokens": m,
                                "split_k": pick_config(m, n, k, sms).split_k}
-        for key, fn in (("scaled_mm", lambda: scaled_mm(x)), ("gemv", lambda: gemv(x)),
-                        ("gemv_fused", lambda: fp8_gemv(x, None, w_q, w_scale, None, x.dtype, fuse_quant=True))):
-            us = _time_us(fn, reps, iters, graph)
-            row[f"{key}_us"] = us
-            row[f"{key}_gb_s"] = n * k / (us * 1e-6) / 1e9
-            row[f"{key}_of_copy"] = n * k / (us * 1e-6) / bw
+        _time_into(row, (("scaled_mm", lambda: scaled_mm(x)), ("gemv", lambda: gemv(x)),
+                         ("gemv_fused", lambda: fp8_gemv(x, None, w_q, w_scale, None, x.dtype, fuse_quant=True))),
+                   n * k, bw, reps, iters, graph)
         rows.append(row)
     return rows
 
@@ -158,11 +166,8 @@ def _gemv16_rows(name: str, w: Any, token_counts: list[int], bw: float, reps: in
         x = torch.randn(m, k, device="cuda", dtype=w.dtype)
         row: dict[str, Any] = {"linear": name, "n": n, "k": k, "tokens": m,
                                "split_k": pick_config(m, n, k, sms).split_k}
-        for key, fn in (("matmul", lambda: torch.matmul(x, w.t())), ("gemv", lambda: gemv(x, w))):
-            us = _time_us(fn, reps, iters, graph)
-            row[f"{key}_us"] = us
-            row[f"{key}_gb_s"] = nbytes / (us * 1e-6) / 1e9
-            row[f"{key}_of_copy"] = nbytes / (us * 1e-6) / bw
+        _time_into(row, (("matmul", lambda: torch.matmul(x, w.t())), ("gemv", lambda: gemv(x, w))),
+                   nbytes, bw, reps, iters, graph)
         rows.append(row)
     return rows
 
