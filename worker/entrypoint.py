@@ -200,11 +200,11 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     t_torch = time.time()
     # Triton's once-per-process work (hashing libtriton.so, ptxas, its driver) in a thread that
     # releases the GIL: it overlaps the imports below and the attach instead of the warm-up.
-    from resident.worker.kv_profile_cache import resolve_cache_path
-    from resident.worker.triton_key_cache import cache_file_beside
+    from resident.worker import triton_key_cache
+    from resident.worker.kv_profile_cache import cache_file_beside
 
     prefetch = start_triton_prefetch(config.device, preinit.wait if preinit is not None else None,
-                                     cache_file_beside(resolve_cache_path(config.kv_profile_cache, os.environ)))
+                                     cache_file_beside(config.kv_profile_cache, os.environ, triton_key_cache.FILE_NAME))
 
     import resident.worker.engine  # noqa: F401
     import resident.worker.model_runner  # noqa: F401

@@ -150,6 +150,30 @@ def resolve_cache_path(setting: str, environ: Mapping[str, str]) -> Path | None:
     return Path(base) / "resident" / CACHE_FILE_NAME
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a temporary file beside it, synced, then renamed over
+    it), making its folder; readers never see a half-written cache. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def cache_file_beside(setting: str, environ: Mapping[str, str], file_name: str) -> Path | None:
+    """Another start-up cache, `file_name` in the KV profile cache's folder: the same switch
+    (ServeConfig.kv_profile_cache; None when it is "off")."""
+    path = resolve_cache_path(setting, environ)
+    return None if path is None else path.parent / file_name
+
+
 @dataclass(frozen=True)
 class KvProfileCache:
     """The headroom cache file at `path` (see the module doc)."""
@@ -209,18 +233,7 @@ class KvProfileCache:
             entries = dict(ordered[-self.max_entries:])
         text = json.dumps({"version": FILE_VERSION, "entries": entries}, indent=1, sort_keys=True)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_text_atomic(self.path, text)
         except OSError as e:
             logger.warning("could not write the KV profile cache %s (%s); the next start measures again", self.path, e)
             return False
@@ -258,4 +271,4 @@ def decide_headroom(key: HeadroomKey, cache: KvProfileCache | None,
 
 
 __all__ = ["AUTO", "HeadroomDecision", "HeadroomKey", "KvProfileCache", "OFF", "decide_headroom", "headroom_key",
-           "model_fingerprint", "package_versions", "resolve_cache_path"]
+           "model_fingerprint", "package_versions", "resolve_cache_path", "cache_file_beside", "write_text_atomic"]

@@ -22,19 +22,15 @@ import json
 import logging
 import os
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from resident.worker.kv_profile_cache import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "triton-key.json"
 #: Fingerprints kept in the file (one per Triton installation seen).
 MAX_ENTRIES = 8
-
-
-def cache_file_beside(kv_profile_path: str | os.PathLike | None) -> Path | None:
-    """The key cache next to the KV profile cache (None when that cache is off)."""
-    return None if kv_profile_path is None else Path(kv_profile_path).parent / FILE_NAME
 
 
 def hashed_files(triton_path: str) -> list[str]:
@@ -68,18 +64,6 @@ def _read(path: Path) -> dict[str, str]:
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
 
 
-def _write(path: Path, entries: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".triton-key-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _install(key: str) -> None:
     """Make `key` what every caller of triton_key() gets in this process."""
     import triton.runtime.autotuner as autotuner
@@ -109,11 +93,11 @@ def prime(cache_path: Path | None) -> str:
     key = triton_key()
     entries[mark] = key
     try:
-        _write(cache_path, dict(list(entries.items())[-MAX_ENTRIES:]))
+        write_text_atomic(cache_path, json.dumps(dict(list(entries.items())[-MAX_ENTRIES:])))
     except OSError as e:
         logger.warning("cannot write the Triton key cache %s: %s", cache_path, e)
         return "hashed, not remembered"
     return "hashed"
 
 
-__all__ = ["FILE_NAME", "cache_file_beside", "fingerprint", "hashed_files", "prime"]
+__all__ = ["FILE_NAME", "fingerprint", "hashed_files", "prime"]

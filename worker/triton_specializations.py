@@ -26,12 +26,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from resident.worker.kv_profile_cache import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ class Specialization:
     function: str     # module.qualname of the @triton.jit function
     cache_key: str    # its JITFunction.cache_key when recorded (source and dependencies)
     data: str         # Triton's serialized specialization data (JSON text)
-
-
-def cache_file_beside(kv_profile_path: str | os.PathLike | None) -> Path | None:
-    """The specializations file in the KV profile cache's folder (None when that cache is off)."""
-    return None if kv_profile_path is None else Path(kv_profile_path).parent / FILE_NAME
 
 
 class SpecializationCache:
@@ -85,15 +81,7 @@ class SpecializationCache:
         configs.pop(key, None)
         configs[key] = [asdict(e) for e in dict.fromkeys(entries)]
         configs = dict(list(configs.items())[-MAX_CONFIGS:])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".triton-spec-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "configs": configs}, f)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(self.path, json.dumps({"format": FORMAT, "configs": configs}))
 
 
 @contextmanager
@@ -143,9 +131,9 @@ def source_for(config: Any) -> tuple[SpecializationCache, str] | None:
     profile cache; None when that cache is off. The key holds what decides which
     specializations load before /ready (model, dtypes, batch and graph shapes, speculation,
     TP); the prefetch thread adds Triton's and torch's versions and the GPU."""
-    from resident.worker.kv_profile_cache import resolve_cache_path
+    from resident.worker.kv_profile_cache import cache_file_beside
 
-    path = cache_file_beside(resolve_cache_path(config.kv_profile_cache, os.environ))
+    path = cache_file_beside(config.kv_profile_cache, os.environ, FILE_NAME)
     if path is None:
         return None
     spec = config.speculative
@@ -232,5 +220,5 @@ def preload(entries: list[Specialization], device_index: int) -> PreloadResult:
     return result
 
 
-__all__ = ["FILE_NAME", "PreloadResult", "Specialization", "SpecializationCache", "cache_file_beside",
+__all__ = ["FILE_NAME", "PreloadResult", "Specialization", "SpecializationCache",
            "kernel_functions", "preload", "record", "recording", "source_for", "store_loaded"]

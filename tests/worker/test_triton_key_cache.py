@@ -72,5 +72,10 @@ def test_an_unreadable_cache_is_rewritten_and_none_means_hash(tmp_path, restore_
     assert triton_key_cache.prime(path) == "hashed"
     assert "ignoring the Triton key cache" in caplog.text and len(json.loads(path.read_text())) == 1
     assert triton_key_cache.prime(None) == "hashed, not remembered"
-    assert triton_key_cache.cache_file_beside(None) is None
-    assert triton_key_cache.cache_file_beside(tmp_path / "kv-profile.json") == tmp_path / "triton-key.json"
+    from resident.worker.kv_profile_cache import cache_file_beside
+
+    assert cache_file_beside("off", {}, triton_key_cache.FILE_NAME) is None
+    assert (cache_file_beside(str(tmp_path / "kv-profile.json"), {}, triton_key_cache.FILE_NAME)
+            == tmp_path / "triton-key.json")
+    assert (cache_file_beside("auto", {"XDG_CACHE_HOME": str(tmp_path)}, triton_key_cache.FILE_NAME)
+            == tmp_path / "resident" / "triton-key.json")
