@@ -65,20 +65,16 @@ def backend_for(device: torch.device | str) -> str:
 
 
 def open_store_master(size: int, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
-                      listen_fd: int | None = None) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port (`.port`), or on the listening socket `listen_fd`
-    (bound before the ranks were spawned, see tp_spawn.py; the store takes the fd over and
-    closes it); pass it to ParallelGroup(store=...)."""
-    if listen_fd is None:
-        return dist.TCPStore(host, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    port = socket.socket(fileno=os.dup(listen_fd))
-    try:
-        bound = port.getsockname()[1]
-    finally:
-        port.close()
-    return dist.TCPStore(host, bound, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=listen_fd)
+                      listener: socket.socket | None = None) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (`.port`), or on `listener`, a socket bound
+    and listening since before the ranks were spawned (tp_spawn.py; the store takes its fd
+    over and closes it); pass it to ParallelGroup(store=...)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if listener is None:
+        return dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 #: Element counts of the all-reduces `start_comm_warmup` runs (bf16 on GPUs: 2 B, 128 KiB, 8 MiB).

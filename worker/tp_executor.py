@@ -301,7 +301,7 @@ class TPGroup:
         early = take_early(self.devices, lambda fields: LoadSpec(**fields) == spec)
         spawned = early or spawn_ranks(config, self.devices, dataclasses.asdict(spec))
         try:   # the store owns the socket from here on (it closes the fd itself)
-            self._store = open_store_master(size, listen_fd=spawned.listener.detach())
+            self._store = open_store_master(size, listener=spawned.listener)
         except BaseException:
             spawned.abort()
             raise
