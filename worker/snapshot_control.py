@@ -373,6 +373,7 @@ class SnapshotControl:
     def _attach_or_load(self, client: Any, load_if_missing: bool) -> None:
         from resident.daemon.errors import NotFound
         from resident.daemon.loader import LoadSpec
+        from resident.worker.tp_spawn import spec_fields
         from resident.worker.weight_store import _absolute, _load_into_daemon
 
         store, config = self.worker.store, self.config
@@ -384,11 +385,7 @@ class SnapshotControl:
                 raise NotFound(f"the daemon at {config.socket} no longer holds model {store.model_key[:16]} "
                                f"({config.model}); load it (`resident preload load {config.model}`) or resume "
                                "with load_if_missing; the worker stays detached") from None
-        spec_cfg = getattr(config, "speculative", None)   # a paired draft is part of the model key
-        spec = _absolute(LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
-                                  quantization=config.quantization, revision=config.revision,
-                                  hub_cache=config.hub_cache,
-                                  draft=getattr(spec_cfg, "draft_model", None) if spec_cfg is not None else None))
+        spec = _absolute(LoadSpec(**spec_fields(config)))   # a paired draft is part of the model key
         logger.info("snapshot resume: the daemon no longer holds %s; asking it to load it", store.model_key[:16])
         _load_into_daemon(client, spec)
         try:

@@ -103,6 +103,7 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
     from resident.worker.openai_serving import OpenAIServing
     from resident.worker.protocol import ServingOptions
     from resident.worker.tokenizer import Tokenizer
+    from resident.worker.tp_spawn import spec_fields
     from resident.worker.weight_store import open_store
 
     startup.begin()
@@ -111,9 +112,7 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
     from resident.worker.spec_decode import serving as spec_serving
 
     spec_cfg = config.speculative
-    spec = LoadSpec(model=config.model, name=config.served_model_name, dtype=config.dtype,
-                    quantization=config.quantization, revision=config.revision, hub_cache=config.hub_cache,
-                    draft=spec_cfg.draft_model if spec_cfg is not None else None)
+    spec = LoadSpec(**spec_fields(config))
     tp = None
     if config.tensor_parallel_size > 1:
         from resident.worker.tp_executor import TPGroup

@@ -47,9 +47,10 @@ class RankLaunch:
 
 
 def spec_fields(config: Any) -> dict[str, Any]:
-    """The LoadSpec fields of a serve config (`LoadSpec(**spec_fields(config))`), without
-    importing the loader (it imports torch)."""
-    spec_cfg = config.speculative
+    """The LoadSpec fields of a serve config (`LoadSpec(**spec_fields(config))`: what the
+    worker loads or attaches, its draft included), without importing the loader (it imports
+    torch)."""
+    spec_cfg = getattr(config, "speculative", None)
     return {"model": config.model, "name": config.served_model_name, "dtype": config.dtype,
             "quantization": config.quantization, "revision": config.revision, "hub_cache": config.hub_cache,
             "draft": spec_cfg.draft_model if spec_cfg is not None else None}
