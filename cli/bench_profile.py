@@ -17,6 +17,15 @@ host side, reading the sampled tokens back). The graph-mode pass reports the ker
 profiler saw during replays, a check of that assumption (CUPTI reports a replayed graph's
 kernels on recent drivers; where it does not, only the kernels outside the graph appear).
 
+The gap is then split in two by timing the graph the last step replayed (its bucket size)
+replayed back to back, with no host work between replays (`time_replays`, CUDA events):
+`gap_inside_graph_us` = that replay time − the eager kernel sum (the GPU idling inside the
+graph), `gap_between_replays_us` = the timed step − that replay time (the host's work between
+replays). Both are as measured, so noise can make one slightly negative. The eager kernel sum
+also holds the kernels a step runs outside the graph (`DecodeGraphs.load`'s input copies, the
+sampler's, the logits copy), which the back-to-back replays do not: the inside figure is low
+by their time and the between figure high by it (the sampling and copies rows bound them).
+
 On CPU there are no kernels: the same report covers the PyTorch ops' self CPU time (the
 reference kernels), each classified by the innermost function of worker/kernels or
 worker/layers it ran in (the profiler records Python frames there), else by its own name.
@@ -31,6 +40,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -91,6 +101,9 @@ _OUR_FRAME = re.compile(r"worker/(?:kernels|layers)/(\w+)\.py\(\d+\): (\w+)")
 NUM_PROFILE_STEPS = 3
 #: Decode steps the profile adds to a request beyond the timed ones (at most).
 EXTRA_STEPS = 1 + 2 * NUM_PROFILE_STEPS
+#: Back-to-back graph replays timed to split the gap, after NUM_REPLAY_WARMUP untimed ones.
+NUM_TIMED_REPLAYS = 20
+NUM_REPLAY_WARMUP = 2
 
 ASSUMPTION = ("gap = timed graph step time - eager kernel sum; assumes the graph runs the same kernels as the "
               "eager forward, with the same durations; it counts launch gaps inside the graph and host work "
@@ -243,6 +256,76 @@ def graph_forward_eagerly(runner: Any) -> Iterator[None]:
         del graphs.run
 
 
+@contextlib.contextmanager
+def recording_replay_sizes(runner: Any) -> Iterator[list[int]]:
+    """While inside, the batch size of every decode graph run (`DecodeGraphs.run`) is appended to
+    the list yielded (which stays empty without graphs)."""
+    sizes: list[int] = []
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        yield sizes
+        return
+    run = graphs.run
+
+    def recorded(size: int, staged: Any, staged_tables: Any) -> Any:
+        sizes.append(size)
+        return run(size, staged, staged_tables)
+
+    graphs.run = recorded  # shadows the method on this instance only
+    try:
+        yield sizes
+    finally:
+        del graphs.run
+
+
+def time_replays(replay: Callable[[], Any], *, num_timed: int = NUM_TIMED_REPLAYS,
+                 num_warmup: int = NUM_REPLAY_WARMUP, event: Callable[[], Any] | None = None,
+                 synchronize: Callable[[], Any] | None = None) -> float:
+    """µs per call of `replay` (a graph replay), called `num_timed` times back to back between two
+    CUDA events after `num_warmup` untimed calls. Nothing of the host's runs between the replays,
+    and the host queues them faster than the GPU runs them, so the GPU idles only where the graph
+    itself leaves gaps. `event` and `synchronize` default to torch.cuda's."""
+    if num_timed < 1:
+        raise ValueError(f"num_timed must be >= 1, got {num_timed}")
+    if event is None or synchronize is None:
+        import torch
+
+        event = event or partial(torch.cuda.Event, enable_timing=True)
+        synchronize = synchronize or torch.cuda.synchronize
+    for _ in range(num_warmup):
+        replay()
+    start, end = event(), event()
+    start.record()
+    for _ in range(num_timed):
+        replay()
+    end.record()
+    synchronize()
+    return start.elapsed_time(end) * 1e3 / num_timed  # elapsed_time is in ms
+
+
+def replay_split(graphs: Any, sizes: Sequence[int], kernel_us: float, step_us: float,
+                 **timing: Any) -> dict[str, Any]:
+    """The gap split by back-to-back replays of the graph of the last size in `sizes` (see the
+    module doc); a failure is logged and returned as {"replay_error": ...}, the rest of the
+    profile stands. `timing`: keywords for `time_replays`."""
+    try:
+        if not sizes:
+            raise RuntimeError("the graph-mode steps replayed no decode graph")
+        size = sizes[-1]
+        # DecodeGraphs keeps its captured (graph, logits) pairs private; this diagnostic reads
+        # them rather than widen that class. The static inputs still hold the last step's batch:
+        # replaying recomputes the same tokens at the same positions and rewrites the same KV
+        # entries with the same values (and the logits buffer, already sampled), which is harmless.
+        graph = graphs._graphs[size][0]
+        replay_us = time_replays(graph.replay, **timing)
+    except Exception as e:  # noqa: BLE001 - the profile without the split is still worth having
+        log.warning("--profile: timing back-to-back graph replays failed (%s: %s); the gap is left unsplit",
+                    type(e).__name__, e)
+        return {"replay_error": f"{type(e).__name__}: {e}"}
+    return {"replay_graph_size": size, "replay_us_per_step": replay_us,
+            "gap_inside_graph_us": replay_us - kernel_us, "gap_between_replays_us": step_us - replay_us}
+
+
 def profile_decode(step: Callable[[], int], step_s: float, *, runner: Any, on_gpu: bool, gemm_bytes: int,
                    copy_bandwidth: float) -> dict[str, Any]:
     """Profile decode steps of the running batch (`step` runs one engine step and returns the
@@ -270,9 +353,11 @@ def _profile_decode(step: Callable[[], int], step_s: float, *, runner: Any, on_g
                     copy_bandwidth=copy_bandwidth, time_source="device kernels" if on_gpu else "cpu op self time")
     graph = None
     if on_gpu and getattr(runner, "graphs", None) is not None:
-        seen = _profiled(step, NUM_PROFILE_STEPS, on_gpu, num_tokens)
+        with recording_replay_sizes(runner) as sizes:
+            seen = _profiled(step, NUM_PROFILE_STEPS, on_gpu, num_tokens)
         graph = {"kernel_us_per_step": sum(k.us for k in seen) / NUM_PROFILE_STEPS,
                  "calls_per_step": len(seen) / NUM_PROFILE_STEPS}
+        out.update(replay_split(runner.graphs, sizes, out["kernel_us_per_step"], out["step_us"]))
     out["graph_mode"] = graph
     return out
 
@@ -302,5 +387,11 @@ def format_profile(title: str, p: dict[str, Any]) -> str:
         lines.append(f"graph replays: the profiler saw {g['calls_per_step']:.0f} kernels/copies per step, "
                      f"{g['kernel_us_per_step']:.1f} us (eager: {p['calls_per_step']:.0f}, "
                      f"{p['kernel_us_per_step']:.1f} us)")
+    if p.get("replay_us_per_step") is not None:
+        lines.append(f"gap split: {p['gap_inside_graph_us']:.1f} us inside the graph (back-to-back replays of the "
+                     f"size-{p['replay_graph_size']} graph {p['replay_us_per_step']:.1f} us/step - kernels) + "
+                     f"{p['gap_between_replays_us']:.1f} us between replays (step - replays: host work)")
+    elif "replay_error" in p:
+        lines.append(f"gap split: not measured ({p['replay_error']})")
     lines.append(f"({p['assumption']})")
     return "\n".join(lines)

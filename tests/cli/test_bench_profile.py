@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from resident.cli.bench_profile import (CATEGORIES, EXTRA_STEPS, NUM_PROFILE_STEPS, KernelTime, classify,
-                                        format_profile, gemm_weight_bytes, graph_forward_eagerly, profile_decode,
-                                        summarize)
+from resident.cli.bench_profile import (CATEGORIES, EXTRA_STEPS, NUM_PROFILE_STEPS, NUM_REPLAY_WARMUP,
+                                        NUM_TIMED_REPLAYS, KernelTime, classify, format_profile, gemm_weight_bytes,
+                                        graph_forward_eagerly, profile_decode, recording_replay_sizes, replay_split,
+                                        summarize, time_replays)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,6 +149,8 @@ def test_profile_decode_profiles_real_cpu_ops():
     assert "error" not in p, p
     assert len(calls) == 1 + NUM_PROFILE_STEPS <= EXTRA_STEPS
     assert p["time_source"] == "cpu op self time" and p["graph_mode"] is None
+    assert not {"replay_us_per_step", "gap_inside_graph_us", "gap_between_replays_us", "replay_error"} & set(p)
+    assert "gap split" not in format_profile("profile none batch 1", p)
     assert p["categories"]["gemm"]["calls_per_step"] >= 1 and p["categories"]["gemm"]["us_per_step"] > 0
     assert p["categories"]["sampling"]["calls_per_step"] >= 2      # softmax, argmax
     assert p["gemm_bytes_per_s"] > 0
@@ -188,3 +191,74 @@ def test_graph_forward_eagerly_runs_the_graphs_forward_and_restores_replay():
     assert runner.graphs.run(4, None, None) == "replayed"
     with graph_forward_eagerly(SimpleNamespace(graphs=None)):
         pass
+
+
+class FakeGpu:
+    """A device clock that only graph replays advance (`us_per_replay` each), and CUDA-like events on it."""
+
+    def __init__(self, us_per_replay: float):
+        self.us_per_replay, self.now_us, self.num_replays, self.num_syncs = us_per_replay, 0.0, 0, 0
+
+    def replay(self) -> None:
+        self.now_us += self.us_per_replay
+        self.num_replays += 1
+
+    def event(self) -> SimpleNamespace:
+        ev = SimpleNamespace(at_us=None)
+        ev.record = lambda: setattr(ev, "at_us", self.now_us)
+        ev.elapsed_time = lambda end: (end.at_us - ev.at_us) / 1e3   # ms, as torch.cuda.Event's
+        return ev
+
+    def synchronize(self) -> None:
+        self.num_syncs += 1
+
+
+def test_time_replays_times_only_the_replays_after_the_warmup_ones():
+    gpu = FakeGpu(4400.0)
+    assert time_replays(gpu.replay, event=gpu.event, synchronize=gpu.synchronize) == pytest.approx(4400.0)
+    assert gpu.num_replays == NUM_REPLAY_WARMUP + NUM_TIMED_REPLAYS and gpu.num_syncs == 1
+    with pytest.raises(ValueError, match="num_timed"):
+        time_replays(gpu.replay, num_timed=0, event=gpu.event, synchronize=gpu.synchronize)
+
+
+def test_recording_replay_sizes_sees_each_graph_run_and_restores_it():
+    class Graphs:
+        def run(self, size, staged, tables):
+            return f"logits {size}"
+
+    runner = SimpleNamespace(graphs=Graphs())
+    with recording_replay_sizes(runner) as sizes:
+        assert runner.graphs.run(4, None, None) == "logits 4"
+        runner.graphs.run(2, None, None)
+    assert sizes == [4, 2] and "run" not in vars(runner.graphs)
+    with recording_replay_sizes(SimpleNamespace(graphs=None)) as sizes:
+        pass
+    assert sizes == []
+
+
+def test_replay_split_divides_the_gap_and_a_failure_leaves_the_profile(caplog):
+    gpu = FakeGpu(4437.0)
+    graphs = SimpleNamespace(_graphs={1: (SimpleNamespace(replay=lambda: pytest.fail("wrong size")), None),
+                                      4: (SimpleNamespace(replay=gpu.replay), None)})
+    split = replay_split(graphs, [1, 4, 4], kernel_us=4400.0, step_us=5177.0, event=gpu.event,
+                         synchronize=gpu.synchronize)
+    assert split == {"replay_graph_size": 4, "replay_us_per_step": pytest.approx(4437.0),
+                     "gap_inside_graph_us": pytest.approx(37.0), "gap_between_replays_us": pytest.approx(740.0)}
+    # noise may make a part negative: reported as measured
+    gpu.us_per_replay = 4390.0
+    split = replay_split(graphs, [4], 4400.0, 5177.0, event=gpu.event, synchronize=gpu.synchronize)
+    assert split["gap_inside_graph_us"] == pytest.approx(-10.0)
+    p = {**summarize([KernelTime("nvjet_tst_a", 4400.0)], num_steps=1, step_s=5177e-6, gemm_weight_bytes=1,
+                     copy_bandwidth=1.0), "graph_mode": None}
+    text = format_profile("profile none batch 4", {**p, **split})
+    assert "gap split: -10.0 us inside the graph" in text and "size-4 graph 4390.0 us/step" in text
+    assert "787.0 us between replays" in text
+    assert "gap split" not in format_profile("profile none batch 4", p)
+
+    assert replay_split(graphs, [], 1.0, 2.0) == {"replay_error": "RuntimeError: the graph-mode steps replayed "
+                                                                  "no decode graph"}
+    broken = SimpleNamespace(_graphs={4: (SimpleNamespace(replay=lambda: 1 / 0), None)})
+    split = replay_split(broken, [4], 1.0, 2.0, event=gpu.event, synchronize=gpu.synchronize)
+    assert split == {"replay_error": "ZeroDivisionError: division by zero"} and "left unsplit" in caplog.text
+    text = format_profile("profile none batch 4", {**p, **split})
+    assert "gap split: not measured (ZeroDivisionError" in text and "GEMM/GEMV" in text
