@@ -156,9 +156,11 @@ def add_roofline(r: dict, tensors: dict, batch: int, model_config, kv_dtype, ban
 
 
 def run_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int], context: int,
-                   warmup: int, steps: int, bandwidth: float, block_size: int = 16, profile: bool = False) -> dict:
+                   warmup: int, steps: int, bandwidth: float, block_size: int = 16, profile: bool = False,
+                   async_modes: tuple[str, ...] = ("on",)) -> dict:
     """One weight variant: load, build the engine, measure every batch size (and profile it after
-    its timed steps when `profile`: cli/bench_profile.py)."""
+    its timed steps when `profile`: cli/bench_profile.py), once per async scheduling mode
+    ("on"/"off": an engine of each over the same runner, one after the other)."""
     from resident.cli.bench_common import loaded_variant
     from resident.worker.config import ModelConfig
     from resident.worker.engine import LLMEngine
@@ -171,7 +173,8 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
         v.runner.warmup()
         if hasattr(v.runner, "capture_graphs"):  # decode CUDA graphs, as `resident serve` does
             v.runner.capture_graphs()
-        v.engine = LLMEngine(engine_config, v.runner)
+        # In v, so that closing the variant drops them (and their views) before the slabs go.
+        v.engine = {mode: LLMEngine(engine_config, v.runner, async_scheduling=mode == "on") for mode in async_modes}
         kv_dtype = v.tensors[EMBED].dtype
         rows = []
         after, extra = None, 0
@@ -181,12 +184,14 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
             after, extra = partial(profile_decode, runner=v.runner, on_gpu=device == "cuda",
                                    gemm_bytes=gemm_weight_bytes(v.tensors), copy_bandwidth=bandwidth), EXTRA_STEPS
         for b in batch_sizes:
-            r = add_roofline(_measure(v.engine, b, context, warmup, steps, model_config.vocab_size, device,
-                                      after_timing=after, extra_steps=extra),
-                             v.tensors, b, model_config, kv_dtype, bandwidth)
-            rows.append(r)
-            log.info("%s batch %d: %.1f tokens/s, %.2f ms/step, %.0f%% of the roofline", quantization, b,
-                     r["tokens_per_s"], r["step_s"] * 1e3, 100 * r["roofline_fraction"])
+            for mode, engine in v.engine.items():
+                r = add_roofline(_measure(engine, b, context, warmup, steps, model_config.vocab_size, device,
+                                          after_timing=after, extra_steps=extra),
+                                 v.tensors, b, model_config, kv_dtype, bandwidth)
+                r["async_scheduling"] = engine.async_scheduling
+                rows.append(r)
+                log.info("%s batch %d, async scheduling %s: %.1f tokens/s, %.2f ms/step, %.0f%% of the roofline",
+                         quantization, b, mode, r["tokens_per_s"], r["step_s"] * 1e3, 100 * r["roofline_fraction"])
         return {"quantization": quantization, "dtype": v.loaded.dtype, "load_s": v.loaded.load_s,
                 "load_gb_s": v.loaded.bytes_read / 1e9 / max(v.loaded.load_s, 1e-9),
                 "resident_bytes": v.loaded.nbytes, "results": rows}
@@ -219,9 +224,13 @@ def _csv_ints(value: str) -> list[int]:
 @click.option("--profile", is_flag=True,
               help="After each row's timed steps, profile a few decode steps (torch.profiler): time per kernel "
                    "category, GEMM GB/s, and the gap between the step time and the kernels (cli/bench_profile.py).")
+@click.option("--async-scheduling", "async_scheduling", default="on", show_default=True,
+              help="on, off, or both comma-separated (each batch size measured in each mode): whether the "
+                   "engine launches a step before reading the previous one's tokens (`resident serve "
+                   "--async-scheduling`; auto there means on for a GPU). One device only.")
 def bench_throughput(model: str, device: str, batch_sizes: str, context: int, quantization: str, dtype: str,
                      steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int,
-                     profile: bool) -> None:
+                     profile: bool, async_scheduling: str) -> None:
     """Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."""
     from resident.daemon.quant import check_dtype, check_quantization
 
@@ -233,6 +242,9 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
         check_dtype(dtype)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    modes = tuple(dict.fromkeys(m.strip() for m in async_scheduling.split(",") if m.strip()))
+    if not modes or any(m not in ("on", "off") for m in modes):
+        raise click.UsageError(f"--async-scheduling takes on, off or on,off; got {async_scheduling!r}")
     if profile and tensor_parallel_size > 1:
         raise click.UsageError("--profile profiles one device; drop --tensor-parallel-size or --profile")
     import torch
@@ -244,7 +256,7 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     doc = {"benchmark": "throughput", "model": model, "device": device,
            "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "", "context": context,
            "copy_bandwidth_bytes_per_s": bw, "variants": []}
-    run = partial(run_throughput, profile=profile)
+    run = partial(run_throughput, profile=profile, async_modes=modes)
     if tensor_parallel_size > 1:
         from resident.cli.bench_tp import run_tp_throughput
 
@@ -257,18 +269,20 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     rows = []
     for v in doc["variants"]:
         for r in v["results"]:
-            rows.append([v["quantization"], v["dtype"], r["batch"], f"{r['tokens_per_s']:.1f}",
+            rows.append([v["quantization"], v["dtype"], r["batch"],
+                         {True: "on", False: "off"}.get(r.get("async_scheduling"), "-"), f"{r['tokens_per_s']:.1f}",
                          f"{r['step_s'] * 1e3:.2f}", f"{r['bytes_per_step'] / 1e9:.2f}",
                          f"{r['roofline_step_s'] * 1e3:.2f}", f"{100 * r['roofline_fraction']:.0f}%",
                          "" if r["all_decode_steps"] else "mixed steps"])
-    click.echo(format_table(["QUANT", "DTYPE", "BATCH", "TOK/S", "STEP MS", "GB/STEP", "ROOFLINE MS",
+    click.echo(format_table(["QUANT", "DTYPE", "BATCH", "ASYNC", "TOK/S", "STEP MS", "GB/STEP", "ROOFLINE MS",
                              "OF ROOFLINE", "NOTE"], rows))
     if profile:
         from resident.cli.bench_profile import format_profile
 
         for v in doc["variants"]:
             for r in v["results"]:
-                click.echo("\n" + format_profile(f"profile {v['quantization']} batch {r['batch']}", r["profile"]))
+                mode = {True: ", async scheduling", False: ", synchronous steps"}.get(r.get("async_scheduling"), "")
+                click.echo("\n" + format_profile(f"profile {v['quantization']} batch {r['batch']}{mode}", r["profile"]))
         click.echo("")
     for v in doc["variants"]:
         click.echo(f"{v['quantization']}: loaded in {v['load_s']:.2f} s ({v['load_gb_s']:.2f} GB/s)")

@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 @click.option("--cuda-graphs", type=click.Choice(["eager", "lazy", "off"]), default="lazy", show_default=True,
               help="Decode CUDA graphs: eager captures every batch size at start; lazy the sizes 1-8 at start "
                    "and larger ones on first use; off runs decode steps eagerly.")
+@click.option("--async-scheduling", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Launch each engine step before reading the previous step's tokens, so the host's "
+                   "scheduling and output work overlaps the GPU's; auto: on for a GPU (not with tensor "
+                   "parallelism or speculative decoding). Requests with penalties or logprobs step synchronously.")
 @click.option("--kv-cache-initial", type=SIZE, default="4GiB", show_default=True,
               help="GPU: KV cache mapped before /ready (at least one --max-model-len request); the rest of "
                    "the budget is mapped in the background after /ready. 0 maps everything at start.")
@@ -116,7 +120,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
-          verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str,
+          verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
           tensor_parallel_size: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
@@ -140,7 +144,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
-            cuda_graphs=cuda_graphs, tensor_parallel_size=tensor_parallel_size,
+            cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
             ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),

@@ -1,5 +1,16 @@
 """LLMEngine: add requests, step (schedule -> execute -> postprocess), abort.
 
+Async scheduling (`async_scheduling=True`, a runner with `execute_async`): on a GPU the
+host's work of a step (scheduling, staging the inputs, reading the tokens back, stop checks,
+detokenizing) otherwise leaves the GPU idle between steps. Instead, each `step()` schedules
+and launches step N+1 first, with step N's sampled tokens as placeholders the runner fills in
+on the device, and only then reads N's tokens and processes them while the GPU computes N+1.
+Outputs thus come one step later than they were computed. What changes for requests: one
+wasted token computed for a request that stops on a token or string (dropped, never shown);
+none for length limits (the scheduler skips a request whose last token is in flight).
+Requests with penalties or logprobs need every token on the host before the next is sampled:
+while any is queued, steps run synchronously.
+
 Not thread-safe: one thread owns the engine (see async_engine.py).
 """
 from __future__ import annotations
@@ -11,7 +22,7 @@ from typing import Any
 
 from resident.worker.engine_config import EngineConfig
 from resident.worker.output_processor import DetokenizerFactory, OutputState
-from resident.worker.outputs import ModelRunnerOutput
+from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholder
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.scheduler import Scheduler
@@ -35,6 +46,25 @@ class EngineStats:
     spec_num_accepted: int = 0
 
 
+@dataclass
+class _InFlight:
+    """A step launched by `execute_async` whose tokens were not read yet: its pending tokens and,
+    per request that got a placeholder, the placeholder's index among its output tokens."""
+
+    pending: PendingTokens
+    placeholders: list[tuple[Request, int]]
+
+
+_NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
+
+
+def overlappable(params: SamplingParams) -> bool:
+    """Whether a request's tokens can be sampled before the host knows its previous token:
+    no penalties (they count the earlier tokens) and no logprobs (read back with the token)."""
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0)
+
+
 class LLMEngine:
     """The engine loop over a model runner (anything with execute(SchedulerOutput) ->
     ModelRunnerOutput) and an optional tokenizer (for text, EOS ids and stop strings).
@@ -47,7 +77,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None = None,
                  *, detokenizer_factory: DetokenizerFactory | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, async_scheduling: bool = False) -> None:
+        """`async_scheduling`: launch each step before reading the previous one's tokens (see
+        the module doc); used only with a runner that supports it (`supports_async_scheduling`
+        on its class: not a TP group's or a speculative one)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -65,6 +98,12 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_generated_tokens = 0
         self.spec_totals = [0, 0, 0]  # drafts, proposed, accepted
+        self.async_scheduling = (async_scheduling and not num_speculative_tokens
+                                 and getattr(type(runner), "supports_async_scheduling", False))
+        self._in_flight: _InFlight | None = None
+        # Unfinished requests whose sampling needs the host to know every earlier token
+        # (penalties) or returns logprobs: while any is queued, steps run synchronously.
+        self._sync_only: set[str] = set()
 
     # -- requests ------------------------------------------------------------------------
 
@@ -97,6 +136,8 @@ class LLMEngine:
                        if self._make_detokenizer is not None and self.tokenizer is not None else None)
         self.scheduler.add_request(request)
         self._states[request_id] = OutputState(request, detokenizer)
+        if self.async_scheduling and not overlappable(params):
+            self._sync_only.add(request_id)
 
     def abort_request(self, request_id: str) -> None:
         """Abort in any state and free its blocks; the next step() reports it finished with
@@ -104,11 +145,13 @@ class LLMEngine:
         away just as its request finishes)."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         state = self._states.pop(request_id, None)
+        self._sync_only.discard(request_id)
         if request is not None and state is not None:
+            request.drop_placeholder()   # its token in flight, if any, is dropped with it
             self._pending.append(state.make_output())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
 
     # -- KV cache growth -------------------------------------------------------------------
 
@@ -142,8 +185,14 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; outputs for every request that got a token or finished."""
+        """One scheduling step; outputs for every request that got a token or finished (with
+        async scheduling: the tokens of the step launched by the previous call)."""
         outputs, self._pending = self._pending, []
+        if self.async_scheduling:
+            if not self._sync_only:
+                return outputs + self._step_overlapped()
+            if self._in_flight is not None:   # a request that needs every token on the host came in
+                outputs += self._finish_in_flight()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return outputs
@@ -157,7 +206,39 @@ class LLMEngine:
             outputs.append(self._process_tokens(request, num_new, runner_output))
         return outputs
 
-    def _process_tokens(self, request: Request, num_new: int, runner_output: ModelRunnerOutput) -> RequestOutput:
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1 while step N is in flight, then read N's tokens.
+
+        The scheduler saw N's sampled tokens as placeholders (`outputs.placeholder`: which row
+        of N's device tensor holds each), so N+1 is scheduled as if they were known and the
+        runner substitutes them on the device. Once N+1 is queued behind N, the host waits for
+        N's tokens, fills them in and checks them for stops while the GPU computes N+1: a
+        request that stopped at N had one more token computed in N+1, which is dropped."""
+        scheduler_output = self.scheduler.schedule()
+        pending = self.runner.execute_async(scheduler_output) if scheduler_output.scheduled else None
+        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        if pending is not None:
+            placeholders = {rid: placeholder(row) for row, rid in enumerate(pending.request_ids)}
+            got = self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput(sampled=placeholders))
+            self._in_flight = _InFlight(pending, [(request, request.num_output_tokens - 1) for request, _ in got])
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens, put them in place of their placeholders and
+        process them (stops, text) in the order they were scheduled."""
+        in_flight, self._in_flight = self._in_flight, None
+        tokens = in_flight.pending.resolve()
+        rows = {rid: row for row, rid in enumerate(in_flight.pending.request_ids)}
+        outputs = []
+        for request, index in in_flight.placeholders:
+            if request.is_finished:
+                continue   # aborted (or stopped) since: its token is dropped
+            request.set_output_token(index, tokens[rows[request.request_id]])
+            outputs.append(self._process_tokens(request, 1, _NO_RUNNER_OUTPUT, first=index))
+        return outputs
+
+    def _process_tokens(self, request: Request, num_new: int, runner_output: ModelRunnerOutput,
+                        first: int | None = None) -> RequestOutput:
         """Check the request's num_new new tokens for stops, in order; cut the run at a stop."""
         rid = request.request_id
         params = request.sampling_params
@@ -170,7 +251,8 @@ class LLMEngine:
                 raise RuntimeError(f"request {rid!r} asked for logprobs, but the model runner "
                                    f"returned none for some of its tokens")
             logprobs = list(got)
-        first = request.num_output_tokens - num_new
+        if first is None:
+            first = request.num_output_tokens - num_new
         for i in range(num_new):
             status = self._process_token(request, state, first + i, logprobs[i] if logprobs else None)
             if status is not None:
@@ -180,6 +262,7 @@ class LLMEngine:
                 break
         if request.is_finished:
             del self._states[rid]
+            self._sync_only.discard(rid)
         out = state.make_output()
         if self.num_speculative_tokens:
             out.spec_decode = request.spec_stats

@@ -37,7 +37,8 @@ from resident.worker.kv_cache import KVCache, bytes_per_block
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.sampler import Sampler, SamplingRow, is_plain_greedy
 from resident.worker.models import build_model
-from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from resident.worker.outputs import (ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput,
+                                     placeholder_row)
 from resident.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,12 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self._h2d = HostToDevice(self.device)
+        # Async scheduling (execute_async): the last launched step's sampled tokens, on the device
+        # (placeholder token ids of the next step name its rows), and two pinned buffers the
+        # tokens of alternate steps are read back through (one step in flight while the next launches).
+        self._last_sampled: torch.Tensor | None = None
+        self._readback: list[tuple[torch.Tensor, Any]] = []
+        self._readback_turn = 0
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs != "off":
             self.graphs = DecodeGraphs(self._forward_logits, max_num_seqs=engine_config.max_num_seqs,
@@ -203,6 +210,7 @@ class ModelRunner:
             return self._execute(out)
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._last_sampled = None   # a synchronous step's tokens are on the host: no placeholders follow it
         self.drop_requests(out.finished_request_ids)
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
@@ -211,6 +219,56 @@ class ModelRunner:
         if not to_sample:
             return ModelRunnerOutput(sampled={})
         return self.sample(logits, to_sample)
+
+    #: The engine may launch a step before reading the previous step's tokens (`execute_async`).
+    supports_async_scheduling = True
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> PendingTokens:
+        """Launch the step and return its sampled tokens unread (async scheduling, engine.py).
+
+        Token ids < 0 in `out` are placeholders (`outputs.placeholder`) for the tokens the
+        previous `execute_async` sampled, still on the device: they are substituted there, so
+        this step is queued behind the previous one without the host waiting for it. Rows
+        must not ask for logprobs or penalties (the engine steps such batches with `execute`)."""
+        with self._device_guard():
+            to_sample = [s for s in out.scheduled if s.sample]
+            self.drop_requests(out.finished_request_ids)
+            if not out.scheduled:
+                return PendingTokens([], None, list)
+            logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled])
+            if not to_sample:
+                self._last_sampled = None
+                return PendingTokens([], None, list)
+            if any(s.sampling_params.logprobs is not None for s in to_sample):
+                raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
+            if all(is_plain_greedy(s.sampling_params) for s in to_sample):
+                tokens = logits.argmax(dim=-1)
+            else:
+                tokens = self.sampler.choose(logits, [SamplingRow(s.sampling_params, s.prompt_token_ids,
+                                                                  s.output_token_ids, self.generator(s))
+                                                      for s in to_sample])
+            self._last_sampled = tokens
+            return PendingTokens([s.request_id for s in to_sample], tokens, self._read_back(tokens))
+
+    def _read_back(self, tokens: torch.Tensor):
+        """Start copying `tokens` to the host; returns the function that waits for the copy."""
+        if self.device.type != "cuda":
+            return tokens.tolist
+        n = tokens.numel()
+        if not self._readback or self._readback[0][0].numel() < n:
+            size = max(n, self.engine_config.max_num_seqs)
+            self._readback = [(torch.empty(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                              for _ in range(2)]
+        host, event = self._readback[self._readback_turn]
+        self._readback_turn ^= 1
+        host[:n].copy_(tokens, non_blocking=True)
+        event.record()
+
+        def read() -> list[int]:
+            event.synchronize()
+            return host[:n].tolist()
+        return read
 
     def drop_requests(self, request_ids: set[str]) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""
@@ -290,8 +348,17 @@ class ModelRunner:
         return g
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        placeholders = False
         for s in scheduled:
-            self._check(s)
+            placeholders |= self._check(s)
+        batch = self._prepare_checked(scheduled)
+        if placeholders:   # on the device: the previous step's tokens are not read back yet
+            ids = batch.graph_vec[:batch.graph_size] if batch.graph_size is not None else batch.input_ids
+            last = self._last_sampled
+            ids.copy_(torch.where(ids < 0, last.index_select(0, (-1 - ids).clamp_(min=0)), ids))
+        return batch
+
+    def _prepare_checked(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         bs = self.block_size
         width = max(1, max(len(s.block_table) for s in scheduled))
         size = None
@@ -353,7 +420,9 @@ class ModelRunner:
         vec, tables_d, sample_d = self._h2d.send([ids + positions + slots + seq_lens, tables, sample_idx])
         return StepBatch(None, None, None, sample_d, graph_size=size, graph_vec=vec, graph_tables=tables_d)
 
-    def _check(self, s: ScheduledRequest) -> None:
+    def _check(self, s: ScheduledRequest) -> bool:
+        """Raise BatchError for a chunk this runner cannot compute; True when its token ids
+        hold placeholders for the previous step's tokens (async scheduling)."""
         n, start = len(s.token_ids), s.start_pos
         if n == 0:
             raise BatchError(f"request {s.request_id}: scheduled with no tokens")
@@ -372,8 +441,18 @@ class ModelRunner:
         if table and (min(table) < 0 or max(table) >= self.num_blocks):
             raise BatchError(f"request {s.request_id}: block id outside [0, {self.num_blocks}) in {s.block_table}")
         vocab = self.model_config.vocab_size
-        if min(s.token_ids) < 0 or max(s.token_ids) >= vocab:
+        lo = min(s.token_ids)
+        if max(s.token_ids) >= vocab:
             raise BatchError(f"request {s.request_id}: token id outside [0, {vocab})")
+        if lo >= 0:
+            return False
+        last = self._last_sampled
+        if last is None or placeholder_row(lo) >= last.shape[0]:
+            raise BatchError(f"request {s.request_id}: token id outside [0, {vocab}): {lo}, "
+                             + ("and no launched step's tokens for a placeholder to stand for" if last is None else
+                                f"a placeholder for row {placeholder_row(lo)} of the previous step's "
+                                f"{last.shape[0]} tokens"))
+        return True
 
     # --- start-up ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -5,7 +5,9 @@ with a ModelRunnerOutput (the sampled tokens). Neither side sees the other's int
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from resident.worker.request import TokenLogprob
 from resident.worker.sampling_params import SamplingParams
@@ -68,3 +70,33 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # when sampling_params.logprobs is not None
     # Requests scheduled with num_spec_tokens > 0: what the step committed (replaces sampled).
     spec: dict[str, SpecResult] = field(default_factory=dict)
+
+
+class PendingTokens:
+    """The tokens of a step launched by `execute_async`, not yet read back: one per sampled
+    request, in `request_ids` order (the order of the step's `sample=True` chunks).
+
+    `device` is the sampled token tensor itself, still on the device: the next step's inputs may
+    name row j of it with the placeholder token id `placeholder(j)` (async scheduling, engine.py).
+    `resolve()` waits for the copy to the host (the step's end) and returns the tokens."""
+
+    def __init__(self, request_ids: list[str], device: Any, read: Callable[[], list[int]]) -> None:
+        self.request_ids = request_ids
+        self.device = device
+        self._read = read
+        self._tokens: list[int] | None = None
+
+    def resolve(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = self._read() if self.request_ids else []
+        return self._tokens
+
+
+def placeholder(row: int) -> int:
+    """The token id standing for row `row` of the previous step's sampled tokens (< 0)."""
+    return -1 - row
+
+
+def placeholder_row(token_id: int) -> int:
+    """The row a placeholder token id names (the inverse of `placeholder`)."""
+    return -1 - token_id

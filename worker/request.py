@@ -156,6 +156,20 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def set_output_token(self, index: int, token_id: int) -> None:
+        """Output token `index` becomes `token_id`: async scheduling appends a placeholder when
+        it launches the step that samples the token, and fills it in once the token is read back."""
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[len(self.prompt_token_ids) + index] = token_id
+
+    def drop_placeholder(self) -> None:
+        """Forget a last output token still in flight (< 0, see set_output_token): an aborted
+        request reports only the tokens that were read back."""
+        if self.output_token_ids and self.output_token_ids[-1] < 0:
+            self.output_token_ids.pop()
+            self.all_token_ids.pop()
+            self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+
     def record_spec_step(self, num_proposed: int, num_accepted: int) -> None:
         """A verification step with num_proposed draft tokens, num_accepted of them accepted."""
         if num_proposed:

@@ -103,6 +103,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if request.num_output_tokens >= request.max_output_tokens:
+                i += 1   # its last token is in flight (async scheduling): it finishes when that is read
+                continue
             num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget)
             assert num_new > 0, f"{request} is running with nothing to compute"
             num_spec = self._num_spec_tokens(request, budget) if speculate else 0

@@ -13,6 +13,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8_per_tensor")
 PRELOAD_MODES = ("auto", "require", "off")
 CUDA_GRAPH_MODES = ("eager", "lazy", "off")    # = cuda_graphs.GRAPH_MODES (kept torch-free here)
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 #: GPU KV cache mapped before /ready (see the module doc); 0 maps the whole budget at start.
 DEFAULT_KV_CACHE_INITIAL_BYTES = 4 * 2**30
@@ -37,6 +38,7 @@ class ServeConfig:
     device: str = "auto"                      # auto | cpu | cuda | cuda:N
     gpu_memory_utilization: float = 0.9       # share of the whole GPU this worker may fill (GPU)
     cuda_graphs: str = "lazy"                 # eager | lazy | off (GPU)
+    async_scheduling: str = "auto"            # auto (on for a GPU) | on | off: engine.py's module doc
     cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
     max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
@@ -90,6 +92,9 @@ class ServeConfig:
         check_device_name(self.device)
         if self.cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"unknown --cuda-graphs {self.cuda_graphs!r}; valid: {', '.join(CUDA_GRAPH_MODES)}")
+        if self.async_scheduling not in ASYNC_SCHEDULING_MODES:
+            raise ValueError(f"unknown --async-scheduling {self.async_scheduling!r}; valid: "
+                             f"{', '.join(ASYNC_SCHEDULING_MODES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.drain_timeout_s < 0:

@@ -40,6 +40,8 @@ class StartupTimer:
         self._mark = time.time()
         #: triton_prefetch.TritonPrefetch started by prepare_process (GPU), joined by build_worker
         self.triton_prefetch: Any = None
+        #: switch_interval.StartupSwitchInterval set by prepare_process, restored by build_worker
+        self.switch_interval: Any = None
 
     def begin(self) -> None:
         self._mark = time.time()
@@ -88,7 +90,16 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
 
 
 def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
-    """Everything between import and ready; runs in a thread (the event loop serves probes)."""
+    """Everything between import and ready; runs in a thread (the event loop serves probes).
+    The start-up's GIL switch interval (switch_interval.py) ends with it, also on failure."""
+    try:
+        return _build_worker(config, startup, metrics)
+    finally:
+        if startup.switch_interval is not None:
+            startup.switch_interval.restore()
+
+
+def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
     from resident.daemon.loader import LoadSpec
     from resident.worker import triton_specializations
     from resident.worker.async_engine import AsyncEngine
@@ -201,7 +212,11 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         target_runner, runner = runner, spec_serving.wrap_runner(spec_cfg, runner, draft, device, config.cuda_graphs,
                                                                  max_kv_blocks)
         engine = LLMEngine(engine_config, runner, tokenizer,
-                           num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0)
+                           num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+                           async_scheduling=config.async_scheduling == "on"
+                           or (config.async_scheduling == "auto" and device.type == "cuda"))
+        logger.info("async scheduling: %s (--async-scheduling %s)", "on" if engine.async_scheduling else "off",
+                    config.async_scheduling)
         startup.end("kv_alloc")
         log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner,
                      {**getattr(target_runner, "build_s", {}), **target_runner.kv_cache.alloc_s},

@@ -40,6 +40,20 @@ def test_throughput_bf16_and_fp8_on_cpu(tiny_model, tmp_path):
     assert by_q["fp8_per_tensor"]["results"][0]["weight_bytes"] < 0.8 * by_q["none"]["results"][0]["weight_bytes"]
 
 
+def test_throughput_with_and_without_async_scheduling(tiny_model, tmp_path):
+    folder = tiny_model("llama")
+    out = tmp_path / "async.json"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--batch-sizes", "1,3", "--context", "24", "--steps", "3", "--warmup-steps", "1",
+                        "--async-scheduling", "on,off", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ASYNC" in r.stdout
+    results = json.loads(out.read_text())["variants"][0]["results"]
+    assert [(res["batch"], res["async_scheduling"]) for res in results] == [(1, True), (1, False), (3, True), (3, False)]
+    assert all(res["all_decode_steps"] and res["tokens_per_s"] > 0 for res in results)
+
+
 def test_weight_bytes_count_only_looked_up_embedding_rows_unless_tied():
     w = {"model.embed_tokens.weight": torch.zeros(100, 8, dtype=torch.bfloat16),
          "model.norm.weight": torch.zeros(8, dtype=torch.bfloat16)}
@@ -54,7 +68,8 @@ def test_copy_bandwidth_is_measured():
 
 def test_bad_arguments_are_usage_errors(tiny_model):
     folder = tiny_model("llama")
-    for args, msg in ((["--batch-sizes", "1,x"], "comma-separated"), (["--quantization", "int4"], "int4")):
+    for args, msg in ((["--batch-sizes", "1,x"], "comma-separated"), (["--quantization", "int4"], "int4"),
+                      (["--async-scheduling", "maybe"], "--async-scheduling takes on, off or on,off")):
         r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder), *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, r.stderr

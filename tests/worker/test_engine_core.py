@@ -6,10 +6,16 @@ checks, before sampling, that the slots its block table points at hold exactly t
 request's tokens; the sampled token is a hash of that context. So a wrong block table, a
 wrong prefix-cache hit or a lost recompute changes or breaks the generated tokens, which
 every test compares with an independent reference.
+
+Every test runs twice: with synchronous steps and with async scheduling (each step launched
+before the previous one's tokens are read; the fake runner then sees placeholder token ids
+and substitutes the previous step's tokens, as the GPU runner does on the device).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
+import sys
 import zlib
 from array import array
 from collections import defaultdict
@@ -19,7 +25,7 @@ import pytest
 
 from resident.worker.engine import LLMEngine
 from resident.worker.engine_config import EngineConfig
-from resident.worker.outputs import ModelRunnerOutput, SchedulerOutput
+from resident.worker.outputs import ModelRunnerOutput, PendingTokens, SchedulerOutput, placeholder_row
 from resident.worker.request import TokenLogprob
 from resident.worker.sampling_params import SamplingParams
 
@@ -71,12 +77,43 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
+#: Set per test by the `scheduling` fixture: whether make() builds engines with async scheduling.
+ASYNC = False
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def scheduling(request, monkeypatch) -> str:
+    monkeypatch.setattr(sys.modules[__name__], "ASYNC", request.param == "async")
+    return request.param
+
+
 class FakeRunner:
+    supports_async_scheduling = True
+
     def __init__(self, config: EngineConfig, script: dict[str, list[int]] | None = None) -> None:
         self.config = config
         self.kv: list[tuple[int, int] | None] = [None] * (config.num_kv_blocks * config.block_size)
         self.script = script or {}
         self.calls: list[SchedulerOutput] = []
+        self.num_async_calls = 0
+        self._last: list[int] | None = None   # the last execute_async's tokens, in sampled-row order
+
+    def execute_async(self, out: SchedulerOutput) -> PendingTokens:
+        """As the GPU runner: placeholders name rows of the previous launch's tokens."""
+        self.num_async_calls += 1
+        last = self._last
+
+        def real(tokens: list[int]) -> list[int]:
+            return [last[placeholder_row(t)] if t < 0 else t for t in tokens]
+        for s in out.scheduled:
+            assert s.sampling_params.logprobs is None, "a request with logprobs was stepped asynchronously"
+        substituted = dataclasses.replace(out, scheduled=[
+            dataclasses.replace(s, token_ids=real(s.token_ids), output_token_ids=real(s.output_token_ids))
+            for s in out.scheduled])
+        result = self.execute(substituted)
+        order = [s.request_id for s in out.scheduled if s.sample]
+        self._last = tokens = [result.sampled[rid] for rid in order]
+        return PendingTokens(order, None, lambda: list(tokens))
 
     def _slot(self, block_table: list[int], pos: int) -> int:
         bs = self.config.block_size
@@ -92,6 +129,7 @@ class FakeRunner:
         self.calls.append(out)
         for s in out.scheduled:  # write this step's KV first, as a batched forward does
             known = s.prompt_token_ids + s.output_token_ids
+            assert min(known) >= 0, f"{s.request_id}: a placeholder token reached the model"
             end = s.start_pos + len(s.token_ids)
             assert s.token_ids and s.token_ids == known[s.start_pos:end]
             assert len(s.block_table) == -(-end // cfg.block_size)
@@ -159,7 +197,7 @@ def run(engine: LLMEngine, results: dict[str, Collected] | None = None, max_step
 def make(tokenizer=None, script=None, **cfg) -> tuple[LLMEngine, FakeRunner]:
     config = EngineConfig(**{"block_size": 4, "num_kv_blocks": 64, "max_model_len": 64, **cfg})
     runner = FakeRunner(config, script)
-    return LLMEngine(config, runner, tokenizer), runner
+    return LLMEngine(config, runner, tokenizer, async_scheduling=ASYNC), runner
 
 
 def prompt_of(seed: int, n: int) -> list[int]:
@@ -207,15 +245,17 @@ def test_chunked_prefill_samples_only_after_the_last_chunk():
     prompt = prompt_of(3, 30)
     engine.add_request("long", prompt, SamplingParams(max_tokens=3))
     steps = []
-    for _ in range(4):
+    late = 1 if ASYNC else 0   # async scheduling returns a step's tokens from the next step() call
+    for _ in range(4 + late):
         steps.append(engine.step())
         engine.scheduler.block_manager.check_integrity()
-    assert steps[:3] == [[], [], []]  # nothing sampled while the prompt is being computed
-    assert [t for t in steps[3][0].new_token_ids] == expected_tokens(prompt, 1)
+    assert steps[:3 + late] == [[]] * (3 + late)  # nothing sampled while the prompt is being computed
+    assert [t for t in steps[3 + late][0].new_token_ids] == expected_tokens(prompt, 1)
     chunks = [(c.scheduled[0].start_pos, len(c.scheduled[0].token_ids), c.scheduled[0].sample)
               for c in runner.calls]
-    assert chunks == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
-    first = steps[3][0]
+    assert chunks[:4] == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
+    assert chunks[4:] == ([(30, 1, True)] if ASYNC else [])   # the first decode, launched before reading
+    first = steps[3 + late][0]
     res = run(engine, defaultdict(Collected, long=Collected(tokens=list(first.new_token_ids))))
     assert res["long"].tokens == expected_tokens(prompt, 3)
 
@@ -428,6 +468,7 @@ def test_randomized_stress(seed):
         run(engine, results, before_step=before_step)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert (runner.num_async_calls > 0) == ASYNC
     assert set(results) == set(prompts)
     for rid, (prompt, params) in prompts.items():
         r = results[rid]
@@ -438,3 +479,52 @@ def test_randomized_stress(seed):
         else:
             assert (r.tokens, r.finish_reason) == (want, "length"), rid
     assert stats.num_generated_tokens == sum(len(r.tokens) for r in results.values())
+
+
+def test_async_scheduling_launches_each_step_before_reading_the_previous(scheduling):
+    """The order the GPU runner needs for overlap: launch N+1, then read N; a request with
+    logprobs switches to synchronous steps while it runs, and back after it."""
+    engine, runner = make()
+    events: list[str] = []
+    launch = runner.execute_async
+
+    def execute_async(out):
+        pending = launch(out)
+        k = runner.num_async_calls
+        events.append(f"launch {k}")
+        read = pending._read
+        pending._read = lambda: events.append(f"read {k}") or read()
+        return pending
+
+    runner.execute_async = execute_async
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    res = run(engine)
+    assert res["a"].tokens == expected_tokens([1, 2, 3], 4)
+    if scheduling == "sync":
+        assert events == []
+        return
+    # prefill, 3 decodes; a 5th launch is skipped: "a" is at max_tokens with its last token in flight
+    assert events == ["launch 1", "launch 2", "read 1", "launch 3", "read 2", "launch 4", "read 3", "read 4"]
+    engine.add_request("lp", [1, 2, 4], SamplingParams(max_tokens=3, logprobs=1))
+    engine.add_request("b", [1, 2, 5], SamplingParams(max_tokens=6))
+    events.clear()
+    res = run(engine)
+    assert res["b"].tokens == expected_tokens([1, 2, 5], 6) and len(res["lp"].logprobs) == 3
+    assert events and all(e.startswith(("launch", "read")) for e in events)
+    assert runner.num_async_calls == 4 + len(events) // 2   # "b" ran asynchronously after "lp" finished
+
+
+def test_abort_while_a_token_is_in_flight_reports_only_read_tokens(scheduling):
+    engine, _ = make()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=10))
+    got: list[int] = []
+    for _ in range(4):
+        for out in engine.step():
+            got += out.new_token_ids
+    engine.abort_request("a")
+    final = engine.step()
+    assert [o.finish_reason for o in final] == ["abort"]
+    got += final[0].new_token_ids
+    assert got == expected_tokens([1, 2, 3], len(got)) and len(got) == (3 if scheduling == "async" else 4)
+    assert not engine.has_unfinished_requests() or engine.step() == []
+    assert not engine.has_unfinished_requests()

@@ -60,6 +60,12 @@ def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> to
     return out.to(device)
 
 
+def _to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (torch.tensor(..., device=)
+    of a list synchronizes the stream; a non-blocking copy of pageable memory is staged at once)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition, presence and frequency penalties (returns a new tensor when any apply)."""
     n, vocab = logits.shape
@@ -92,26 +98,31 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 
 def truncation_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor) -> torch.Tensor:
+                    min_p: torch.Tensor, active: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
     """Bool [N, V], True where a token is removed by top-k, then top-p, then min-p.
 
     top_k: int64 [N] (0 = off); top_p: float [N] (1 = off); min_p: float [N] (0 = off).
-    The most likely token is never removed.
+    The most likely token is never removed. `active`: whether any row uses top-k, top-p,
+    min-p, when the caller knows it from the host-side parameters (otherwise it is read from
+    the tensors: a device sync each).
     """
     n, vocab = logits.shape
+    if active is None:
+        active = (bool((top_k > 0).any()), bool((top_p < 1.0).any()), bool((min_p > 0).any()))
+    use_k, use_p, use_min = active
     sorted_x, order = logits.sort(dim=-1, descending=True)
     removed_sorted = torch.zeros_like(sorted_x, dtype=torch.bool)
-    if bool((top_k > 0).any()):
+    if use_k:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         kth = sorted_x.gather(1, (k - 1)[:, None])
         removed_sorted |= sorted_x < kth
-    if bool((top_p < 1.0).any()):
+    if use_p:
         probs = torch.softmax(sorted_x.masked_fill(removed_sorted, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         removed_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     removed_sorted[:, 0] = False
     removed = torch.zeros_like(removed_sorted).scatter_(1, order, removed_sorted)
-    if bool((min_p > 0).any()):
+    if use_min:
         probs = torch.softmax(logits.masked_fill(removed, float("-inf")), dim=-1)
         top = probs.max(dim=-1, keepdim=True).values
         removed |= probs < min_p[:, None] * top
@@ -160,34 +171,48 @@ class Sampler:
             raise ValueError(f"sampler got logits {tuple(logits.shape)}; expected [rows, vocab]")
         return logits.argmax(dim=-1).tolist()
 
+    def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The token of every row as an int64 device tensor (no logprobs), read back by nobody:
+        async scheduling copies it to the host after launching the next step. No host sync
+        unless a row has a penalty (the penalties stage their token lists synchronously)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"sampler got logits {tuple(logits.shape)} for {len(rows)} rows")
+        return self._choose(apply_penalties(logits.to(torch.float32), rows), rows)
+
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # Every per-row value goes to the device without a sync (`_to_device`), and which
+        # truncations apply is decided from the host-side parameters: sampling never waits for
+        # the GPU, so a step can be queued behind the previous one (async scheduling).
         greedy_tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
         if not sampled_rows:
             return greedy_tokens
         dev = logits.device
-        idx = torch.tensor(sampled_rows, device=dev)
+        idx = _to_device(sampled_rows, torch.int64, dev)
         params = [rows[i].params for i in sampled_rows]
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        x = logits[idx] / temp[:, None]
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
-        if bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0).any()):
-            x = x.masked_fill(truncation_mask(x, top_k, top_p, min_p), float("-inf"))
+        temp = _to_device([p.temperature for p in params], torch.float32, dev)
+        x = logits.index_select(0, idx) / temp[:, None]
+        active = (any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params),
+                  any(p.min_p > 0 for p in params))
+        if any(active):
+            top_k = _to_device([p.top_k for p in params], torch.int64, dev)
+            top_p = _to_device([p.top_p for p in params], torch.float32, dev)
+            min_p = _to_device([p.min_p for p in params], torch.float32, dev)
+            x = x.masked_fill(truncation_mask(x, top_k, top_p, min_p, active), float("-inf"))
         probs = torch.softmax(x, dim=-1)
         noise = self._exponential_noise([rows[i].generator for i in sampled_rows], x.shape[1], dev)
         sampled = (probs / noise).argmax(dim=-1)
-        tokens = greedy_tokens.clone()
-        tokens[idx] = sampled
-        return tokens
+        return greedy_tokens.index_copy(0, idx, sampled)
 
     def _exponential_noise(self, generators: list[torch.Generator | None], vocab: int,
                            device: torch.device) -> torch.Tensor:
         noise = torch.empty(len(generators), vocab, dtype=torch.float32, device=device)
         shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self._generator)
+        if len(shared) == len(generators):
+            noise.exponential_(generator=self._generator)
+        elif shared:
+            draws = torch.empty(len(shared), vocab, device=device).exponential_(generator=self._generator)
+            noise.index_copy_(0, _to_device(shared, torch.int64, device), draws)
         for i, g in enumerate(generators):
             if g is not None:
                 noise[i].exponential_(generator=g)

@@ -1,0 +1,118 @@
+"""Async scheduling through the real ModelRunner (CPU here; tests/worker/test_gpu_runner.py
+runs it on a GPU with CUDA graphs): the engine launches step N+1 with placeholders for step
+N's tokens, the runner substitutes them on the device, and the generated tokens equal those
+of synchronous steps — greedy and seeded sampling, stops, length limits, preemption.
+The scheduling logic itself is covered against a fake runner in test_engine_core.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from weights_util import fused_weights_from_hf_folder
+
+from resident.worker.config import ModelConfig
+from resident.worker.engine import LLMEngine, overlappable
+from resident.worker.engine_config import EngineConfig
+from resident.worker.model_runner import BatchError, ModelRunner
+from resident.worker.outputs import ScheduledRequest, SchedulerOutput, placeholder
+from resident.worker.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from fixtures_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama")
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text())), fused_weights_from_hf_folder(path)
+
+
+def generate(model, requests: dict[str, tuple[list[int], SamplingParams]], async_scheduling: bool,
+             **engine) -> tuple[dict[str, list[int]], dict[str, str], LLMEngine]:
+    config = EngineConfig(**{"block_size": 4, "num_kv_blocks": 64, "max_model_len": 64, **engine})
+    engine = LLMEngine(config, ModelRunner(model[0], config, model[1]), async_scheduling=async_scheduling)
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    return tokens, reasons, engine
+
+
+def test_async_steps_generate_the_synchronous_tokens(model) -> None:
+    sampled = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=7, max_tokens=12)
+    requests = {
+        "greedy": ([3, 14, 15, 92, 65], SamplingParams(temperature=0.0, max_tokens=16)),
+        "short": ([2, 71, 82], SamplingParams(temperature=0.0, max_tokens=1)),
+        "sampled": ([27, 18, 28], sampled),
+        "plain": ([1, 41, 42, 13, 56, 23], SamplingParams(temperature=1.0, seed=3, max_tokens=9)),
+    }
+    want, want_reasons, _ = generate(model, requests, False)
+    got, got_reasons, engine = generate(model, requests, True)
+    assert engine.async_scheduling
+    assert got == want and got_reasons == want_reasons == {rid: "length" for rid in requests}
+    # A stop token the request meets halfway: one wasted token is computed, none is shown.
+    stop_at = want["greedy"][5]
+    first = want["greedy"].index(stop_at)
+    requests["greedy"] = (requests["greedy"][0], SamplingParams(temperature=0.0, max_tokens=16,
+                                                                stop_token_ids=[stop_at]))
+    got, reasons, _ = generate(model, requests, True)
+    assert got["greedy"] == want["greedy"][:first + 1] and reasons["greedy"] == "stop"
+    assert {rid: got[rid] for rid in ("short", "sampled", "plain")} == \
+        {rid: want[rid] for rid in ("short", "sampled", "plain")}
+
+
+def test_async_steps_under_preemption_and_prefix_caching(model) -> None:
+    prefix = [5, 6, 7, 8, 9, 10, 11, 12]
+    requests = {f"r{i}": (prefix + [20 + i, 30 + i], SamplingParams(temperature=0.0, max_tokens=20 + i))
+                for i in range(5)}
+    small = {"num_kv_blocks": 24, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    want, _, _ = generate(model, requests, False, **small)
+    got, _, engine = generate(model, requests, True, **small)
+    stats = engine.stats()
+    assert got == want and stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_requests_with_penalties_or_logprobs_step_synchronously(model) -> None:
+    assert overlappable(SamplingParams(temperature=0.7, top_p=0.9, seed=1))
+    assert not overlappable(SamplingParams(logprobs=0))
+    assert not overlappable(SamplingParams(repetition_penalty=1.2))
+    assert not overlappable(SamplingParams(frequency_penalty=0.5))
+    requests = {"pen": ([3, 4, 5], SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=6)),
+                "lp": ([3, 4, 6], SamplingParams(temperature=0.0, logprobs=2, max_tokens=4)),
+                "plain": ([3, 4, 7], SamplingParams(temperature=0.0, max_tokens=10))}
+    want, _, _ = generate(model, requests, False)
+    got, _, _ = generate(model, requests, True)
+    assert got == want
+
+
+def test_placeholders_are_substituted_from_the_last_launch(model) -> None:
+    mc, weights = model
+    config = EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=32)
+    runner = ModelRunner(mc, config, weights)
+    prompt = [3, 14, 15, 92]
+    with pytest.raises(BatchError, match="no launched step's tokens"):
+        runner.execute_async(SchedulerOutput([ScheduledRequest("a", [placeholder(0)], 4, [0, 1], True, GREEDY,
+                                                               prompt, [placeholder(0)])], 1))
+    pending = runner.execute_async(SchedulerOutput([ScheduledRequest("a", prompt, 0, [0], True, GREEDY, prompt, [])], 4))
+    assert pending.request_ids == ["a"]
+    with pytest.raises(BatchError, match="row 1 of the previous step's 1 tokens"):
+        runner.execute_async(SchedulerOutput([ScheduledRequest("a", [placeholder(1)], 4, [0, 1], True, GREEDY,
+                                                               prompt, [placeholder(1)])], 1))
+    nxt = runner.execute_async(SchedulerOutput([ScheduledRequest("a", [placeholder(0)], 4, [0, 1], True, GREEDY,
+                                                                 prompt, [placeholder(0)])], 1))
+    first = pending.resolve()[0]
+    # The same two steps with the token known on the host.
+    ref = ModelRunner(mc, config, weights)
+    assert ref.execute(SchedulerOutput([ScheduledRequest("a", prompt, 0, [0], True, GREEDY, prompt, [])], 4)
+                       ).sampled["a"] == first
+    second = ref.execute(SchedulerOutput([ScheduledRequest("a", [first], 4, [0, 1], True, GREEDY, prompt, [first])], 1))
+    assert nxt.resolve() == [second.sampled["a"]]
+    assert torch.equal(runner.kv_cache.tensors[0], ref.kv_cache.tensors[0])
