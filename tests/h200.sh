@@ -7,7 +7,8 @@
 #          tp (2 GPUs); gguf-a, model, ppl, spec (the default model: see tests/h200_transfer.sh)
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
 #      GPU test files; "" skips them)
-#   profile (not in the default; < 90 s): the throughput step with --profile: time per kernel category per row
+#   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
+#   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
@@ -45,12 +46,14 @@ for s in $steps; do
       timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda --runs "${RUNS:-1}" \
         --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
     throughput)
-      timeout "${THROUGHPUT_TIMEOUT:-120}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-        --quantization none,fp8_per_tensor --json "$OUT/throughput.json" >> "$LOG" 2>&1 ;;
+      timeout "${THROUGHPUT_TIMEOUT:-180}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --quantization none,fp8_per_tensor --async-scheduling "${ASYNC_MODES:-on,off}" \
+        --json "$OUT/throughput.json" >> "$LOG" 2>&1 ;;
     profile)  # issue 4: where the decode step's time goes (cli/bench_profile.py); the profile runs after the timed steps
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
-      timeout "${PROFILE_TIMEOUT:-120}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-        --quantization none,fp8_per_tensor --profile --json "$OUT/throughput-profile.json" >> "$LOG" 2>&1 ;;
+      timeout "${PROFILE_TIMEOUT:-240}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --quantization none,fp8_per_tensor --async-scheduling "${ASYNC_MODES:-on,off}" --profile \
+        --json "$OUT/throughput-profile.json" >> "$LOG" 2>&1 ;;
     handover)
       timeout "${HANDOVER_TIMEOUT:-90}" $B handover $M --device cuda --workers 1 --json "$OUT/handover.json" >> "$LOG" 2>&1 ;;
     ceiling)
