@@ -69,6 +69,7 @@ from resident.worker.startup import (  # noqa: F401
     process_start_time,
     start_kv_growth,
 )
+from resident.worker.switch_interval import StartupSwitchInterval
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,30 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     """What every serving process does first (`resident serve` and each replica): the heavy
     imports, counted in the "import" phase (the CLI imports nothing heavy), torch's thread
     count, and the device (its CUDA context counted as "cuda_context"). None, after logging
-    why, when the device cannot be used."""
+    why, when the device cannot be used or $RESIDENT_STARTUP_SWITCH_INTERVAL is invalid
+    (checked first, before any heavy import).
+
+    The GIL's switch interval is short from here until the worker is warm (switch_interval.py:
+    the start-up's threads would otherwise delay each blocking call of the others by up to
+    5 ms); `startup.switch_interval` restores it at the end of build_worker, and this
+    function does on its own failures."""
+    try:
+        switch = StartupSwitchInterval.apply(os.environ)
+    except ValueError as e:
+        logger.error("%s could not start: %s", who, e)
+        return None
+    try:
+        prepared = _prepare_process(config, t0, who, switch)
+    except BaseException:
+        switch.restore()
+        raise
+    if prepared is None:
+        switch.restore()
+    return prepared
+
+
+def _prepare_process(config: ServeConfig, t0: float, who: str,
+                     switch: StartupSwitchInterval) -> tuple[ServeConfig, StartupTimer] | None:
     from resident.worker.cuda_preinit import start_context_preinit
     from resident.worker.tp_spawn import spawn_early
     from resident.worker.triton_prefetch import start_triton_prefetch
@@ -218,10 +242,11 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     if config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)
     startup = StartupTimer(t0)
+    startup.switch_interval = switch
     t_imported = time.time()
     startup.phases["import"] = t_imported - t0
     logger.info("import breakdown: %.2f s to the serve command (interpreter, CLI, HTTP server), torch %.2f s, "
-                "worker modules %.2f s", t_begin - t0, t_torch - t_begin, t_imported - t_torch)
+                "worker modules %.2f s; %s", t_begin - t0, t_torch - t_begin, t_imported - t_torch, switch.describe())
     if preinit is not None:
         preinit.join()
     try:
