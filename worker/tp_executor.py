@@ -315,7 +315,7 @@ class TPGroup:
                                    store=self._store)
         self.group.start_comm_warmup(self.devices[0])   # NCCL's communicator, beside the weights and KV plan
         self.formed_s = time.monotonic() - t0
-        logger.info("tensor-parallel group of %d ranks formed in %.2f s (spawning the other ranks, their import "
+        logger.info("tensor-parallel group of %d ranks formed in %.3f s (spawning the other ranks, their import "
                     "of torch, the rendezvous)", size, self.formed_s)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
