@@ -210,6 +210,12 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     return prepared
 
 
+#: Modules whose bytecode cache the import-breakdown line checks (bytecode_check.py): this
+#: one (imported by the CLI) and those imported after torch.
+_BYTECODE_SAMPLE = (__name__, "resident.worker.engine", "resident.worker.model_runner", "resident.worker.tokenizer",
+                    "resident.worker.weight_store")
+
+
 def _prepare_process(config: ServeConfig, t0: float, who: str,
                      switch: StartupSwitchInterval) -> tuple[ServeConfig, StartupTimer] | None:
     from resident.worker.cuda_preinit import start_context_preinit
@@ -237,6 +243,7 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
 
     from dataclasses import replace
 
+    from resident.worker.bytecode_check import describe_compiled
     from resident.worker.device import resolve_device
 
     if config.cpu_threads is not None:
@@ -245,8 +252,10 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
     startup.switch_interval = switch
     t_imported = time.time()
     startup.phases["import"] = t_imported - t0
+    bytecode = describe_compiled(sys.modules[name] for name in _BYTECODE_SAMPLE)
     logger.info("import breakdown: %.2f s to the serve command (interpreter, CLI, HTTP server), torch %.2f s, "
-                "worker modules %.2f s; %s", t_begin - t0, t_torch - t_begin, t_imported - t_torch, switch.describe())
+                "worker modules %.2f s; %s%s", t_begin - t0, t_torch - t_begin, t_imported - t_torch,
+                switch.describe(), f"; {bytecode}" if bytecode else "")
     if preinit is not None:
         preinit.join()
     try:
