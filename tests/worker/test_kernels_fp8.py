@@ -133,10 +133,10 @@ def test_quantize_rejects_bad_arguments_naming_the_fix() -> None:
 _BUILDS = {
     "one_program": ("_quantize_small_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
                     {"BLOCK_K": 2048, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
-    "absmax": ("_absmax_kernel", {"x_ptr": "*bf16", "amax_ptr": "*fp32"}, {"BLOCK_M": 4, "BLOCK_K": 2048}),
+    "absmax": ("_absmax_kernel", {"x_ptr": "*bf16", "partial_ptr": "*fp32"}, {"BLOCK_M": 4, "BLOCK_K": 2048}),
     "quantize": ("_quantize_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-                                      "amax_ptr": "*fp32"},
-                 {"BLOCK_M": 4, "BLOCK_K": 2048, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
+                                      "partial_ptr": "*fp32"},
+                 {"BLOCK_M": 4, "BLOCK_K": 2048, "BLOCK_P": 128, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
 }
 
 

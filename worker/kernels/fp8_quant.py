@@ -4,13 +4,15 @@
 1e-12) in float32, x_q = clamp(x / scale, -448, 448) cast to float8_e4m3fn. As eager torch
 ops that is five or six kernels and extra passes over x (cast, abs, amax, div, clamp, div,
 clamp, cast) before every fp8 GEMM; here it is one launch for the small inputs of decode
-and two (plus a 8-byte memset) for large ones:
+and two for large ones:
 
 - small (M * K <= SMALL_MAX_NUMEL, decode at batch 1..4 on 4k-14k wide layers): one
   program reads x twice — once for amax, once to quantize — the second read from L2.
-- large: `_absmax_kernel` reduces a tile per program and folds it into a global float32
-  maximum with one atomic; `_quantize_kernel` then reads that maximum, derives the scale
-  (program 0 also stores it for the GEMM) and quantizes its tile.
+- large: `_absmax_kernel` reduces a tile per program and stores that tile's maximum in its
+  own slot of a small workspace (one float per program: no atomics, and nothing to zero
+  first — a memset per linear cost as much as a third launch in decode graphs);
+  `_quantize_kernel` then reads every slot, reduces them to the tensor's maximum, derives
+  the scale (program 0 also stores it for the GEMM) and quantizes its tile.
 
 Every program derives the scale from amax with the reference's float32 steps (IEEE
 division `div_rn`, never the approximate one), so the scale and every quantized value
@@ -69,21 +71,24 @@ def _quantize_small_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, stride_out
 
 
 @triton.jit
-def _absmax_kernel(x_ptr, amax_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
     tile_max = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, tile_max)
+    tl.store(partial_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_max)
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, M, K, stride_x, stride_out,
-                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+def _quantize_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, num_partials, M, K, stride_x, stride_out,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr,
+                     MIN_SCALE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    scale = _scale_from_amax(tl.load(amax_ptr), FP8_MAX, MIN_SCALE)
+    slots = tl.arange(0, BLOCK_P)
+    amax = tl.max(tl.load(partial_ptr + slots, mask=slots < num_partials, other=0.0), axis=0)
+    scale = _scale_from_amax(amax, FP8_MAX, MIN_SCALE)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(scale_ptr, scale)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,20 +116,22 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
     m, k = x.shape
     if m == 0 or k == 0:
         raise ValueError(f"cannot quantize an empty activation {tuple(x.shape)}")
-    # buf[0]: the scale (what the GEMM reads), buf[1]: amax (the two-kernel path's atomic target).
+    # buf[0]: the scale (what the GEMM reads); the two-kernel path's per-program maxima follow it.
     if small if small is not None else m * k <= SMALL_MAX_NUMEL:
         buf = torch.empty(2, dtype=torch.float32, device=x.device)
         _quantize_small_kernel[(1,)](x, out, buf, m, k, x.stride(0), out.stride(0),
                                      BLOCK_K=min(next_pow2(k), MAX_BLOCK_K), FP8_MAX=FP8_MAX,
                                      MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
         return buf[0]
-    buf = torch.zeros(2, dtype=torch.float32, device=x.device)
     block_k = min(next_pow2(k), MAX_BLOCK_K)
     block_m = max(1, min(next_pow2(m), TILE_NUMEL // block_k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    num_partials = grid[0] * grid[1]
+    buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # every slot is written
     _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
-    _quantize_kernel[grid](x, out, buf, buf[1:], m, k, x.stride(0), out.stride(0), BLOCK_M=block_m,
-                           BLOCK_K=block_k, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+    _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, m, k, x.stride(0), out.stride(0), BLOCK_M=block_m,
+                           BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
+                           MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
     return buf[0]
 
 
