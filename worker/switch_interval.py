@@ -13,8 +13,14 @@ Measured on the 2-core CPU host (Python 3.11): a thread making 200 blocking call
 at 1 ms, 153 ms at 0.5 ms and 70 ms at 0.1 ms (33 ms alone); the spinning thread kept 90,
 94, 92 and 84 % of its throughput alone. 0.5 ms (DEFAULT_S) cuts each wait tenfold at no
 measurable cost to the CPU-bound thread; shorter intervals start to cost it forced switches.
-Whether it shortens a start depends on where the time goes: when the GIL is busy all along
-(both threads running Python), the same work is only interleaved differently.
+
+Whether it shortens a start depends on which chain is longer. In a miniature start on that
+host (after `import torch`, a thread with 0.4 s of CPU-bound Python that must finish before
+ready, beside 100 round trips to another process answering after 1 ms each), the round trips
+took 291 ms at 5 ms and 197 ms at 0.5 ms (111 ms alone), yet both were done after 1.55 s
+either way: the thread's work was the longer chain and the GIL was busy all along. It pays
+where the main thread's chain (attach, driver calls, GPU waits) is the longer one; the
+kv_alloc breakdown's "triton wait" > 0 says the Triton prefetch was.
 
 The interval is restored once the worker is warm (startup.build_worker, after the CUDA
 graphs, on failure too): serving has its own threads (engine, event loop) and keeps
