@@ -227,7 +227,7 @@ def _csv_ints(value: str) -> list[int]:
 @click.option("--async-scheduling", "async_scheduling", default="on", show_default=True,
               help="on, off, or both comma-separated (each batch size measured in each mode): whether the "
                    "engine launches a step before reading the previous one's tokens (`resident serve "
-                   "--async-scheduling`; auto there means on for a GPU). One device only.")
+                   "--async-scheduling`; auto there means on for a GPU).")
 def bench_throughput(model: str, device: str, batch_sizes: str, context: int, quantization: str, dtype: str,
                      steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int,
                      profile: bool, async_scheduling: str) -> None:
@@ -260,7 +260,7 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     if tensor_parallel_size > 1:
         from resident.cli.bench_tp import run_tp_throughput
 
-        run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size)
+        run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size, async_modes=modes)
     doc["tensor_parallel_size"] = tensor_parallel_size
     for q in quants:
         doc["variants"].append(run(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, batch_sizes: list[int],
                       context: int, warmup: int, steps: int, bandwidth: float, block_size: int = 16, *,
-                      tensor_parallel_size: int) -> dict:
+                      tensor_parallel_size: int, async_modes: tuple[str, ...] = ("on",)) -> dict:
     """One weight variant over a TP group of `tensor_parallel_size` ranks (see module doc)."""
     import time
 
@@ -47,14 +47,16 @@ def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, ba
         runner = group.build_runner(tensors, engine_config=engine_config, cuda_graphs="lazy")
         runner.warmup()
         runner.capture_graphs()
-        engine = LLMEngine(engine_config, runner)
+        engines = {mode: LLMEngine(engine_config, runner, async_scheduling=mode == "on") for mode in async_modes}
         rows = []
         for b in batch_sizes:
-            r = add_roofline(_measure(engine, b, context, warmup, steps, model_config.vocab_size, dev), tensors, b,
-                             model_config, tensors[EMBED].dtype, bandwidth)
-            rows.append(r)
-            log.info("TP=%d %s batch %d: %.1f tokens/s, %.2f ms/step", tensor_parallel_size, quantization, b,
-                     r["tokens_per_s"], r["step_s"] * 1e3)
+            for mode, engine in engines.items():
+                r = add_roofline(_measure(engine, b, context, warmup, steps, model_config.vocab_size, dev), tensors,
+                                 b, model_config, tensors[EMBED].dtype, bandwidth)
+                r["async_scheduling"] = engine.async_scheduling
+                rows.append(r)
+                log.info("TP=%d %s batch %d, async scheduling %s: %.1f tokens/s, %.2f ms/step", tensor_parallel_size,
+                         quantization, b, mode, r["tokens_per_s"], r["step_s"] * 1e3)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"quantization": quantization, "dtype": str(tensors[EMBED].dtype).removeprefix("torch."),
                 "tensor_parallel_size": tensor_parallel_size, "load_s": load_s,
@@ -63,7 +65,7 @@ def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, ba
     finally:
         if runner is not None:
             runner.close()
-        engine = runner = None  # noqa: F841 - drop every view before the shard goes
+        engines = engine = runner = None  # noqa: F841 - drop every view before the shard goes
         if store is not None:
             store.close()
         gc.collect()

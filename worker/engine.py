@@ -80,7 +80,7 @@ class LLMEngine:
                  num_speculative_tokens: int = 0, async_scheduling: bool = False) -> None:
         """`async_scheduling`: launch each step before reading the previous one's tokens (see
         the module doc); used only with a runner that supports it (`supports_async_scheduling`
-        on its class: not a TP group's or a speculative one)."""
+        on its class: a ModelRunner or a TP group's rank 0; not with speculative decoding)."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer

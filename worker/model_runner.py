@@ -70,12 +70,15 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
                  *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None,
-                 kernel_backend: str = "auto", parallel: Any = None) -> None:
+                 kernel_backend: str = "auto", parallel: Any = None, sampler_seed: int | None = None) -> None:
         """`cuda_graphs`: eager | lazy | off (ignored off a GPU). `max_num_kv_blocks`: the GPU
         KV cache's address reservation (default: num_kv_blocks), so it can grow later.
         `kernel_backend`: auto | triton | torch (auto: Triton on a GPU, the reference on CPU).
         `parallel`: this rank's tensor-parallel group (worker/distributed.py), None for TP=1;
-        `model_config` is then the rank-local one (heads and intermediate size divided)."""
+        `model_config` is then the rank-local one (heads and intermediate size divided).
+        `sampler_seed`: the seed of the generator unseeded requests sample from (default: random);
+        a TP group's ranks share one, so that with async scheduling each rank substitutes the same
+        tokens as rank 0."""
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = torch.device(device)
@@ -114,7 +117,7 @@ class ModelRunner:
         reserve = max(num_alloc, (max_num_kv_blocks or 0) + (1 if on_gpu else 0))
         self.kv_cache = KVCache.allocate(model_config, num_alloc, self.block_size, self.dtype, self.device,
                                          max_num_blocks=reserve)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, seed=sampler_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._h2d = HostToDevice(self.device)
         # Async scheduling (execute_async): the last launched step's sampled tokens, on the device

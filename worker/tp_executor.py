@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import pickle
+import secrets
 import subprocess
 import sys
 import threading
@@ -193,8 +194,16 @@ class TPRunner:
         self._send(("call", method, (compact(out),)))
         return self._local(method, out)
 
+    #: Async scheduling (engine.py): every rank runs `execute_async` and samples the same tokens
+    #: (identical all-gathered logits; per-request seeds, and one shared `sampler_seed` for the
+    #: rest), so each substitutes its own copy of the previous step's tokens for the placeholders.
+    supports_async_scheduling = True
+
     def execute(self, out: Any) -> Any:
         return self._step("execute", out)
+
+    def execute_async(self, out: Any) -> Any:
+        return self._step("execute_async", out)
 
     def logits(self, out: Any) -> torch.Tensor:
         return self._step("logits", out)
@@ -364,7 +373,11 @@ class TPGroup:
 
     def build_runner(self, weights: Mapping[str, torch.Tensor], **kwargs: Any) -> TPRunner:
         """ModelRunner(model_config, weights, parallel=group, **kwargs) on every rank;
-        kwargs: engine_config, cuda_graphs, max_num_kv_blocks, kernel_backend."""
+        kwargs: engine_config, cuda_graphs, max_num_kv_blocks, kernel_backend, sampler_seed
+        (default: one random seed, the same on every rank)."""
+        kwargs = {**kwargs, "sampler_seed": kwargs.get("sampler_seed")}
+        if kwargs["sampler_seed"] is None:
+            kwargs["sampler_seed"] = secrets.randbits(62)
         self._commands.send(("build", kwargs))
         return TPRunner(self.group, _build_runner(self.group, self.model_config, weights, self.devices[0],
                                                   dict(kwargs)), self._commands.send, self.end_ranks)

@@ -246,6 +246,49 @@ def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
 
 
+def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
+    """Async scheduling over a TP group: every rank runs `execute_async` and substitutes its own
+    copy of the previous step's tokens (the same tokens: identical logits, per-request seeds and
+    one `sampler_seed` for all ranks, sent with the build command). Greedy and seeded requests
+    generate what synchronous steps over the same runner generate; an unseeded sampled request
+    runs beside them."""
+    from resident.worker.engine import LLMEngine
+
+    path = tiny_model("llama")
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        sent = []
+        send = group._commands.send
+        group._commands.send = lambda cmd: (sent.append(cmd), send(cmd))[1]
+        runner = group.build_runner(store.tensors, engine_config=engine_config())
+        builds = [cmd for cmd in sent if cmd[0] == "build"]
+        assert len(builds) == 1 and builds[0][1]["sampler_seed"] == runner.sampler._generator.initial_seed()
+        requests = {"g": ([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12)),
+                    "s": ([11, 12, 13], SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=12))}
+        got = {}
+        for mode in (False, True):
+            engine = LLMEngine(engine_config(), runner, async_scheduling=mode)
+            assert engine.async_scheduling == mode
+            for rid, (prompt, params) in requests.items():   # new ids: the runner keeps a finished
+                engine.add_request(f"{rid}{mode}", prompt, params)   # request's generator until a next step
+            if mode:
+                engine.add_request("u", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=12))
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id.removesuffix(str(mode)), []).extend(out.new_token_ids)
+            got[mode] = tokens
+        runner.close()
+        store.close()
+    finally:
+        group.close()
+    assert {rid: got[True][rid] for rid in requests} == got[False]
+    assert all(len(t) == 12 for t in got[True].values())
+
+
 #: A smaller shape of the GPU test's model (same head ratio, 4 layers), bf16.
 DECISIVE_SHAPE = dict(dtype="bfloat16", init_std=0.02, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024)
