@@ -9,6 +9,7 @@
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
 #   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
+#   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
@@ -22,6 +23,9 @@ OUT="${OUT:-$PWD/h200-out}"; mkdir -p "$OUT"
 steps="${*:-gputests checkpoint restart throughput handover ceiling}"
 # Make `resident` importable without installing (an editable install is not always usable there).
 mkdir -p /tmp/rp/resident && for d in daemon worker cli protos; do ln -sfn "$PWD/$d" "/tmp/rp/resident/$d"; done
+# Bytecode, as an installed package has it (pip compiles on install): without it every worker start
+# compiles resident's modules again (the machine may set PYTHONDONTWRITEBYTECODE).
+python3 -m compileall -q daemon worker cli protos >/dev/null 2>&1
 export PYTHONPATH=/tmp/rp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random; LOG="$OUT/log.txt"
@@ -68,8 +72,12 @@ for s in $steps; do
       fi
       timeout "${TP_RESTART_TIMEOUT:-100}" $B restart $M --device cuda --runs 1 --tensor-parallel-size 2 \
         --json "$OUT/restart-tp2.json" --plot "$OUT/restart-tp2.png" >> "$LOG" 2>&1; echo "tp restart rc=$?" >> "$LOG"
-      timeout "${TP_THROUGHPUT_TIMEOUT:-60}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-        --tensor-parallel-size 2 --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
+      timeout "${TP_THROUGHPUT_TIMEOUT:-150}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --tensor-parallel-size 2 --async-scheduling "${ASYNC_MODES:-on,off}" --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
+    tp-throughput)   # the tp step's decode measurement alone (TP=2, each row with async scheduling on and off)
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      timeout "${TP_THROUGHPUT_TIMEOUT:-150}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
+        --tensor-parallel-size 2 --async-scheduling "${ASYNC_MODES:-on,off}" --json "$OUT/throughput-tp2.json" >> "$LOG" 2>&1 ;;
     sweep)    # issue 4: GB/s of the staged GPU load per $RESIDENT_STAGING_* config (SWEEP_CONFIGS overrides the list)
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       timeout "${SWEEP_TIMEOUT:-90}" python3 tests/gpu_io_ceiling.py $M --sweep ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
