@@ -57,6 +57,7 @@ _PREINIT = re.compile(r"CUDA context (?:of|pre-creation for) cuda:\d+ .*")
 #: The import phase's parts, Triton's start-up work in the background, the warm-up's two passes.
 _IMPORTS = re.compile(r"import breakdown: (.*)")
 _TRITON = re.compile(r"Triton start-up work .*")
+_GEMMS = re.compile(r"GEMM prefetch.*")
 _WARMUP = re.compile(r"warm-up forward passes done in (.*)")
 #: Tensor parallel (worker/tp_executor.py): the group's formation on rank 0, each other rank's start.
 _TP_GROUP = re.compile(r"tensor-parallel group of \d+ ranks formed in ([0-9.]+) s")
@@ -179,7 +180,8 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
     for key, pattern, group in (("attach_breakdown", _ATTACH_BREAKDOWN, 1),
                                 ("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
                                 ("cuda_preinit", _PREINIT, 0), ("import_breakdown", _IMPORTS, 1),
-                                ("triton_prefetch", _TRITON, 0), ("warmup_breakdown", _WARMUP, 1)):
+                                ("triton_prefetch", _TRITON, 0), ("gemm_prefetch", _GEMMS, 0),
+                                ("warmup_breakdown", _WARMUP, 1)):
         found = pattern.search(text)
         if found:
             row[key] = found.group(group)
@@ -369,6 +371,11 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
     if any("error" in results.get(v, {}) for v in chosen):
         click.echo(f"some variants failed; their logs are in {work}", err=True)
         sys.exit(1)
+    keep = os.environ.get("RESIDENT_BENCH_LOGS")
+    if keep:   # the workers' and the daemon's logs, for a look at the start-ups (tests/h200.sh sets it)
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for f in work.glob("*.log"):
+            shutil.copy2(f, Path(keep) / f.name)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -408,7 +415,7 @@ def _report(results: dict, variants: list[str]) -> None:
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
         for key in ("import_breakdown", "attach_breakdown", "kv_alloc_breakdown", "warmup_breakdown", "cuda_preinit",
-                    "triton_prefetch"):
+                    "triton_prefetch", "gemm_prefetch"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
         if "tp_group_s" in r:

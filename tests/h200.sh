@@ -28,6 +28,7 @@ mkdir -p /tmp/rp/resident && for d in daemon worker cli protos; do ln -sfn "$PWD
 python3 -m compileall -q daemon worker cli protos >/dev/null 2>&1
 export PYTHONPATH=/tmp/rp${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export RESIDENT_BENCH_LOGS=/tmp/bench-logs   # bench restart keeps the workers' logs there (into logs.tgz)
 B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random; LOG="$OUT/log.txt"
 step() { echo "=== $1 ($(date +%T))" >> "$LOG"; }
 # Processes a step leaves behind (a test killed by its timeout leaves its serve/daemon children,
@@ -106,7 +107,7 @@ for s in $steps; do
   echo "--- $s rc=$? ($(date +%T))" >> "$LOG"
   cleanup "$s"
 done
-tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log 2>/dev/null
+tar czf "$OUT/logs.tgz" /tmp/resident-bench-*/*.log /tmp/bench-logs 2>/dev/null
 # At most 8 files come back: JSON and pictures travel in one archive.
 (cd "$OUT" && ls *.json *.png >/dev/null 2>&1 && tar czf results.tgz *.json *.png && rm -f *.json *.png)
 tail -n 60 "$LOG"

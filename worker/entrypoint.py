@@ -235,6 +235,10 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
 
     prefetch = start_triton_prefetch(config.device, preinit.wait if preinit is not None else None,
                                      cache_file_beside(config.kv_profile_cache, os.environ, triton_key_cache.FILE_NAME))
+    # cuBLAS's first-use work for the model's GEMM shapes, beside the imports and the attach.
+    from resident.worker.gemm_prefetch import start_for_serve
+
+    gemms = start_for_serve(config, preinit.wait) if preinit is not None else None
 
     import resident.worker.engine  # noqa: F401
     import resident.worker.model_runner  # noqa: F401
@@ -250,6 +254,7 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
         torch.set_num_threads(config.cpu_threads)
     startup = StartupTimer(t0)
     startup.switch_interval = switch
+    startup.gemm_prefetch = gemms
     t_imported = time.time()
     startup.phases["import"] = t_imported - t0
     bytecode = describe_compiled(sys.modules[name] for name in _BYTECODE_SAMPLE)

@@ -31,6 +31,7 @@ import torch
 from resident.worker.config import ModelConfig
 from resident.worker.cuda_graphs import DecodeGraphs, check_mode
 from resident.worker.engine_config import EngineConfig
+from resident.worker.gemm_prefetch import warmup_prefill_tokens
 from resident.worker.input_batch import HostToDevice
 from resident.worker.kernels.dispatch import get_kernels
 from resident.worker.kv_cache import KVCache, bytes_per_block
@@ -466,9 +467,8 @@ class ModelRunner:
         request holds KV blocks (at start-up, before the engine schedules anything).
         """
         t0 = time.monotonic()
-        num_tokens = min(self.engine_config.max_model_len - 1, self.engine_config.max_num_batched_tokens - 1,
-                         2 * self.block_size)
-        num_tokens = max(1, num_tokens)
+        ec = self.engine_config   # the GEMM prefetch (gemm_prefetch.py) warms the same prefill size
+        num_tokens = warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
         blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // self.block_size))))
         prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
         greedy = SamplingParams(temperature=0.0, max_tokens=1)

@@ -40,6 +40,8 @@ class StartupTimer:
         self._mark = time.time()
         #: triton_prefetch.TritonPrefetch started by prepare_process (GPU), joined by build_worker
         self.triton_prefetch: Any = None
+        #: gemm_prefetch.GemmPrefetch started by prepare_process (one GPU), joined before the KV plan
+        self.gemm_prefetch: Any = None
         #: switch_interval.StartupSwitchInterval set by prepare_process, restored by build_worker
         self.switch_interval: Any = None
 
@@ -159,6 +161,8 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         prefetch = startup.triton_prefetch
         if prefetch is not None:
             prefetch.join()   # before anything launches a Triton kernel (the headroom probe may)
+        if startup.gemm_prefetch is not None:
+            startup.gemm_prefetch.join()   # its tensors are freed: the plan sees the GPU's memory as it is
         # Recorded for the next start's preload, the headroom probe's too: a start without the
         # probe (headroom cached) then finds them loaded; the probe's own extras are few.
         recorded = recording.enter_context(triton_specializations.recording(prefetch))
@@ -176,6 +180,8 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
             plan_timings, headroom_source = plan.timings, plan.headroom_source
             if prefetch is not None:
                 plan_timings = {"triton_wait": prefetch.waited_s, **plan_timings}
+            if startup.gemm_prefetch is not None:
+                plan_timings = {"gemm_wait": startup.gemm_prefetch.waited_s, **plan_timings}
             kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
             num_kv_blocks = kv_target_blocks
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:   # TP grows too (tp_kv.py)
