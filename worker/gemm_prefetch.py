@@ -21,7 +21,12 @@ GPU's memory as it was. A weight larger than a quarter of the free memory is ski
 
 Only where the outcome is predictable and cheap: one GPU (TP ranks have other shapes), a
 local model folder (a hub id would need resolving here), a Llama-family config.json.
-`RESIDENT_GEMM_PREFETCH=off` turns it off (A/B measurements).
+
+Opt-in (`RESIDENT_GEMM_PREFETCH=on`): on the H200 (8B shape, 3 restarts each way) it cut the
+warm-up's first prefill from 0.25-0.35 s to 0.15-0.22 s, but left the decode warm-up as it
+was, and whether its thread slows the imports beside it could not be told apart from that
+host's noise (a bare `import torch` varied by 0.8 s between the two sets): not yet a
+measured net gain (docs/benchmarks.md, session 4).
 """
 from __future__ import annotations
 
@@ -81,8 +86,9 @@ def plan_for(hf_config: Mapping[str, Any], *, dtype: str, quantization: str, blo
 
 
 def plan_for_serve(config: Any, environ: Mapping[str, str] = os.environ) -> GemmPlan | None:
-    """The plan for a ServeConfig, or None where it does not apply (module doc) or is off."""
-    if environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+    """The plan for a ServeConfig, or None where it does not apply (module doc) or is not
+    asked for (`RESIDENT_GEMM_PREFETCH=on`)."""
+    if environ.get(ENV, "").strip().lower() not in ("on", "1", "true", "yes"):
         return None
     if config.tensor_parallel_size != 1 or config.speculative is not None:
         return None
