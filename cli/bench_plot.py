@@ -63,7 +63,7 @@ def plot_phases(results: dict, variants: list[str], path: Path) -> Path:
         log.warning("matplotlib is not installed (pip install matplotlib for PNG); writing %s instead", fallback)
         return _svg(results, bars, fallback)
     colors = _colors(bars)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.9 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.9 * len(bars)))
     seen = set()
     for y, (label, segs) in enumerate(bars):
         left = 0.0
@@ -79,7 +79,7 @@ def plot_phases(results: dict, variants: list[str], path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("seconds from exec")
     ax.set_title(_title(results), fontsize=10)
-    ax.legend(loc="lower right", fontsize=8, ncol=2)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)   # beside the bars, never over them
     ax.set_xlim(0, 1.15 * max(sum(v for _, v in segs) for _, segs in bars))
     fig.tight_layout()
     fig.savefig(path, dpi=130)
