@@ -58,6 +58,7 @@ _PREINIT = re.compile(r"CUDA context (?:of|pre-creation for) cuda:\d+ .*")
 _IMPORTS = re.compile(r"import breakdown: (.*)")
 _TRITON = re.compile(r"Triton start-up work .*")
 _GEMMS = re.compile(r"GEMM prefetch.*")
+_WEIGHTS = re.compile(r"weights breakdown: (.*)")
 _WARMUP = re.compile(r"warm-up forward passes done in (.*)")
 #: Tensor parallel (worker/tp_executor.py): the group's formation on rank 0, each other rank's start.
 _TP_GROUP = re.compile(r"tensor-parallel group of \d+ ranks formed in ([0-9.]+) s")
@@ -181,6 +182,7 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
                                 ("kv_alloc_breakdown", _KV_BREAKDOWN, 1), ("headroom", _HEADROOM, 1),
                                 ("cuda_preinit", _PREINIT, 0), ("import_breakdown", _IMPORTS, 1),
                                 ("triton_prefetch", _TRITON, 0), ("gemm_prefetch", _GEMMS, 0),
+                                ("weights_breakdown", _WEIGHTS, 1),
                                 ("warmup_breakdown", _WARMUP, 1)):
         found = pattern.search(text)
         if found:
@@ -414,8 +416,8 @@ def _report(results: dict, variants: list[str]) -> None:
             click.echo(f"{'':<28}  attach: the daemon's Attach handler took {r['daemon_attach_s'] * 1e3:.2f} ms of it "
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
-        for key in ("import_breakdown", "attach_breakdown", "kv_alloc_breakdown", "warmup_breakdown", "cuda_preinit",
-                    "triton_prefetch", "gemm_prefetch"):
+        for key in ("import_breakdown", "weights_breakdown", "attach_breakdown", "kv_alloc_breakdown",
+                    "warmup_breakdown", "cuda_preinit", "triton_prefetch", "gemm_prefetch"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
         if "tp_group_s" in r:

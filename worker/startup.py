@@ -120,10 +120,12 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     from resident.worker.weight_store import open_store
 
     startup.begin()
+    t_weights = time.monotonic()
     # This thread's current device too: the daemon client maps weights onto it.
     device = resolve_device(config.device)
     from resident.worker.spec_decode import serving as spec_serving
 
+    weights_s = {"device+modules": time.monotonic() - t_weights}
     spec_cfg = config.speculative
     spec = LoadSpec(**spec_fields(config))
     tp = None
@@ -131,13 +133,20 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         from resident.worker.tp_executor import TPGroup
 
         tp = TPGroup(config, spec, device)   # spawns ranks 1..N-1; each opens only its shard
-    store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device))
+    t_store = time.monotonic()
+    store = tp.open_store() if tp else open_store(spec, config.preload, config.socket, device=str(device),
+                                                    timings=weights_s)
+    weights_s["store"] = time.monotonic() - t_store
     draft = None
     recording = ExitStack()   # the Triton specializations loaded from the KV plan to the graphs
     try:
         draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
         metrics.set_weights_source(store.source)
         startup.end("weights")
+        attach_s = getattr(store, "attach_s", None)
+        logger.info("weights breakdown: %s%s; %.3f s in all", ", ".join(f"{k} {v:.3f}" for k, v in weights_s.items()),
+                    f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",
+                    time.monotonic() - t_weights)
         checked = store.verify(config.verify_sample)
         logger.info("verified the checksums of %d/%d tensors", checked, len(store.tensors))
         startup.end("verify")

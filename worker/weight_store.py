@@ -317,21 +317,28 @@ def _absolute(spec: LoadSpec) -> LoadSpec:
 
 
 def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = None,
-               client_name: str = "resident-serve", device: str = "cpu", tp_rank: int = 0) -> WeightStore:
+               client_name: str = "resident-serve", device: str = "cpu", tp_rank: int = 0,
+               timings: dict[str, float] | None = None) -> WeightStore:
     """The weights for `spec`, from the daemon or loaded here (onto `device`), per `preload`
     (see module doc): with `spec.draft`, the target and its draft (`store.draft`); with
-    `spec.tensor_parallel_size` > 1, rank `tp_rank`'s shard only."""
+    `spec.tensor_parallel_size` > 1, rank `tp_rank`'s shard only. `timings`, when given, gets
+    the seconds of the steps before the attach or load: "key" (the model key from the
+    headers), "client" (the daemon client's import and connection)."""
     if preload not in PRELOAD_MODES:
         raise ValueError(f"unknown preload mode {preload!r}; valid: {', '.join(PRELOAD_MODES)}")
     spec = _absolute(spec)
     if preload == "off":
         logger.info("--preload off: loading %s in-process", spec.display_name)
         return LocalStore(spec, device, tp_rank)
+    t0 = time.monotonic()
     key, source = key_for(spec)
+    t_key = time.monotonic()
     from resident.daemon.client import Client
 
     try:
         client = Client(socket_path, client_name=client_name)
+        if timings is not None:
+            timings.update(key=t_key - t0, client=time.monotonic() - t_key)
     except DaemonUnavailable as e:
         if preload == "require":
             raise WeightStoreError(

@@ -89,6 +89,8 @@ def test_restart_cold_and_warm_with_json_and_plot(tiny_ckpt, tmp_path):
     assert 0 < doc["warm"]["attach_s"] < 1.0  # parsed from the warm worker's log
     assert re.fullmatch(r"rpc [0-9.]+, fds [0-9.]+, map [0-9.]+, views [0-9.]+ ms",
                         doc["warm"]["runs"][0]["attach_breakdown"])
+    assert re.fullmatch(r"device\+modules [0-9.]+, key [0-9.]+, client [0-9.]+, store [0-9.]+ \(of which the attach "
+                        r"[0-9.]+\); [0-9.]+ s in all", doc["warm"]["runs"][0]["weights_breakdown"])
     svg = pic.read_text()
     assert svg.startswith("<svg") and "(c) resident + daemon" in svg and "weights" in svg
 
