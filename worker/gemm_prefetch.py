@@ -33,12 +33,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from resident.worker.startup_thread import StartupThread
 
 logger = logging.getLogger(__name__)
 
@@ -147,26 +148,20 @@ def run(plan: GemmPlan, device_index: int, free_bytes: Callable[[], int] | None 
     return count
 
 
-class GemmPrefetch:
-    """One background run of `run(plan, index)` (see the module doc); never fails a start."""
+class GemmPrefetch(StartupThread):
+    """One background run of `run(plan, index)` (see the module doc); never fails a start.
+    `join()` before planning GPU memory."""
+
+    thread_name = "resident-gemm-prefetch"
 
     def __init__(self, plan: GemmPlan, index: int, context_ready: Callable[[], bool] | None = None,
                  runner: Callable[[GemmPlan, int], int] = run) -> None:
         """`context_ready`: waits for the CUDA context pre-creation, False when there is no GPU."""
+        super().__init__()
         self.plan, self.index = plan, index
         self._context_ready, self._run_plan = context_ready, runner
         self.num_gemms = 0
         self.seconds = 0.0
-        self.waited_s = 0.0
-        self.error: str | None = None
-        self.skipped: str | None = None
-        self._thread: threading.Thread | None = None
-        self._joined = False
-
-    def start(self) -> "GemmPrefetch":
-        self._thread = threading.Thread(target=self._run, name="resident-gemm-prefetch", daemon=True)
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         try:
@@ -178,18 +173,6 @@ class GemmPrefetch:
             self.seconds = time.monotonic() - t0
         except BaseException as e:  # noqa: BLE001 - the warm-up does this work when the thread cannot
             self.error = f"{type(e).__name__}: {e}"
-
-    def join(self, timeout_s: float = 60.0) -> None:
-        """Wait for the thread (once) and log the outcome; call before planning GPU memory."""
-        if self._thread is None or self._joined:
-            return
-        t0 = time.monotonic()
-        self._thread.join(timeout_s)
-        self.waited_s = time.monotonic() - t0
-        if self._thread.is_alive():
-            self.error = self.error or f"still running after {timeout_s:.0f} s"
-        self._joined = True
-        logger.log(logging.INFO if self.skipped is None else logging.DEBUG, "%s", self.describe())
 
     def describe(self) -> str:
         if self.error is not None:

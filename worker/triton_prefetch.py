@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resident.worker.startup_thread import StartupThread
+
 logger = logging.getLogger(__name__)
 
 #: How long the thread waits for the main thread to name the device (the imports, then
@@ -40,13 +42,17 @@ logger = logging.getLogger(__name__)
 DEVICE_WAIT_S = 120.0
 
 
-class TritonPrefetch:
-    """One background run of Triton's start-up work (see the module doc)."""
+class TritonPrefetch(StartupThread):
+    """One background run of Triton's start-up work (see the module doc); `join()` before
+    anything launches a Triton kernel."""
+
+    thread_name = "resident-triton-prefetch"
 
     def __init__(self, gpu_present: Callable[[], bool] | None = None, key_cache: Path | None = None) -> None:
         """`gpu_present`: called first in the thread; False defers everything until
         `set_device` names a GPU (and skips it all when it names none). `key_cache`: the
         file that remembers `triton_key()` across starts (`triton_key_cache`; None: hash)."""
+        super().__init__()
         self._gpu_present = gpu_present
         self._key_cache = key_cache
         self.key_source = ""   # triton_key_cache.prime's answer
@@ -59,18 +65,8 @@ class TritonPrefetch:
         self.specialization_key: str | None = None
         self.cached: list[Any] = []       # the cache's entries for that key
         self.preloaded: Any = None        # triton_specializations.PreloadResult
-        self._thread: threading.Thread | None = None
-        self._joined = False
         #: step -> seconds, in the order done
         self.seconds: dict[str, float] = {}
-        self.waited_s = 0.0
-        self.error: str | None = None
-        self.skipped: str | None = None
-
-    def start(self) -> "TritonPrefetch":
-        self._thread = threading.Thread(target=self._run, name="resident-triton-prefetch", daemon=True)
-        self._thread.start()
-        return self
 
     def set_device(self, capability: tuple[int, int] | None, index: int = 0,
                    specializations: tuple[Any, str] | None = None) -> None:
@@ -164,22 +160,6 @@ class TritonPrefetch:
             for value in list(vars(module).values()):
                 if isinstance(value, JITFunction):
                     value.cache_key  # noqa: B018 - a cached property: computing it is the point
-
-    def join(self, timeout_s: float = 60.0) -> bool:
-        """Wait for the thread (once; later calls return at once) and log the outcome; True
-        when every stage that applies finished."""
-        if self._thread is None:
-            return False
-        if not self._joined:
-            t0 = time.monotonic()
-            self._thread.join(timeout_s)
-            self.waited_s = time.monotonic() - t0
-            if self._thread.is_alive():
-                self.error = self.error or f"still running after {timeout_s:.0f} s"
-            self._joined = True
-            level = logging.INFO if self.skipped is None or self.error is not None else logging.DEBUG
-            logger.log(level, "%s", self.describe())
-        return self.error is None and not self._thread.is_alive()
 
     def describe(self) -> str:
         steps = ", ".join(f"{k} {v:.3f}" for k, v in self.seconds.items())
