@@ -430,6 +430,27 @@ def _watch_parent(fd: int) -> None:
     os._exit(RANK_DIED_EXIT)   # rank 0 is gone: nothing left to serve
 
 
+def _start_triton_prefetch(launch: RankLaunch, device: torch.device) -> Any:
+    """This rank's Triton start-up work in the background, as rank 0 does its own
+    (triton_prefetch.py), with rank 0's caches: otherwise this rank's first warm-up launches
+    hash libtriton and load every kernel while rank 0 waits for it in the first collective.
+    None on CPU or without triton."""
+    from pathlib import Path
+
+    from resident.worker.triton_prefetch import start_triton_prefetch
+    from resident.worker.triton_specializations import SpecializationCache
+
+    if device.type != "cuda":
+        return None
+    key_cache = Path(launch.triton_key_cache) if launch.triton_key_cache else None
+    prefetch = start_triton_prefetch(str(device), None, key_cache)
+    if prefetch is not None:
+        specs = launch.specializations
+        prefetch.set_device(torch.cuda.get_device_capability(device), device.index or 0,
+                            (SpecializationCache(specs[0]), specs[1]) if specs else None)
+    return prefetch
+
+
 def main(argv: list[str] | None = None) -> int:
     """A child rank: join the group, open this rank's shard, serve rank 0's commands."""
     imported_s = time.time() - process_start_time()   # interpreter start and `import torch`
@@ -444,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     from resident.worker.device import resolve_device, weights_on
 
     device = resolve_device(launch.devices[launch.rank])
+    prefetch = _start_triton_prefetch(launch, device)
     spec = LoadSpec(**{k: tuple(v) if k == "devices" else v for k, v in launch.spec.items()})
     t_group = time.time()
     group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
@@ -463,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         # One line `resident bench restart` reads (the other ranks' share of a group's start).
         logger.info("rank %d start-up phases: import=%.3f group=%.3f shard=%.3f source=%s", launch.rank, imported_s,
                     group_s, time.time() - t_store, store.source)
+        if prefetch is not None:
+            prefetch.join()   # before rank 0's commands launch Triton kernels here (the warm-up, a probe)
         _serve_commands(commands, group, model_config, weights_on(store.tensors, device), str(device))
     finally:
         if store is not None:

@@ -44,6 +44,21 @@ class RankLaunch:
     cpu_threads: int | None
     parent_fd: int = -1   # read end of rank 0's lifeline pipe
     command_fd: int = -1  # read end of rank 0's command pipe to this rank
+    # Rank 0's start-up caches, so this rank's Triton prefetch finds the remembered compile-cache
+    # key and rank 0's recorded kernel specializations (triton_prefetch.py); None: off.
+    triton_key_cache: str | None = None
+    specializations: list[str] | None = None   # [the SpecializationCache file, the configuration's key]
+
+
+def startup_caches(config: Any) -> dict[str, Any]:
+    """RankLaunch's start-up cache fields for `config` (torch-free, as spawn_early needs)."""
+    from resident.worker import triton_key_cache, triton_specializations
+    from resident.worker.kv_profile_cache import cache_file_beside
+
+    key_cache = cache_file_beside(config.kv_profile_cache, os.environ, triton_key_cache.FILE_NAME)
+    source = triton_specializations.source_for(config)
+    return {"triton_key_cache": str(key_cache) if key_cache is not None else None,
+            "specializations": [str(source[0].path), source[1]] if source is not None else None}
 
 
 def spec_fields(config: Any) -> dict[str, Any]:
@@ -119,6 +134,7 @@ def spawn_ranks(config: Any, devices: list[str], spec: dict[str, Any],
         listener.bind(("127.0.0.1", 0))
         listener.listen(size * 4)
     port = listener.getsockname()[1]
+    caches = startup_caches(config)
     read_fd, lifeline = os.pipe()
     procs: list[subprocess.Popen] = []
     command_fds: list[int] = []
@@ -128,7 +144,7 @@ def spawn_ranks(config: Any, devices: list[str], spec: dict[str, Any],
             command_fds.append(cmd_write)
             launch = RankLaunch(rank=r, size=size, store_port=port, devices=devices, spec=spec,
                                 preload=config.preload, socket=config.socket, verify_sample=config.verify_sample,
-                                cpu_threads=config.cpu_threads, parent_fd=read_fd, command_fd=cmd_read)
+                                cpu_threads=config.cpu_threads, parent_fd=read_fd, command_fd=cmd_read, **caches)
             cmd = [sys.executable, "-m", "resident.worker.tp_executor", json.dumps(dataclasses.asdict(launch))]
             try:
                 procs.append(subprocess.Popen(cmd, pass_fds=(read_fd, cmd_read)))

@@ -1,6 +1,8 @@
 """tp_spawn: the other tensor-parallel ranks started before rank 0's imports (no torch)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -30,7 +32,7 @@ def test_auto_guesses_from_the_driver_and_visible_devices(monkeypatch):
 def _config(**kw):
     base = dict(tensor_parallel_size=2, device="cpu", model="/m", served_model_name="m", dtype="auto",
                 quantization="none", revision=None, hub_cache=None, speculative=None, preload="off", socket=None,
-                verify_sample=16, cpu_threads=1)
+                verify_sample=16, cpu_threads=1, kv_profile_cache="off")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -72,3 +74,23 @@ def test_spec_fields_build_the_load_spec():
 
     spec = LoadSpec(**tp_spawn.spec_fields(_config(speculative=SimpleNamespace(draft_model="/d"))))
     assert spec.model == "/m" and spec.draft == "/d" and spec.tensor_parallel_size == 1
+
+
+def test_ranks_get_rank_0s_triton_caches(tmp_path, monkeypatch):
+    """A child rank's Triton prefetch reads the compile-cache key and the kernel
+    specializations rank 0's configuration recorded (tp_executor._start_triton_prefetch)."""
+    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.tp_spawn import RankLaunch, startup_caches
+    from resident.worker.triton_specializations import source_for
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = ServeConfig(model=str(tmp_path), preload="off", tensor_parallel_size=2)
+    caches = startup_caches(config)
+    assert caches["triton_key_cache"].endswith("triton-key.json")
+    cache, key = source_for(config)
+    assert caches["specializations"] == [str(cache.path), key]
+    launch = RankLaunch(rank=1, size=2, store_port=1, devices=["cuda:0", "cuda:1"], spec={}, preload="off",
+                        socket=None, verify_sample=0, cpu_threads=None, **caches)
+    assert RankLaunch(**json.loads(json.dumps(dataclasses.asdict(launch)))) == launch   # the command line's JSON
+    assert startup_caches(ServeConfig(model=str(tmp_path), preload="off", kv_profile_cache="off")) == \
+        {"triton_key_cache": None, "specializations": None}
