@@ -22,7 +22,7 @@ from typing import Any
 
 from resident.worker.engine_config import EngineConfig
 from resident.worker.output_processor import DetokenizerFactory, OutputState
-from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholder
+from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholder, placeholder_row
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.scheduler import Scheduler
@@ -228,12 +228,11 @@ class LLMEngine:
         process them (stops, text) in the order they were scheduled."""
         in_flight, self._in_flight = self._in_flight, None
         tokens = in_flight.pending.resolve()
-        rows = {rid: row for row, rid in enumerate(in_flight.pending.request_ids)}
         outputs = []
         for request, index in in_flight.placeholders:
             if request.is_finished:
                 continue   # aborted (or stopped) since: its token is dropped
-            request.set_output_token(index, tokens[rows[request.request_id]])
+            request.set_output_token(index, tokens[placeholder_row(request.output_token_ids[index])])
             outputs.append(self._process_tokens(request, 1, _NO_RUNNER_OUTPUT, first=index))
         return outputs
 

@@ -215,14 +215,18 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._last_sampled = None   # a synchronous step's tokens are on the host: no placeholders follow it
+        to_sample, logits = self._forward_step(out)
+        return ModelRunnerOutput(sampled={}) if logits is None else self.sample(logits, to_sample)
+
+    def _forward_step(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """A step's forward pass after forgetting its finished requests: (the chunks that sample,
+        their logits rows in that order; None when none samples)."""
         self.drop_requests(out.finished_request_ids)
         if not out.scheduled:
-            return ModelRunnerOutput(sampled={})
+            return [], None
         to_sample = [s for s in out.scheduled if s.sample]
         logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled])
-        if not to_sample:
-            return ModelRunnerOutput(sampled={})
-        return self.sample(logits, to_sample)
+        return to_sample, logits if to_sample else None
 
     #: The engine may launch a step before reading the previous step's tokens (`execute_async`).
     supports_async_scheduling = True
@@ -236,24 +240,18 @@ class ModelRunner:
         this step is queued behind the previous one without the host waiting for it. Rows
         must not ask for logprobs or penalties (the engine steps such batches with `execute`)."""
         with self._device_guard():
-            to_sample = [s for s in out.scheduled if s.sample]
-            self.drop_requests(out.finished_request_ids)
-            if not out.scheduled:
-                return PendingTokens([], None, list)
-            logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled])
-            if not to_sample:
-                self._last_sampled = None
-                return PendingTokens([], None, list)
+            to_sample, logits = self._forward_step(out)
+            self._last_sampled = None
+            if logits is None:
+                return PendingTokens([], list)
             if any(s.sampling_params.logprobs is not None for s in to_sample):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
             if all(is_plain_greedy(s.sampling_params) for s in to_sample):
                 tokens = logits.argmax(dim=-1)
             else:
-                tokens = self.sampler.choose(logits, [SamplingRow(s.sampling_params, s.prompt_token_ids,
-                                                                  s.output_token_ids, self.generator(s))
-                                                      for s in to_sample])
+                tokens = self.sampler.choose(logits, self._sampling_rows(to_sample))
             self._last_sampled = tokens
-            return PendingTokens([s.request_id for s in to_sample], tokens, self._read_back(tokens))
+            return PendingTokens([s.request_id for s in to_sample], self._read_back(tokens))
 
     def _read_back(self, tokens: torch.Tensor):
         """Start copying `tokens` to the host; returns the function that waits for the copy."""
@@ -283,8 +281,7 @@ class ModelRunner:
         """Sample one token per request from its row of `logits` (float, [len(to_sample), V])."""
         if all(is_plain_greedy(s.sampling_params) for s in to_sample):   # no per-row work to set up
             return ModelRunnerOutput(sampled=dict(zip([s.request_id for s in to_sample], self.sampler.greedy(logits))))
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s))
-                for s in to_sample]
+        rows = self._sampling_rows(to_sample)
         result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(to_sample, result.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, result.logprobs) if lp is not None}
@@ -338,6 +335,10 @@ class ModelRunner:
             n = len(out.scheduled)
             return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].clone()
         return self._forward_logits(batch.input_ids, batch.positions, batch.meta)
+
+    def _sampling_rows(self, to_sample: list[ScheduledRequest]) -> list[SamplingRow]:
+        return [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s))
+                for s in to_sample]
 
     def generator(self, s: ScheduledRequest) -> torch.Generator | None:
         """The request's own generator when it is seeded (created on first use), else None."""

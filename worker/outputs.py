@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from resident.worker.request import TokenLogprob
 from resident.worker.sampling_params import SamplingParams
@@ -74,15 +73,13 @@ class ModelRunnerOutput:
 
 class PendingTokens:
     """The tokens of a step launched by `execute_async`, not yet read back: one per sampled
-    request, in `request_ids` order (the order of the step's `sample=True` chunks).
-
-    `device` is the sampled token tensor itself, still on the device: the next step's inputs may
-    name row j of it with the placeholder token id `placeholder(j)` (async scheduling, engine.py).
+    request, in `request_ids` order (the order of the step's `sample=True` chunks). Until they
+    are, the next step's inputs name row j with the placeholder token id `placeholder(j)`
+    (async scheduling, engine.py), which the runner resolves on the device.
     `resolve()` waits for the copy to the host (the step's end) and returns the tokens."""
 
-    def __init__(self, request_ids: list[str], device: Any, read: Callable[[], list[int]]) -> None:
+    def __init__(self, request_ids: list[str], read: Callable[[], list[int]]) -> None:
         self.request_ids = request_ids
-        self.device = device
         self._read = read
         self._tokens: list[int] | None = None
 

@@ -375,9 +375,8 @@ class TPGroup:
         """ModelRunner(model_config, weights, parallel=group, **kwargs) on every rank;
         kwargs: engine_config, cuda_graphs, max_num_kv_blocks, kernel_backend, sampler_seed
         (default: one random seed, the same on every rank)."""
-        kwargs = {**kwargs, "sampler_seed": kwargs.get("sampler_seed")}
-        if kwargs["sampler_seed"] is None:
-            kwargs["sampler_seed"] = secrets.randbits(62)
+        if kwargs.get("sampler_seed") is None:
+            kwargs = {**kwargs, "sampler_seed": secrets.randbits(62)}
         self._commands.send(("build", kwargs))
         return TPRunner(self.group, _build_runner(self.group, self.model_config, weights, self.devices[0],
                                                   dict(kwargs)), self._commands.send, self.end_ranks)

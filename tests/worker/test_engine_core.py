@@ -113,7 +113,7 @@ class FakeRunner:
         result = self.execute(substituted)
         order = [s.request_id for s in out.scheduled if s.sample]
         self._last = tokens = [result.sampled[rid] for rid in order]
-        return PendingTokens(order, None, lambda: list(tokens))
+        return PendingTokens(order, lambda: list(tokens))
 
     def _slot(self, block_table: list[int], pos: int) -> int:
         bs = self.config.block_size

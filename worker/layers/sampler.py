@@ -129,6 +129,11 @@ def truncation_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return removed
 
 
+def _check_rows(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"sampler got logits {tuple(logits.shape)} for {len(rows)} rows")
+
+
 class Sampler:
     """Picks the next token for each row of float32 logits [N, V]."""
 
@@ -138,13 +143,11 @@ class Sampler:
         self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"sampler got logits {tuple(logits.shape)} for {len(rows)} rows")
+        _check_rows(logits, rows)
         logits = logits.to(torch.float32)
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        logits = apply_penalties(logits, rows)
-        tokens = self._choose(logits, rows)
+        tokens = self.choose(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if raw_logprobs is not None:
@@ -175,8 +178,7 @@ class Sampler:
         """The token of every row as an int64 device tensor (no logprobs), read back by nobody:
         async scheduling copies it to the host after launching the next step. No host sync
         unless a row has a penalty (the penalties stage their token lists synchronously)."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"sampler got logits {tuple(logits.shape)} for {len(rows)} rows")
+        _check_rows(logits, rows)
         return self._choose(apply_penalties(logits.to(torch.float32), rows), rows)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
