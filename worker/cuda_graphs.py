@@ -53,6 +53,23 @@ def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return None
 
 
+def startup_sizes(sizes: Sequence[int], mode: str) -> tuple[int, ...]:
+    """The sizes `mode` captures at start: every one (eager), the EAGER_SIZES among them
+    (lazy), none (off)."""
+    if mode == "off":
+        return ()
+    return tuple(sizes) if mode == "eager" else tuple(s for s in sizes if s in EAGER_SIZES)
+
+
+def capture_at_start(capture: Callable[[int], None], sizes: Sequence[int], mode: str) -> float:
+    """`capture` each of `startup_sizes(sizes, mode)`, largest first (the others' memory comes
+    from the first's pool); returns the seconds spent."""
+    t0 = time.monotonic()
+    for size in sorted(startup_sizes(sizes, mode), reverse=True):
+        capture(size)
+    return time.monotonic() - t0
+
+
 def check_mode(mode: str) -> str:
     if mode not in GRAPH_MODES:
         raise ValueError(f"unknown --cuda-graphs {mode!r}; valid: {', '.join(GRAPH_MODES)}")
@@ -121,11 +138,7 @@ class DecodeGraphs:
 
     def capture_startup(self) -> float:
         """Capture the sizes this mode wants at start (largest first); returns the seconds spent."""
-        wanted = self.sizes if self.mode == "eager" else tuple(s for s in self.sizes if s in EAGER_SIZES)
-        t0 = time.monotonic()
-        for size in sorted(wanted, reverse=True):
-            self.capture(size)
-        return time.monotonic() - t0
+        return capture_at_start(self.capture, self.sizes, self.mode)
 
     def capture(self, size: int) -> None:
         if size in self._graphs:

@@ -98,13 +98,9 @@ def plan_for_serve(config: Any, environ: Mapping[str, str] = os.environ) -> Gemm
         hf_config = json.loads(path.read_text())
     except (OSError, ValueError):
         return None   # a hub id, or no readable config: the loader reports real problems later
-    from resident.worker.cuda_graphs import EAGER_SIZES, graph_batch_sizes
+    from resident.worker.cuda_graphs import graph_batch_sizes, startup_sizes
 
-    sizes: tuple[int, ...] = ()
-    if config.cuda_graphs != "off":
-        sizes = graph_batch_sizes(config.max_num_seqs)
-        if config.cuda_graphs == "lazy":
-            sizes = tuple(s for s in sizes if s in EAGER_SIZES)
+    sizes = startup_sizes(graph_batch_sizes(config.max_num_seqs), config.cuda_graphs)
     try:
         return plan_for(hf_config, dtype=config.dtype, quantization=config.quantization, block_size=config.block_size,
                         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,

@@ -12,7 +12,8 @@ import torch
 from weights_util import fused_weights_from_hf_folder
 
 from resident.worker.config import ModelConfig
-from resident.worker.cuda_graphs import DecodeGraphs, bucket_for, check_mode, graph_batch_sizes
+from resident.worker.cuda_graphs import (DecodeGraphs, bucket_for, capture_at_start, check_mode,
+                                         graph_batch_sizes, startup_sizes)
 from resident.worker.engine_config import EngineConfig
 from resident.worker.entrypoint import ServeConfig
 from resident.worker.gpu_memory import GpuMemoryBudget, KVLayout, ModelDoesNotFit, kv_blocks_for_budget
@@ -99,6 +100,16 @@ def test_graph_buckets() -> None:
     sizes = graph_batch_sizes(20)
     assert [bucket_for(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 20)] == [1, 2, 4, 8, 8, 16, 20, 20]
     assert bucket_for(21, sizes) is None
+
+
+def test_sizes_captured_at_start_per_mode() -> None:
+    sizes = graph_batch_sizes(24)
+    assert startup_sizes(sizes, "eager") == (1, 2, 4, 8, 16, 24)
+    assert startup_sizes(sizes, "lazy") == (1, 2, 4, 8)
+    assert startup_sizes(sizes, "off") == ()
+    captured: list[int] = []
+    assert capture_at_start(captured.append, sizes, "lazy") >= 0
+    assert captured == [8, 4, 2, 1]   # largest first: the others' memory comes from its pool
 
 
 def test_host_to_device_splits_one_buffer_and_grows() -> None:

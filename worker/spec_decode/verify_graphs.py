@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from resident.worker.cuda_graphs import (EAGER_SIZES, ForwardFn, bucket_for, check_mode, graph_batch_sizes,
+from resident.worker.cuda_graphs import (ForwardFn, bucket_for, capture_at_start, check_mode, graph_batch_sizes,
                                           record_graph)
 from resident.worker.input_batch import HostToDevice
 from resident.worker.layers.attention import AttentionMetadata
@@ -184,13 +184,7 @@ class VerifyGraphs:
 
     def capture_startup(self) -> float:
         """Capture the sizes the mode wants at start (largest first); returns the seconds spent."""
-        if not self.capturing:
-            return 0.0
-        wanted = self.sizes if self.mode == "eager" else tuple(s for s in self.sizes if s in EAGER_SIZES)
-        t0 = time.monotonic()
-        for size in sorted(wanted, reverse=True):
-            self.capture(size)
-        return time.monotonic() - t0
+        return capture_at_start(self.capture, self.sizes, self.mode) if self.capturing else 0.0
 
     def captured(self, size: int) -> bool:
         """Whether `run` replays size's graph without capturing it first (always, without `capture`)."""
