@@ -93,46 +93,18 @@ def test_groups_follow_the_slabs_and_keep_each_scale_with_its_weight(tiny_model)
     assert len(groups) > len(sizes)
 
 
-def test_a_fresh_pool_starts_reading_before_all_buffers_are_allocated(tiny_model, backend, monkeypatch):
-    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)))
-    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
-    assert piece_counts(8) == [1, 1, 2, 4]
-    first_read = threading.Event()
-    allocations = []
-    real_alloc, real_pread = staging._alloc_host, tensor_reader._pread
-
-    def slow_alloc(nbytes, pinned):
-        if allocations:                 # every piece after the first waits for a read into the first
-            assert first_read.wait(timeout=30), "no read started while the staging buffers were allocated"
-        allocations.append(nbytes)
-        return real_alloc(nbytes, pinned)
-
-    def pread(p, fds, buf, rel):
-        first_read.set()
-        return real_pread(p, fds, buf, rel)
-
-    monkeypatch.setattr(staging, "_alloc_host", slow_alloc)
-    monkeypatch.setattr(tensor_reader, "_pread", pread)
-    backend.staging_pool = pool = StagingPool()
-    m = load(spec, backend, staged=True, staging=config)
-    assert allocations == [n * config.buffer_bytes for n in (1, 1, 2, 4)]
-    assert pool.nbytes == 8 * config.buffer_bytes
-    monkeypatch.setattr(tensor_reader, "_pread", real_pread)
-    again = load(spec, backend, staged=True, staging=config)        # kept: nothing allocated
-    assert len(allocations) == 4
-    assert [e.crc32 for e in again.table.entries] == [e.crc32 for e in m.table.entries]
-    pool.close()
-
-
-def test_a_load_during_the_daemons_prepare_reads_into_the_buffers_pinned_so_far(tiny_model, backend, monkeypatch):
-    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
+def _allocations_after_the_first_wait_for_a_read(monkeypatch) -> tuple[list[int], threading.Event]:
+    """Every staging-buffer piece after the first waits (up to 30 s) until a read has started:
+    a load that waited for the whole allocation fails the test. Returns the pieces' sizes, as
+    allocated, and an event set once the first is."""
     first_piece, first_read = threading.Event(), threading.Event()
-    allocations = []
+    allocations: list[int] = []
     real_alloc, real_pread = staging._alloc_host, tensor_reader._pread
 
     def slow_alloc(nbytes, pinned):
         if allocations and not first_read.wait(timeout=30):
-            raise AssertionError("the load waited for the whole allocation")
+            raise AssertionError("no read started while the staging buffers were allocated: the load "
+                                 "waited for the whole allocation")
         allocations.append(nbytes)
         first_piece.set()
         return real_alloc(nbytes, pinned)
@@ -143,6 +115,27 @@ def test_a_load_during_the_daemons_prepare_reads_into_the_buffers_pinned_so_far(
 
     monkeypatch.setattr(staging, "_alloc_host", slow_alloc)
     monkeypatch.setattr(tensor_reader, "_pread", pread)
+    return allocations, first_piece
+
+
+def test_a_fresh_pool_starts_reading_before_all_buffers_are_allocated(tiny_model, backend, monkeypatch):
+    spec = LoadSpec(str(tiny_model("llama", vocab_size=1024)))
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
+    assert piece_counts(8) == [1, 1, 2, 4]
+    allocations, _ = _allocations_after_the_first_wait_for_a_read(monkeypatch)
+    backend.staging_pool = pool = StagingPool()
+    m = load(spec, backend, staged=True, staging=config)
+    assert allocations == [n * config.buffer_bytes for n in (1, 1, 2, 4)]
+    assert pool.nbytes == 8 * config.buffer_bytes
+    again = load(spec, backend, staged=True, staging=config)        # kept: nothing allocated
+    assert len(allocations) == 4
+    assert [e.crc32 for e in again.table.entries] == [e.crc32 for e in m.table.entries]
+    pool.close()
+
+
+def test_a_load_during_the_daemons_prepare_reads_into_the_buffers_pinned_so_far(tiny_model, backend, monkeypatch):
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=8, num_streams=2, num_threads=3)
+    allocations, first_piece = _allocations_after_the_first_wait_for_a_read(monkeypatch)
     backend.staging_pool = pool = StagingPool(config)
     prepare = threading.Thread(target=pool.prepare, kwargs={"pinned": False})   # host memory: no GPU here
     prepare.start()
