@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
                    "and larger ones on first use; off runs decode steps eagerly.")
 @click.option("--async-scheduling", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Launch each engine step before reading the previous step's tokens, so the host's "
-                   "scheduling and output work overlaps the GPU's; auto: on for one GPU (on for a tensor-parallel "
-                   "group only when asked; never with speculative decoding). Requests with penalties or logprobs "
+                   "scheduling and output work overlaps the GPU's; auto: on with GPUs (one or a tensor-parallel "
+                   "group; never with speculative decoding). Requests with penalties or logprobs "
                    "step synchronously.")
 @click.option("--kv-cache-initial", type=SIZE, default="4GiB", show_default=True,
               help="GPU: KV cache mapped before /ready (at least one --max-model-len request); the rest of "

@@ -38,7 +38,7 @@ class ServeConfig:
     device: str = "auto"                      # auto | cpu | cuda | cuda:N
     gpu_memory_utilization: float = 0.9       # share of the whole GPU this worker may fill (GPU)
     cuda_graphs: str = "lazy"                 # eager | lazy | off (GPU)
-    async_scheduling: str = "auto"            # auto (on for one GPU) | on | off: engine.py's module doc
+    async_scheduling: str = "auto"            # auto (on with GPUs, TP too) | on | off: engine.py's module doc
     cpu_threads: int | None = None            # torch intra-op threads (None: torch's default)
     max_model_len: int | None = None          # default: min(max_position_embeddings, 4096 on CPU)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES

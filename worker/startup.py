@@ -229,7 +229,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         engine = LLMEngine(engine_config, runner, tokenizer,
                            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
                            async_scheduling=config.async_scheduling == "on"
-                           or (config.async_scheduling == "auto" and device.type == "cuda" and not tp))
+                           or (config.async_scheduling == "auto" and device.type == "cuda"))
         logger.info("async scheduling: %s (--async-scheduling %s)", "on" if engine.async_scheduling else "off",
                     config.async_scheduling)
         startup.end("kv_alloc")

@@ -119,10 +119,10 @@ def test_tp2_bf16_on_two_gpus_agrees_with_tp1(tmp_path):
 @pytest.mark.skipif(not two_gpus(), reason="needs 2 GPUs")
 def test_serve_tp2_on_two_gpus_over_http_equals_tp1(tmp_path):
     """`resident serve --tensor-parallel-size 2` on cuda:0 and cuda:1 (KV cache planned on every
-    rank, NCCL, decode graphs) answers with TP=1's greedy completion (the second start with async
-    scheduling on); its KV cache starts small
-    (--kv-cache-initial) and grows after ready on both ranks; a second start reads the
-    activation headroom from the KV profile cache (no probe on any rank) and answers the same."""
+    rank, NCCL, decode graphs) answers with TP=1's greedy completion, synchronous (the first
+    start) and with `--async-scheduling auto`, which means on for a GPU TP group (the second);
+    its KV cache starts small (--kv-cache-initial) and grows after ready on both ranks; the second
+    start reads the activation headroom from the KV profile cache (no probe on any rank)."""
     model = servable_tiny_model(tmp_path / "m", "qwen2")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
     args = ("--preload", "off", "--device", "cuda:0", "--max-model-len", "256", "--gpu-memory-utilization", "0.3")
@@ -132,9 +132,9 @@ def test_serve_tp2_on_two_gpus_over_http_equals_tp1(tmp_path):
         want = [completion(tp1.base_url, p) for p in prompts]
     finally:
         stop_serve(tp1)
-    # The second start also runs async scheduling (every rank substitutes its own copy of the
-    # sampled tokens; `auto` leaves TP groups synchronous until this has passed on GPUs).
-    for run, headroom, scheduling in ((1, "measured", "auto"), (2, "cached", "on")):
+    # The second start runs async scheduling (every rank substitutes its own copy of the
+    # sampled tokens): `auto` turns it on for a TP group on GPUs.
+    for run, headroom, scheduling in ((1, "measured", "off"), (2, "cached", "auto")):
         log = tmp_path / f"tp2-{run}.log"
         tp2 = start_serve(model, log, *args, "--tensor-parallel-size", "2", "--kv-cache-initial", "4KiB",
                           "--async-scheduling", scheduling, env=env)
@@ -147,7 +147,8 @@ def test_serve_tp2_on_two_gpus_over_http_equals_tp1(tmp_path):
             assert re.search(r"KV cache growth done: \d+ -> \d+ blocks", text), text[-3000:]
             assert text.count("KV cache grown to") >= 2, "both ranks grew"   # kv_cache.grow logs on each rank
             assert f"headroom {headroom}" in text
-            assert f"async scheduling: {'on' if scheduling == 'on' else 'off'}" in text
+            on_off = "on" if scheduling == "auto" else "off"
+            assert f"async scheduling: {on_off} (--async-scheduling {scheduling})" in text
             assert [completion(tp2.base_url, p) for p in prompts] == want   # after the growth too
         finally:
             tp2.kill(signal.SIGTERM)
