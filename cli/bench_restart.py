@@ -60,6 +60,7 @@ _TRITON = re.compile(r"Triton start-up work .*")
 _GEMMS = re.compile(r"GEMM prefetch.*")
 _WEIGHTS = re.compile(r"weights breakdown: (.*)")
 _WARMUP = re.compile(r"warm-up forward passes done in (.*)")
+_CPU = re.compile(r"start-up CPU \(s, [^)]*\): (.*)")
 #: Tensor parallel (worker/tp_executor.py): the group's formation on rank 0, each other rank's start.
 _TP_GROUP = re.compile(r"tensor-parallel group of \d+ ranks formed in ([0-9.]+) s")
 _TP_RANK = re.compile(r"rank (\d+) start-up phases: import=([0-9.]+) group=([0-9.]+) shard=([0-9.]+) source=(\w+)")
@@ -183,7 +184,7 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
                                 ("cuda_preinit", _PREINIT, 0), ("import_breakdown", _IMPORTS, 1),
                                 ("triton_prefetch", _TRITON, 0), ("gemm_prefetch", _GEMMS, 0),
                                 ("weights_breakdown", _WEIGHTS, 1),
-                                ("warmup_breakdown", _WARMUP, 1)):
+                                ("warmup_breakdown", _WARMUP, 1), ("cpu_breakdown", _CPU, 1)):
         found = pattern.search(text)
         if found:
             row[key] = found.group(group)
@@ -417,7 +418,7 @@ def _report(results: dict, variants: list[str]) -> None:
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
         last = r["runs"][-1] if r.get("runs") else {}
         for key in ("import_breakdown", "weights_breakdown", "attach_breakdown", "kv_alloc_breakdown",
-                    "warmup_breakdown", "cuda_preinit", "triton_prefetch", "gemm_prefetch"):
+                    "warmup_breakdown", "cpu_breakdown", "cuda_preinit", "triton_prefetch", "gemm_prefetch"):
             if key in last:
                 click.echo(f"{'':<28}  {key.replace('_', ' ')} (last run): {last[key]}")
         if "tp_group_s" in r:

@@ -127,6 +127,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     metrics.set_startup_phases(startup.phases)
     state.ready = True
     logger.info("%s; weights from %s", startup.summary(), worker.store.source)
+    logger.info("%s", startup.cpu_summary())
     sd_notify(config.notify_socket, "READY=1")
     growth = worker.kv_growth = start_kv_growth(worker, metrics, config.gpu_memory_utilization)
     compile_chat_template_after_ready(worker)

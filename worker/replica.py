@@ -223,6 +223,7 @@ class Replica:
             await self._accept()
         logger.info("replica %d %s; %s; weights from %s", self.options.replica_id, self.state.value,
                     self.startup.summary(), self.worker.store.source)
+        logger.info("%s", self.startup.cpu_summary())
         await drain
         return await self._leave()
 

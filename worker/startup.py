@@ -37,7 +37,12 @@ class StartupTimer:
     def __init__(self, t0: float) -> None:
         self.t0 = t0
         self.phases: dict[str, float] = {}
+        #: CPU seconds of the thread that ran each phase after import (build_worker's): against
+        #: the phase's wall time, how long it waited — for the GPU, or for the GIL while a
+        #: start-up thread (Triton or GEMM prefetch) ran Python beside it
+        self.cpu: dict[str, float] = {}
         self._mark = time.time()
+        self._cpu_mark = time.thread_time()
         #: triton_prefetch.TritonPrefetch started by prepare_process (GPU), joined by build_worker
         self.triton_prefetch: Any = None
         #: gemm_prefetch.GemmPrefetch started by prepare_process (one GPU), joined before the KV plan
@@ -47,15 +52,25 @@ class StartupTimer:
 
     def begin(self) -> None:
         self._mark = time.time()
+        self._cpu_mark = time.thread_time()
 
     def end(self, phase: str) -> None:
-        now = time.time()
+        now, cpu = time.time(), time.thread_time()
         self.phases[phase] = now - self._mark
-        self._mark = now
+        self.cpu[phase] = cpu - self._cpu_mark
+        self._mark, self._cpu_mark = now, cpu
 
     def summary(self) -> str:
         parts = [f"{k.replace('_', ' ')} {v:.2f}" for k, v in self.phases.items() if k != "total"]
         return f"ready in {self.phases['total']:.2f} s ({', '.join(parts)})"
+
+    def cpu_summary(self) -> str:
+        """One line: each phase's CPU seconds on its own thread against its wall seconds, and the
+        whole process's CPU seconds (every thread) since exec; call after ready."""
+        parts = [f"{k.replace('_', ' ')} {v:.2f} of {self.phases[k]:.2f}" for k, v in self.cpu.items()
+                 if k in self.phases]
+        return (f"start-up CPU (s, the build thread's of the phase's wall time): {', '.join(parts)}; "
+                f"the process used {time.process_time():.2f} s of CPU in its {time.time() - self.t0:.2f} s")
 
 
 @dataclass

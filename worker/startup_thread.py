@@ -22,11 +22,18 @@ class StartupThread:
         self.skipped: str | None = None
         self._thread: threading.Thread | None = None
         self._joined = False
+        self.cpu_s: float | None = None  # the thread's CPU seconds, once it has ended
 
     def start(self):
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread = threading.Thread(target=self._timed_run, name=self.thread_name, daemon=True)
         self._thread.start()
         return self
+
+    def _timed_run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.cpu_s = time.thread_time()
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -47,7 +54,8 @@ class StartupThread:
                 self.error = self.error or f"still running after {timeout_s:.0f} s"
             self._joined = True
             level = logging.INFO if self.skipped is None or self.error is not None else logging.DEBUG
-            logging.getLogger(type(self).__module__).log(level, "%s", self.describe())
+            cpu = f" (its thread's CPU {self.cpu_s:.2f} s)" if self.cpu_s is not None else ""
+            logging.getLogger(type(self).__module__).log(level, "%s%s", self.describe(), cpu)
         return self.error is None and not self._thread.is_alive()
 
 

@@ -91,6 +91,10 @@ def test_restart_cold_and_warm_with_json_and_plot(tiny_ckpt, tmp_path):
                         doc["warm"]["runs"][0]["attach_breakdown"])
     assert re.fullmatch(r"device\+modules [0-9.]+, key [0-9.]+, client [0-9.]+, store [0-9.]+ \(of which the attach "
                         r"[0-9.]+\); [0-9.]+ s in all", doc["warm"]["runs"][0]["weights_breakdown"])
+    # each build phase's CPU seconds on the build thread against its wall time, and the process's CPU
+    cpu = doc["warm"]["runs"][0]["cpu_breakdown"]
+    assert re.match(r"weights [0-9.]+ of [0-9.]+, verify [0-9.]+ of [0-9.]+, .*kv alloc [0-9.]+ of [0-9.]+, "
+                    r"warmup [0-9.]+ of [0-9.]+, .*; the process used [0-9.]+ s of CPU in its [0-9.]+ s$", cpu), cpu
     svg = pic.read_text()
     assert svg.startswith("<svg") and "(c) resident + daemon" in svg and "weights" in svg
 
