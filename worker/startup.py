@@ -1,9 +1,9 @@
 """A worker's start-up, shared by `resident serve` (entrypoint.py) and each supervised replica
 (replica.py): the phase timer, the process's start time, and `build_worker` — everything
 between the imports and /ready: obtain the weights (attach from the daemon or load;
-tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), verify sampled
-checksums, load the tokenizer, size and allocate the KV cache, wrap the runner for
-speculative decoding, warm up, capture CUDA graphs. After /ready, `start_kv_growth` maps
+tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), load the
+tokenizer, size and allocate the KV cache, wrap the runner for speculative decoding, warm up
+while a thread verifies sampled checksums (joined before ready), capture CUDA graphs. After /ready, `start_kv_growth` maps
 the rest of a GPU KV cache in the background (see entrypoint.py's module doc).
 
 Log lines others parse: "kv_alloc breakdown: ..." (`resident bench restart`, tests).
@@ -24,6 +24,7 @@ from typing import Any
 from resident.worker.metrics import ServerMetrics
 from resident.worker.proc_time import process_start_time  # noqa: F401 - re-exported (entrypoint, replica)
 from resident.worker.serve_config import CPU_MAX_MODEL_LEN, ServeConfig
+from resident.worker.startup_thread import StartupThread
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     weights_s["store"] = time.monotonic() - t_store
     draft = None
     recording = ExitStack()   # the Triton specializations loaded from the KV plan to the graphs
+    verify: VerifyThread | None = None
     try:
         draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
         metrics.set_weights_source(store.source)
@@ -162,9 +164,6 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         logger.info("weights breakdown: %s%s; %.3f s in all", ", ".join(f"{k} {v:.3f}" for k, v in weights_s.items()),
                     f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",
                     time.monotonic() - t_weights)
-        checked = store.verify(config.verify_sample)
-        logger.info("verified the checksums of %d/%d tensors", checked, len(store.tensors))
-        startup.end("verify")
         template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
         tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
         startup.end("tokenizer")
@@ -251,13 +250,22 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         log_kv_alloc(plan_timings, t_runner - t_plan, time.monotonic() - t_runner,
                      {**getattr(target_runner, "build_s", {}), **target_runner.kv_cache.alloc_s},
                      num_kv_blocks, kv_target_blocks, block_bytes, headroom_source)
+        # The checksums beside the warm-up (their first kernel launches and syncs release the
+        # GIL): after the KV plan and the runner's build, whose GPU memory readings the
+        # checksums' temporaries would skew; joined before the graphs' capture, which no other
+        # thread's CUDA work may interleave.
+        verify = VerifyThread(store, config.verify_sample).start()
         runner.warmup()
         startup.end("warmup")
+        verify.result()
+        startup.end("verify")
         runner.capture_graphs()
         startup.end("graphs")
         recording.close()
         triton_specializations.store_loaded(prefetch, recorded)
     except BaseException:
+        if verify is not None:
+            verify.join()   # it reads the weights: done before they are released
         recording.close()
         store.close()
         if draft is not None and draft.store is not None:
@@ -283,6 +291,40 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     worker.llm_engine = engine
     worker.tokenizer = tokenizer
     return worker
+
+
+class VerifyThread(StartupThread):
+    """`store.verify(sample)` in a thread beside the warm-up; `result()` joins it and raises
+    what verify raised (ChecksumMismatch: the start fails before ready, as it would inline)."""
+
+    thread_name = "resident-verify"
+
+    def __init__(self, store: Any, sample: int) -> None:
+        super().__init__()
+        self.store, self.sample = store, sample
+        self.checked = 0
+        self.exc: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.checked = self.store.verify(self.sample)
+        except BaseException as e:  # noqa: BLE001 - raised again by result() in the build thread
+            self.exc = e
+            self.error = str(e)
+
+    def describe(self) -> str:
+        if self.exc is not None:
+            return f"checksum verification failed: {self.exc}"
+        return (f"verified the checksums of {self.checked}/{len(self.store.tensors)} tensors beside the warm-up "
+                f"(waited {self.waited_s:.2f} s for it)")
+
+    def result(self) -> int:
+        """Wait for the verification (no time limit: `--verify-sample -1` reads every tensor)
+        and return how many tensors it checked."""
+        self.join(timeout_s=None)
+        if self.exc is not None:
+            raise self.exc
+        return self.checked
 
 
 def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],

@@ -41,7 +41,7 @@ class StartupThread:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def join(self, timeout_s: float = 60.0) -> bool:
+    def join(self, timeout_s: float | None = 60.0) -> bool:
         """Wait for the thread (once; later calls return at once) and log the outcome (a skip
         at DEBUG); True when it finished without an error."""
         if self._thread is None:
