@@ -9,12 +9,14 @@
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
 #   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
+#   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter;
+#      GPU_TEST_TIMEOUT: seconds per test (default 90);
 #      -s, so the figures tests print (snapshot restore times, TP agreement, shard load GB/s) reach the log
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
 set -uo pipefail
@@ -44,7 +46,7 @@ for s in $steps; do
     gputests)
       timeout -s INT -k 20 "${GPUTESTS_TIMEOUT:-200}" python3 -m pytest -q -s -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} -rs \
         ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
-        --timeout 90 --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
+        --timeout "${GPU_TEST_TIMEOUT:-90}" --continue-on-collection-errors >> "$LOG" 2>&1; echo "gpu tests rc=$?" >> "$LOG" ;;
     checkpoint)
       timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b --force >> "$LOG" 2>&1 ;;
     restart)
@@ -52,7 +54,7 @@ for s in $steps; do
         --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
     throughput)
       timeout "${THROUGHPUT_TIMEOUT:-180}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-        --quantization none,fp8_per_tensor --async-scheduling "${ASYNC_MODES:-on,off}" \
+        --quantization "${QUANTS:-none,fp8_per_tensor}" --async-scheduling "${ASYNC_MODES:-on,off}" \
         --json "$OUT/throughput.json" >> "$LOG" 2>&1 ;;
     profile)  # issue 4: where the decode step's time goes (cli/bench_profile.py); the profile runs after the timed steps
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
