@@ -6,7 +6,10 @@ times, in microseconds per call:
 
 - `quant ref`: the reference activation quantization (eager torch ops: cast, abs, amax,
   divide, clamp, divide, clamp, cast) — what fp8 decode paid before the fused kernel;
-- `quant fused`: the Triton kernel (`kernels/fp8_quant.py`);
+- `quant fused`: the Triton kernel (`kernels/fp8_quant.py`), on the path it picks;
+- `quant two` / `quant coop`: the same forced onto its two-kernel path and onto its one-launch
+  cooperative kernel (`-` at sizes of the one-program path, and for coop where the grid has more
+  programs than the GPU has SMs);
 - `fp8 linear`: the whole fp8 GEMM as the engine runs it (fused quantization + `_scaled_mm`;
   at M <= `fp8_gemv.MAX_TOKENS` the GEMV kernel instead);
 - `bf16 linear`: `F.linear` on bf16 weights of the same shape;
@@ -93,6 +96,20 @@ def _time_us(fn: Callable[[], Any], reps: int, iters: int, graph: bool) -> float
         end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000.0 / (iters * reps)
+
+
+def _quant_path_us(x: Any, path: str, reps: int, iters: int, graph: bool) -> float | None:
+    """Microseconds of the fused quantization forced onto `path` (two | coop); None where it does
+    not apply."""
+    import torch
+
+    from resident.worker.kernels.fp8_quant import choose_path, coop_unsupported_reason, quantize_fp8_into
+    from resident.worker.layers.linear import FP8_DTYPE
+
+    if choose_path(x) == "small" or path == "coop" and coop_unsupported_reason(x) is not None:
+        return None
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    return _time_us(lambda: quantize_fp8_into(x, out, path=path), reps, iters, graph)
 
 
 def copy_bandwidth_bytes_per_s() -> float:
@@ -198,6 +215,8 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
             row = {"linear": name, "n": n, "k": k, "tokens": m,
                    "quant_ref_us": _time_us(lambda: quantize_fp8_per_tensor_dynamic(x), reps, iters, graph),
                    "quant_fused_us": _time_us(lambda: quantize_fp8_per_tensor(x), reps, iters, graph),
+                   "quant_two_us": _quant_path_us(x, "two", reps, iters, graph),
+                   "quant_coop_us": _quant_path_us(x, "coop", reps, iters, graph),
                    "fp8_linear_us": _time_us(lambda: fp8_linear(x, w_q, w_scale), reps, iters, graph),
                    "bf16_linear_us": _time_us(lambda: F.linear(x, w), reps, iters, graph),
                    "weight_roofline_us": n * k / bw * 1e6}
@@ -238,9 +257,10 @@ def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, it
     click.echo(f"{doc['gpu']}, torch {doc['torch']}; copy bandwidth {doc['copy_bandwidth_gb_s']:.0f} GB/s; "
                f"{'CUDA-graph replays' if doc['graph'] else 'eager launches'}; microseconds per call")
     click.echo(format_table(
-        ["LINEAR", "N x K", "TOKENS", "QUANT REF", "QUANT FUSED", "FP8 LINEAR", "BF16 LINEAR", "ROOFLINE",
-         "FP8 OF ROOFLINE"],
+        ["LINEAR", "N x K", "TOKENS", "QUANT REF", "QUANT FUSED", "QUANT TWO", "QUANT COOP", "FP8 LINEAR",
+         "BF16 LINEAR", "ROOFLINE", "FP8 OF ROOFLINE"],
         [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"], f"{r['quant_ref_us']:.1f}", f"{r['quant_fused_us']:.1f}",
+          *("-" if r[key] is None else f"{r[key]:.1f}" for key in ("quant_two_us", "quant_coop_us")),
           f"{r['fp8_linear_us']:.1f}", f"{r['bf16_linear_us']:.1f}", f"{r['weight_roofline_us']:.1f}",
           f"{100 * r['fp8_of_roofline']:.0f} %"] for r in doc["rows"]]))
     click.echo("\nfp8 decode GEMV vs quantize + _scaled_mm: microseconds per call, weight GB/s, % of copy bandwidth")

@@ -1,8 +1,9 @@
 """The fused fp8 activation quantization (worker/kernels/fp8_quant.py) against its reference.
 
 The reference is `layers.linear.quantize_fp8_per_tensor_dynamic`; the kernel must give the
-same scale and the same quantized bytes, bit for bit, on both of its paths (one program for
-small inputs, amax-with-atomics + quantize for large ones). In Triton's CPU interpreter
+same scale and the same quantized bytes, bit for bit, on each of its paths (one program for
+small inputs, amax + quantize kernels for large ones; the one-launch cooperative kernel, which
+cannot run in the interpreter, is tested on a GPU in test_kernels_fp8_coop_gpu.py). In Triton's CPU interpreter
 (a subprocess, as in test_kernels.py) the kernels write their float32 output — the clamped
 x / scale before the fp8 cast, since the interpreter's own fp8 cast rounds wrongly — and
 the test casts it with torch; on a GPU they write fp8 and the bytes are compared directly,
@@ -15,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,18 @@ def _input(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     x = torch.randn(m, k, generator=g) * 3
     x[m // 2, k // 3] = 57.0          # one outlier sets the scale, as in real activations
     return x.to(dtype)
+
+
+class LaunchSpy:
+    """Wraps a Triton kernel: records the grid of every launch, then launches it."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.grids.append(grid)
+        return self.kernel[grid]
 
 
 def _expect_equal_quantization(x: torch.Tensor, out_f32: torch.Tensor, scale: torch.Tensor) -> None:
@@ -62,9 +76,9 @@ def _strided_rows() -> None:
 
     base = _input(6, 160, torch.float32)
     x = base[:, 16:144]                  # rows 160 apart, last dim contiguous (a split of a fused output)
-    for small in (True, False):
+    for path in ("small", "two"):
         out = torch.empty(6, 128)
-        _expect_equal_quantization(x, out, quantize_fp8_into(x, out, small=small))
+        _expect_equal_quantization(x, out, quantize_fp8_into(x, out, path=path))
 
 
 def _zeros_and_saturation() -> None:
@@ -90,6 +104,40 @@ def _auto_path_choice() -> None:
         _expect_equal_quantization(x, out, quantize_fp8_into(x, out))
 
 
+def _coop_refused_in_interpreter() -> None:
+    from resident.worker.kernels import fp8_quant
+
+    x = _input(8, 4096, torch.float32)                    # past SMALL_MAX_NUMEL: a large path
+    assert fp8_quant._INTERPRETED and fp8_quant.choose_path(x) == "two"
+    with pytest.raises(ValueError, match="path='coop' cannot run: Triton's CPU interpreter"):
+        fp8_quant.quantize_fp8_into(x, torch.empty(8, 4096), path="coop")
+    fp8_quant._absmax_kernel = spy = LaunchSpy(fp8_quant._absmax_kernel)     # a subprocess of its own
+    out = torch.empty(8, 4096)
+    _expect_equal_quantization(x, out, fp8_quant.quantize_fp8_into(x, out))
+    assert spy.grids == [(2, 2)]
+
+
+def _coop_kernel_with_one_program() -> None:
+    """The coop kernel itself, launched directly on a one-program grid (the interpreter runs
+    programs one after another, so only the last arriver's branch can run here): the math, and
+    the barrier state left at count 0 with the generation advanced."""
+    from resident.worker.kernels import fp8_quant
+
+    for m, k in ((3, 1000), (8, 1024)):
+        x = _input(m, k, torch.float32, seed=k)
+        x[m - 1, k - 1] = -80.0                            # the maximum in the tile's last element
+        out = torch.full((m, k), float("nan"))
+        buf = torch.full((2,), float("nan"))
+        state = torch.tensor([0, 41], dtype=torch.int32)
+        block_m, block_k, grid = fp8_quant._large_grid(m, k)
+        assert grid == (1, 1)
+        fp8_quant._quantize_coop_kernel[grid](x, out, buf, buf[1:], state, 1, m, k, x.stride(0), out.stride(0),
+                                              BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=1, FP8_MAX=FP8_MAX,
+                                              MIN_SCALE=FP8_MIN_SCALE)
+        _expect_equal_quantization(x, out, buf[0])
+        assert buf[1].item() == 80.0 and state.tolist() == [0, 42]
+
+
 def _cases() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for dname, dtype in DTYPES.items():
@@ -99,6 +147,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     cases["strided_rows"] = _strided_rows
     cases["zeros_and_saturation"] = _zeros_and_saturation
     cases["auto_path_choice"] = _auto_path_choice
+    cases["coop_refused_in_interpreter"] = _coop_refused_in_interpreter
+    cases["coop_kernel_with_one_program"] = _coop_kernel_with_one_program
     return cases
 
 
@@ -128,12 +178,44 @@ def test_quantize_rejects_bad_arguments_naming_the_fix() -> None:
         quantize_fp8_into(torch.randn(32, 4).t(), torch.empty(4, 32))
     with pytest.raises(ValueError, match="empty"):
         quantize_fp8_into(torch.randn(0, 32), torch.empty(0, 32))
+    with pytest.raises(ValueError, match="unknown fp8 quantization path 'fast'; valid: small, two, coop"):
+        quantize_fp8_into(x, torch.empty(4, 32), path="fast")
+    with pytest.raises(ValueError, match="`small` or `path`, not both"):
+        quantize_fp8_into(x, torch.empty(4, 32), small=True, path="small")
+
+
+def test_cpu_tensors_take_the_two_kernels_and_refuse_the_coop_path() -> None:
+    """The coop kernel's grid barrier needs every program resident on a GPU: CPU tensors (and the
+    interpreter, tested in its subprocess) take the two kernels, and forcing it says why not."""
+    from resident.worker.kernels import fp8_quant
+
+    if fp8_quant._INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set in this process: the interpreter's own reason comes first")
+    big = torch.randn(64, 4096)
+    assert fp8_quant.choose_path(torch.randn(1, fp8_quant.SMALL_MAX_NUMEL)) == "small"
+    assert fp8_quant.choose_path(big) == "two"
+    with pytest.raises(ValueError, match="path='coop' cannot run: x is on cpu; .* needs a CUDA device"):
+        fp8_quant.quantize_fp8_into(big, torch.empty(64, 4096), path="coop")
+
+
+def test_decode_grids_of_llama_8b_fit_an_h200() -> None:
+    """At decode batch 64 every Llama-3-8B activation (4096 and 14336 wide) has a grid of at most
+    132 programs (an H200's SMs), so the coop path runs there; batch 128 at 14336 does not fit."""
+    from resident.worker.kernels.fp8_quant import _large_grid
+
+    assert _large_grid(64, 4096) == (4, 2048, (16, 2))
+    assert _large_grid(64, 14336) == (4, 2048, (16, 7))
+    _, _, (gm, gk) = _large_grid(128, 14336)
+    assert gm * gk == 224 > 132
 
 
 _BUILDS = {
     "one_program": ("_quantize_small_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
                     {"BLOCK_K": 2048, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
     "absmax": ("_absmax_kernel", {"x_ptr": "*bf16", "partial_ptr": "*fp32"}, {"BLOCK_M": 4, "BLOCK_K": 2048}),
+    "coop": ("_quantize_coop_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                       "partial_ptr": "*fp32", "state_ptr": "*i32"},
+             {"BLOCK_M": 4, "BLOCK_K": 2048, "BLOCK_P": 128, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
     "quantize": ("_quantize_kernel", {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                       "partial_ptr": "*fp32"},
                  {"BLOCK_M": 4, "BLOCK_K": 2048, "BLOCK_P": 128, "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE}),
@@ -169,6 +251,10 @@ def test_kernel_compiles_for_hopper_with_exact_division(build: str) -> None:
     assert "div.full" not in ptx
     if build != "absmax":
         assert "div.rn.f32" in ptx
+    if build == "coop":      # the grid barrier's memory orders, and the slots read past L1
+        for instruction in ("ld.global.gpu.acquire.b32", "atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch",
+                            "atom.global.gpu.release.add", "ld.global.cg.b32"):
+            assert instruction in ptx, instruction
 
 
 # --- on a GPU ----------------------------------------------------------------------------------
@@ -249,11 +335,18 @@ def test_bench_kernels_without_a_gpu_says_it_needs_one() -> None:
 @pytest.mark.gpu
 def test_gpu_bench_kernels_measures_every_shape() -> None:
     from resident.cli.bench_kernels import LLAMA3_8B_LINEARS, run_kernel_bench
+    from resident.worker.kernels.fp8_quant import coop_unsupported_reason
 
     doc = run_kernel_bench([1, 64], reps=2, iters=2, graph=True)
     assert len(doc["rows"]) == 2 * len(LLAMA3_8B_LINEARS) and doc["copy_bandwidth_gb_s"] > 0
     for row in doc["rows"]:
         assert all(row[k] > 0 for k in ("quant_ref_us", "quant_fused_us", "fp8_linear_us", "bf16_linear_us"))
+        if row["tokens"] == 1:              # the one-program path only
+            assert row["quant_two_us"] is None and row["quant_coop_us"] is None
+            continue
+        x = torch.empty(row["tokens"], row["k"], dtype=torch.bfloat16, device="cuda")
+        fits = coop_unsupported_reason(x) is None          # on an H200 (132 SMs): all four (32, 112 programs)
+        assert row["quant_two_us"] > 0 and (row["quant_coop_us"] > 0 if fits else row["quant_coop_us"] is None)
 
 
 if __name__ == "__main__":
