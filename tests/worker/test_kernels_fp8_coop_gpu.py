@@ -178,6 +178,8 @@ def test_gpu_coop_replays_in_a_cuda_graph(monkeypatch) -> None:
         static_scale = [quantize_fp8_into(x, out, path="coop") for x, out in zip(static_x, static_out)]
     assert len(coop.grids) == len(shapes) and absmax.grids == []
     capture_state = _state(torch.cuda.graph.default_capture_stream)
+    count0, gen0 = capture_state.tolist()
+    assert count0 == 0
     for i in range(50):
         xs = [_random(m, k, torch.bfloat16, seed=100 * i + j) * (0.1 + i) for j, (m, k) in enumerate(shapes)]
         if i % 10 == 3:
@@ -191,7 +193,7 @@ def test_gpu_coop_replays_in_a_cuda_graph(monkeypatch) -> None:
             assert torch.equal(out.view(torch.uint8), eager_q.view(torch.uint8))
             _assert_equals_reference(x, out, scale)
     torch.cuda.synchronize()
-    assert capture_state.tolist()[0] == 0
+    assert capture_state.tolist() == [0, gen0 + 50 * len(shapes)]      # the state survives replays
 
 
 @pytest.mark.gpu
