@@ -1,62 +1,83 @@
-"""cuBLAS's first-use work for the model's GEMM shapes, done in a background thread.
+"""First-use work of the warm-up's kernels, done in a background thread: cuBLAS's for the
+model's GEMM shapes, then the sampler's and the forward's other torch kernels.
 
 The warm-up's first prefill and decode (0.35-0.5 s on the H200 for the 8B shape) mostly pay
 for work that has nothing to do with the model's numbers: creating a cuBLAS handle and its
-workspace, cuBLASLt's heuristic choosing a kernel for each (M, N, K) and CUDA loading that
+workspace, cuBLASLt's heuristic choosing a kernel for each (M, N, K) and CUDA loading each
 kernel's module into the context on its first launch (lazy loading). The shapes are known
 from config.json before a weight is attached, so a thread started right after `import torch`
-(once the CUDA context pre-creation, cuda_preinit.py, is done) runs the same GEMMs on
-uninitialized tensors of those shapes while the main thread imports the worker's modules
-and attaches the weights: every M the warm-up and the start-up graph captures use
-(the warm-up's prefill chunk, 1, and the captured decode batch sizes) against each linear's
-[N, K] — q/k/v, o, gate/up, down (as `torch._scaled_mm` on fp8 for fp8_per_tensor) and the
-LM head. torch releases the GIL while an op runs, so this overlaps the main thread's Python
-work instead of adding to it.
+(once the CUDA context pre-creation, cuda_preinit.py, is done) launches the same kernels on
+throwaway tensors of those shapes while the main thread imports the worker's modules and
+attaches the weights. torch releases the GIL while an op runs, so this overlaps the main
+thread's Python work instead of adding to it. Three stages, one after the other:
 
-What it leaves behind is what the main thread's first GEMMs would have created anyway: the
-kernels loaded in the context and a cuBLAS handle that torch's handle pool hands to the next
-thread once this one ends. The tensors are freed and the allocator's cache returned before
-the thread ends, so the KV cache plan (which joins the thread first, startup.py) sees the
-GPU's memory as it was. A weight larger than a quarter of the free memory is skipped.
+1. GEMMs: every M the warm-up and the start-up graph captures use (the warm-up's prefill
+   chunk, 1, and the captured decode batch sizes) against each linear's [N, K] — q/k/v, o,
+   gate/up, down (as `torch._scaled_mm` on fp8 for fp8_per_tensor) — and the LM head, on
+   uninitialized tensors.
+2. sampler: the engine's own Sampler with the warm-up's sampling params, at 1 and every
+   start-up graph size rows (op_prefetch.warm_sampler): its sort/topk/softmax/cumsum/
+   exponential/scatter... kernels, which the warm-up's first decode loads otherwise.
+3. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
+   lookup, the sampled rows' selection, the logits' cast, the KV blocks' zeroing:
+   op_prefetch.warm_forward_ops).
+
+What it leaves behind is what the main thread's first launches would have created anyway:
+the kernels loaded in the context and a cuBLAS handle that torch's handle pool hands to the
+next thread once this one ends. Each stage's tensors are freed and the allocator's cache
+returned before the next stage (`run_stage`), so the KV cache plan (which joins the thread
+first, startup.py) sees the GPU's memory as it was. A tensor set larger than a quarter of the
+free memory is skipped. A failing stage is logged (its traceback at DEBUG) and the next one
+runs; the warm-up still does everything the thread did not.
 
 Only where the outcome is predictable and cheap: one GPU (TP ranks have other shapes), a
 local model folder (a hub id would need resolving here), a Llama-family config.json.
 
-Opt-in (`RESIDENT_GEMM_PREFETCH=on`): on the H200 (8B shape, 3 restarts each way) it cut the
-warm-up's first prefill from 0.25-0.35 s to 0.15-0.22 s, but left the decode warm-up as it
-was, and whether its thread slows the imports beside it could not be told apart from that
-host's noise (a bare `import torch` varied by 0.8 s between the two sets): not yet a
-measured net gain (docs/benchmarks.md, session 4).
+Opt-in (`RESIDENT_GEMM_PREFETCH=on`): on the H200 (8B shape, 3 restarts each way) the GEMM
+stage alone cut the warm-up's first prefill from 0.25-0.35 s to 0.15-0.22 s, but left the
+decode warm-up (0.15-0.17 s) as it was, and whether its thread slows the imports beside it
+could not be told apart from that host's noise (a bare `import torch` varied by 0.8 s
+between the two sets): not yet a measured net gain (docs/benchmarks.md, session 4). The
+sampler and other-ops stages, aimed at that decode warm-up, are not yet measured on a GPU.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from resident.worker.sampling_params import SamplingParams
 from resident.worker.startup_thread import StartupThread
 
 logger = logging.getLogger(__name__)
 
 ENV = "RESIDENT_GEMM_PREFETCH"
-#: A weight is prefetched only if it takes at most this share of the free GPU memory.
+#: A tensor set (a weight, a sampler call's memory) is prefetched only if it takes at most
+#: this share of the free memory.
 MAX_FREE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """The GEMMs to run: (name, N, K) per distinct linear, and the Ms each is run with."""
+    """What the prefetch runs: (name, N, K) per distinct linear and the Ms each is run with,
+    and the shapes the sampler and other-ops stages need."""
 
     linears: tuple[tuple[str, int, int], ...]
-    layer_ms: tuple[int, ...]      # the decoder layers' linears
-    head_ms: tuple[int, ...]       # the LM head (only the rows that sample)
+    layer_ms: tuple[int, ...]      # the decoder layers' linears: the token counts of the forwards
+    head_ms: tuple[int, ...]       # the LM head (only the rows that sample): the sampler's row counts
     dtype: str                     # the activations' (and 16-bit weights') dtype
     fp8: bool                      # the layers' linears are fp8_per_tensor (`torch._scaled_mm`)
+    hidden_size: int
+    vocab_size: int
+    prefill_tokens: int            # the warm-up's prefill (the first of layer_ms)
+    kv_block: tuple[int, int, int]  # the KV cache's (block_size, num_kv_heads, head_dim)
 
 
 def warmup_prefill_tokens(block_size: int, max_num_batched_tokens: int, max_model_len: int) -> int:
@@ -64,9 +85,18 @@ def warmup_prefill_tokens(block_size: int, max_num_batched_tokens: int, max_mode
     return max(1, min(max_model_len - 1, max_num_batched_tokens - 1, 2 * block_size))
 
 
+def warmup_sampling_params() -> tuple[SamplingParams, SamplingParams]:
+    """(the prefill's, the decode's) sampling params of ModelRunner.warmup: greedy, then a
+    seeded row with every per-row option the sampler has a kernel path for. Fresh instances
+    (SamplingParams is mutable)."""
+    return (SamplingParams(temperature=0.0, max_tokens=1),
+            SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=0, logprobs=1,
+                           repetition_penalty=1.1, max_tokens=1))
+
+
 def plan_for(hf_config: Mapping[str, Any], *, dtype: str, quantization: str, block_size: int,
              max_num_batched_tokens: int, max_model_len: int | None, graph_sizes: tuple[int, ...]) -> GemmPlan:
-    """The GEMMs of a start of this model (see the module doc). ValueError for a config.json
+    """The plan of a start of this model (see the module doc). ValueError for a config.json
     that is not a Llama-family decoder's (ModelConfig's own message)."""
     from resident.worker.config import ModelConfig
 
@@ -83,7 +113,9 @@ def plan_for(hf_config: Mapping[str, Any], *, dtype: str, quantization: str, blo
         dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
     if dtype not in ("bfloat16", "float16"):
         dtype = "bfloat16" if quantization == "fp8_per_tensor" else dtype
-    return GemmPlan(linears, layer_ms, head_ms, dtype, quantization == "fp8_per_tensor")
+    return GemmPlan(linears, layer_ms, head_ms, dtype, quantization == "fp8_per_tensor", hidden_size=h,
+                    vocab_size=mc.vocab_size, prefill_tokens=prefill,
+                    kv_block=(block_size, mc.num_kv_heads, mc.head_dim))
 
 
 def plan_for_serve(config: Any, environ: Mapping[str, str] = os.environ) -> GemmPlan | None:
@@ -110,73 +142,163 @@ def plan_for_serve(config: Any, environ: Mapping[str, str] = os.environ) -> Gemm
         return None
 
 
-def run(plan: GemmPlan, device_index: int, free_bytes: Callable[[], int] | None = None) -> int:
-    """Run the plan's GEMMs on uninitialized tensors on cuda:`device_index`; returns how many
-    ran. Frees everything and empties the allocator's cache before returning."""
+#: A stage: (plan, device, free bytes now) -> how many kernels (GEMMs, calls, ops) it launched.
+Stage = Callable[[GemmPlan, Any, Callable[[], int]], int]
+
+
+def _as_device(device: Any) -> Any:
+    """torch.device of `device` (an int is a CUDA index)."""
     import torch
 
-    dev = torch.device("cuda", device_index)
-    dtype = getattr(torch, plan.dtype)
-    free = free_bytes or (lambda: torch.cuda.mem_get_info(dev)[0])
-    count = 0
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def _free_bytes_of(device: Any) -> Callable[[], int]:
+    import torch
+
+    if device.type == "cuda":
+        return lambda: torch.cuda.mem_get_info(device)[0]
+    return lambda: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_stage(stage: Stage, plan: GemmPlan, device: Any, free_bytes: Callable[[], int] | None = None) -> int:
+    """Run one stage on `device` (a torch.device, or a CUDA index) under inference mode; its
+    launches are waited for, and the allocator's cache is emptied before returning (also
+    when the stage raises), so nothing of it stays in GPU memory."""
+    import torch
+
+    dev = _as_device(device)
+    cuda = dev.type == "cuda"
     try:
-        with torch.inference_mode(), torch.cuda.device(dev):
-            for name, n, k in plan.linears:
-                head = name == "lm_head"
-                fp8 = plan.fp8 and not head
-                wdtype = torch.float8_e4m3fn if fp8 else dtype
-                if n * k * wdtype.itemsize > MAX_FREE_SHARE * free():
-                    logger.debug("GEMM prefetch skips %s (%d x %d): too large for the free memory", name, n, k)
-                    continue
-                w = torch.empty(n, k, dtype=wdtype, device=dev)
-                one = torch.ones((), dtype=torch.float32, device=dev)
-                for m in plan.head_ms if head else plan.layer_ms:
-                    if fp8:
-                        x = torch.zeros(m, k, dtype=wdtype, device=dev)
-                        torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=dtype)
-                    else:
-                        torch.nn.functional.linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
-                    count += 1
-                del w
-            torch.cuda.synchronize(dev)
+        with torch.inference_mode(), torch.cuda.device(dev) if cuda else nullcontext():
+            count = stage(plan, dev, free_bytes or _free_bytes_of(dev))
+            if cuda:
+                torch.cuda.synchronize(dev)
+            return count
     finally:
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
+    """The GEMM stage: the plan's GEMMs on uninitialized tensors; returns how many ran."""
+    import torch
+
+    dtype = getattr(torch, plan.dtype)
+    count = 0
+    for name, n, k in plan.linears:
+        head = name == "lm_head"
+        fp8 = plan.fp8 and not head
+        wdtype = torch.float8_e4m3fn if fp8 else dtype
+        if n * k * wdtype.itemsize > MAX_FREE_SHARE * free():
+            logger.debug("GEMM prefetch skips %s (%d x %d): too large for the free memory", name, n, k)
+            continue
+        w = torch.empty(n, k, dtype=wdtype, device=dev)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        for m in plan.head_ms if head else plan.layer_ms:
+            if fp8:
+                x = torch.zeros(m, k, dtype=wdtype, device=dev)
+                torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=dtype)
+            else:
+                torch.nn.functional.linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
+            count += 1
+        del w
     return count
 
 
+def sampler_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
+    """The sampler stage (op_prefetch.warm_sampler at the rows that sample)."""
+    from resident.worker.op_prefetch import warm_sampler
+
+    return warm_sampler(dev, plan.vocab_size, plan.head_ms, plan.prefill_tokens, free)
+
+
+def other_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
+    """The other-ops stage (op_prefetch.warm_forward_ops)."""
+    import torch
+
+    from resident.worker.op_prefetch import warm_forward_ops
+
+    return warm_forward_ops(dev, dtype=getattr(torch, plan.dtype), vocab_size=plan.vocab_size,
+                            hidden_size=plan.hidden_size, token_counts=plan.layer_ms, sample_rows=plan.head_ms,
+                            prefill_tokens=plan.prefill_tokens, kv_block=plan.kv_block, free_bytes=free)
+
+
+#: The thread's stages in order: (name in the log line, stage, what it counts).
+STAGES: tuple[tuple[str, Stage, str], ...] = (("GEMMs", gemms, "GEMMs"), ("sampler", sampler_ops, "calls"),
+                                              ("other ops", other_ops, "ops"))
+
+
+def run(plan: GemmPlan, device: Any, free_bytes: Callable[[], int] | None = None) -> int:
+    """The GEMM stage alone on `device` (a torch.device, or a CUDA index); returns how many
+    GEMMs ran. Frees everything and empties the allocator's cache before returning."""
+    return run_stage(gemms, plan, device, free_bytes)
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    unit: str
+    count: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
 class GemmPrefetch(StartupThread):
-    """One background run of `run(plan, index)` (see the module doc); never fails a start.
-    `join()` before planning GPU memory."""
+    """One background run of the plan's stages on `device` (see the module doc); never fails
+    a start. `join()` before planning GPU memory."""
 
     thread_name = "resident-gemm-prefetch"
 
-    def __init__(self, plan: GemmPlan, index: int, context_ready: Callable[[], bool] | None = None,
-                 runner: Callable[[GemmPlan, int], int] = run) -> None:
-        """`context_ready`: waits for the CUDA context pre-creation, False when there is no GPU."""
+    def __init__(self, plan: GemmPlan, device: Any, context_ready: Callable[[], bool] | None = None,
+                 stages: Sequence[tuple[str, Stage, str]] = STAGES,
+                 free_bytes: Callable[[], int] | None = None) -> None:
+        """`device`: a CUDA index or a torch.device; `context_ready`: waits for the CUDA
+        context pre-creation, False when there is no GPU; `free_bytes`: default the device's."""
         super().__init__()
-        self.plan, self.index = plan, index
-        self._context_ready, self._run_plan = context_ready, runner
-        self.num_gemms = 0
-        self.seconds = 0.0
+        self.plan, self.device = plan, device
+        self._context_ready, self._stages, self._free_bytes = context_ready, tuple(stages), free_bytes
+        self.outcomes: list[StageOutcome] = []
+
+    @property
+    def num_gemms(self) -> int:
+        return sum(o.count for o in self.outcomes if o.name == "GEMMs")
 
     def _run(self) -> None:
         try:
             if self._context_ready is not None and not self._context_ready():
                 self.skipped = "no CUDA context was created in advance"
                 return
-            t0 = time.monotonic()
-            self.num_gemms = self._run_plan(self.plan, self.index)
-            self.seconds = time.monotonic() - t0
+            for name, stage, unit in self._stages:
+                outcome = StageOutcome(name, unit)
+                self.outcomes.append(outcome)
+                t0 = time.monotonic()
+                try:
+                    outcome.count = run_stage(stage, self.plan, self.device, self._free_bytes)
+                except Exception as e:  # noqa: BLE001 - the warm-up does this stage's work
+                    outcome.error = f"{type(e).__name__}: {e}"
+                    logger.debug("the prefetch's %s stage failed", name, exc_info=True)
+                outcome.seconds = time.monotonic() - t0
+            self.error = self._stage_errors()
         except BaseException as e:  # noqa: BLE001 - the warm-up does this work when the thread cannot
             self.error = f"{type(e).__name__}: {e}"
 
+    def _stage_errors(self) -> str | None:
+        failed = [f"{o.name}: {o.error}" for o in self.outcomes if o.error is not None]
+        return "; ".join(failed) if failed else None
+
     def describe(self) -> str:
-        if self.error is not None:
-            return f"GEMM prefetch failed ({self.error}); the warm-up does cuBLAS's first-use work"
         if self.skipped is not None:
             return f"GEMM prefetch skipped: {self.skipped}"
-        return (f"GEMM prefetch: cuBLAS's first-use work for {self.num_gemms} GEMMs of the model's shapes done in "
-                f"the background in {self.seconds:.2f} s; waited {self.waited_s:.2f} s for it")
+        stages = ", ".join(f"{o.name} {o.seconds:.2f} s ({o.count} {o.unit})" if o.error is None
+                           else f"{o.name} failed after {o.seconds:.2f} s ({o.error})" for o in list(self.outcomes))
+        if self.error is not None and self.error != self._stage_errors():   # the thread's own failure
+            return (f"GEMM prefetch failed ({self.error}){'; ' + stages if stages else ''}; the warm-up does the "
+                    f"first launches")
+        done = f"GEMM prefetch: first launches of the warm-up's kernels done in the background: {stages}"
+        if self.error is not None:
+            done += "; the warm-up does the failed stages' work"
+        return f"{done}; waited {self.waited_s:.2f} s for it"
 
 
 def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
@@ -186,8 +308,15 @@ def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
 
     index = device_index_for(config.device)
     plan = plan_for_serve(config, environ) if index is not None else None
-    return GemmPrefetch(plan, index, context_ready).start() if plan is not None else None
+    if plan is None:
+        return None
+    # The later stages' modules are imported here, on the main thread: imported by the thread
+    # while the main thread imports the worker's modules, the two could meet in a lock cycle
+    # (and one of them get a partially initialized module).
+    importlib.import_module("resident.worker.op_prefetch")
+    return GemmPrefetch(plan, index, context_ready).start()
 
 
-__all__ = ["ENV", "GemmPlan", "GemmPrefetch", "plan_for", "plan_for_serve", "run", "start_for_serve",
-           "warmup_prefill_tokens"]
+__all__ = ["ENV", "STAGES", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
+           "plan_for_serve", "run", "run_stage", "sampler_ops", "start_for_serve", "warmup_prefill_tokens",
+           "warmup_sampling_params"]

@@ -1,16 +1,20 @@
-"""The GEMM prefetch (worker/gemm_prefetch.py): which GEMMs a start runs, when it applies,
-and the background thread's outcomes; on a GPU, the GEMMs run and leave no memory behind."""
+"""The start-up prefetch (worker/gemm_prefetch.py): which GEMMs and shapes a start runs, when
+it applies, and the background thread's stages and outcomes (on CPU too); on a GPU, every
+stage runs and leaves no memory behind."""
 from __future__ import annotations
 
 import json
 import logging
+import sys
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gemm_prefetch import GemmPrefetch, plan_for, plan_for_serve, run, warmup_prefill_tokens
+from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, plan_for, plan_for_serve, run, run_stage,
+                                           start_for_serve, warmup_prefill_tokens)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
@@ -24,6 +28,8 @@ def test_plan_names_every_linear_with_the_warm_up_and_graph_sizes():
                             ("down_proj", 64, 160), ("lm_head", 320, 64))
     assert plan.layer_ms == (32, 1, 2, 4, 8) and plan.head_ms == (1, 2, 4, 8)
     assert (plan.dtype, plan.fp8) == ("bfloat16", False)
+    # The later stages' shapes: the sampler's vocabulary, the embedding, the KV blocks zeroed.
+    assert (plan.hidden_size, plan.vocab_size, plan.prefill_tokens, plan.kv_block) == (64, 320, 32, (16, 2, 16))
     fp8 = plan_for(LLAMA, dtype="float16", quantization="fp8_per_tensor", block_size=16, max_num_batched_tokens=8,
                    max_model_len=64, graph_sizes=())
     assert fp8.layer_ms == (7, 1) and fp8.head_ms == (1,) and (fp8.dtype, fp8.fp8) == ("float16", True)
@@ -50,27 +56,82 @@ def test_it_applies_to_one_gpu_and_a_local_llama_folder_only(tmp_path):
     assert plan_for_serve(base, on) is None
 
 
-def test_the_thread_reports_done_skipped_and_failed(caplog):
-    plan = plan_for(LLAMA, dtype="auto", quantization="none", block_size=16, max_num_batched_tokens=64,
-                    max_model_len=None, graph_sizes=(1,))
-    caplog.set_level(logging.INFO, logger="resident.worker.gemm_prefetch")
-    done = GemmPrefetch(plan, 0, lambda: True, runner=lambda p, i: 9).start()
-    done.join()
-    assert done.num_gemms == 9 and "for 9 GEMMs" in caplog.text and done.error is None
-    skipped = GemmPrefetch(plan, 0, lambda: False, runner=lambda p, i: 1 / 0).start()
-    skipped.join()
-    assert skipped.skipped and skipped.num_gemms == 0
+def _plan(graph_sizes=(1,)):
+    return plan_for(LLAMA, dtype="auto", quantization="none", block_size=16, max_num_batched_tokens=64,
+                    max_model_len=None, graph_sizes=graph_sizes)
 
-    def boom(p, i):
-        raise RuntimeError("no cuBLAS here")
-    failed = GemmPrefetch(plan, 0, None, runner=boom).start()
-    failed.join()
-    assert "no cuBLAS here" in failed.describe() and "the warm-up does" in failed.describe()
+
+def test_the_thread_reports_each_stage_and_skips(caplog):
+    caplog.set_level(logging.INFO, logger="resident.worker.gemm_prefetch")
+    ran = []
+    stages = [(name, lambda p, d, f, name=name, n=n: ran.append(name) or n, unit)
+              for (name, _, unit), n in zip(STAGES, (9, 4, 7))]
+    done = GemmPrefetch(_plan(), torch.device("cpu"), lambda: True, stages=stages).start()
+    assert done.join() and done.error is None and ran == ["GEMMs", "sampler", "other ops"]
+    assert done.num_gemms == 9
+    # The one line the bench restart keeps (cli/bench_restart.py: "GEMM prefetch.*"), each stage's time in it.
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM prefetch"))
+    assert "GEMMs 0.00 s (9 GEMMs), sampler 0.00 s (4 calls), other ops 0.00 s (7 ops)" in line
+    skipped = GemmPrefetch(_plan(), 0, lambda: False, stages=[("GEMMs", lambda p, d, f: 1 / 0, "GEMMs")]).start()
+    skipped.join()
+    assert skipped.skipped and skipped.num_gemms == 0 and skipped.error is None
+
+
+def test_start_for_serve_imports_the_stages_before_the_thread(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    config = ServeConfig(model=str(tmp_path), preload="off", device="cuda")
+    assert start_for_serve(config, lambda: True, {}) is None   # opt-in
+    monkeypatch.delitem(sys.modules, "resident.worker.op_prefetch", raising=False)
+    t = start_for_serve(config, lambda: False, {"RESIDENT_GEMM_PREFETCH": "on"})
+    assert t is not None and "resident.worker.op_prefetch" in sys.modules
+    t.join()
+    assert t.skipped == "no CUDA context was created in advance"
+
+
+def test_a_failing_stage_is_logged_and_the_next_ones_run(caplog):
+    caplog.set_level(logging.DEBUG, logger="resident.worker.gemm_prefetch")
+
+    def boom(p, d, f):
+        raise RuntimeError("no sort kernel here")
+    stages = [("GEMMs", lambda p, d, f: 3, "GEMMs"), ("sampler", boom, "calls"),
+              ("other ops", lambda p, d, f: 5, "ops")]
+    t = GemmPrefetch(_plan(), torch.device("cpu"), None, stages=stages).start()
+    assert t.join() is False   # reported, never raised: the start goes on
+    assert [(o.name, o.count, o.error is None) for o in t.outcomes] == [
+        ("GEMMs", 3, True), ("sampler", 0, False), ("other ops", 5, True)]
+    line = t.describe()
+    assert line.startswith("GEMM prefetch: ") and "sampler failed after" in line and "no sort kernel here" in line
+    assert "other ops 0.00 s (5 ops)" in line and "the warm-up does the failed stages' work" in line
+    assert any(r.levelno == logging.INFO and "no sort kernel here" in r.getMessage() for r in caplog.records)
+    assert any(r.exc_info and "sampler stage failed" in r.getMessage() for r in caplog.records)   # traceback at DEBUG
+
+
+def test_the_stages_run_on_a_cpu_device():
+    t = GemmPrefetch(_plan(graph_sizes=(1, 2, 4)), torch.device("cpu")).start()
+    assert t.join(), t.error
+    counts = {o.name: o.count for o in t.outcomes}
+    # GEMMs: 4 layer linears x (32, 1, 2, 4) + the head x (1, 2, 4); sampler: greedy + sampled per row count.
+    assert counts == {"GEMMs": 4 * 4 + 3, "sampler": 2 * 3, "other ops": 4 + 1 + 2 * 3 + 1}
+
+
+def test_run_stage_empties_the_cache_even_when_the_stage_fails(monkeypatch):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def boom(p, d, f):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: None)
+    assert run_stage(lambda p, d, f: (d.type, f()), _plan(), 0, free_bytes=lambda: 7) == ("cuda", 7)
+    with pytest.raises(MemoryError):
+        run_stage(boom, _plan(), 0, free_bytes=lambda: 7)
+    assert emptied == [True, True]
+    assert run_stage(lambda p, d, f: d.type, _plan(), torch.device("cpu")) == "cpu" and len(emptied) == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["none", "fp8_per_tensor"])
-def test_gpu_gemms_run_and_free_their_memory(quantization):
+def test_gpu_stages_run_and_free_their_memory(quantization):
     plan = plan_for(dict(LLAMA, hidden_size=256, intermediate_size=512, vocab_size=1024), dtype="auto",
                     quantization=quantization, block_size=16, max_num_batched_tokens=64, max_model_len=None,
                     graph_sizes=(1, 2, 4, 8))
@@ -83,3 +144,12 @@ def test_gpu_gemms_run_and_free_their_memory(quantization):
     assert torch.cuda.memory_allocated() == before
     skipped = run(plan, torch.cuda.current_device(), free_bytes=lambda: 1024)   # nothing fits: nothing runs
     assert skipped == 0
+    # The whole thread: every stage runs; the second time (the first thread's cuBLAS handle and
+    # workspace reused from torch's pool) nothing stays allocated or cached.
+    for _ in range(2):
+        torch.cuda.synchronize()
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        t = GemmPrefetch(plan, torch.cuda.current_device()).start()
+        assert t.join(), t.error
+        assert [o.count > 0 for o in t.outcomes] == [True, True, True]
+    assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() <= reserved
