@@ -31,7 +31,7 @@ import torch
 from resident.worker.config import ModelConfig
 from resident.worker.cuda_graphs import DecodeGraphs, check_mode
 from resident.worker.engine_config import EngineConfig
-from resident.worker.gemm_prefetch import warmup_prefill_tokens
+from resident.worker.gemm_prefetch import warmup_prefill_tokens, warmup_sampling_params
 from resident.worker.input_batch import HostToDevice
 from resident.worker.kernels.dispatch import get_kernels
 from resident.worker.kv_cache import KVCache, bytes_per_block
@@ -472,9 +472,7 @@ class ModelRunner:
         num_tokens = warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
         blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // self.block_size))))
         prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
-        greedy = SamplingParams(temperature=0.0, max_tokens=1)
-        seeded = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=0, logprobs=1,
-                                repetition_penalty=1.1, max_tokens=1)
+        greedy, seeded = warmup_sampling_params()   # the GEMM prefetch's sampler stage warms the same
         graphs, self.graphs = self.graphs, None   # eager: graphs are captured in their own phase
         try:
             prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy, prompt, [])
