@@ -68,16 +68,17 @@ def test_verify_runs_in_its_own_thread_beside_the_warmup_and_ends_before_the_gra
         worker.store.close()
 
 
-def test_a_checksum_mismatch_fails_the_start_and_the_weights_are_released_after_the_thread(tmp_path, monkeypatch):
+def _slow_verify_then(monkeypatch, order: list[str], outcome) -> None:
+    """WeightStore.verify takes a while (still reading when the build thread joins it), notes
+    "verify done", then returns `outcome(store, sample)`; LocalStore.close notes "close"."""
     from resident.worker.weight_store import LocalStore, WeightStore
 
-    order: list[str] = []
     real_close = LocalStore.close
 
     def verify(self, sample=16):
-        time.sleep(0.2)   # still reading when the build thread gets to the join
+        time.sleep(0.3)
         order.append("verify done")
-        raise ChecksumMismatch("tensor x has CRC-32 00000001, the tensor table says 00000002: the weights are corrupt")
+        return outcome(self, sample)
 
     def close(self):
         order.append("close")
@@ -85,6 +86,14 @@ def test_a_checksum_mismatch_fails_the_start_and_the_weights_are_released_after_
 
     monkeypatch.setattr(WeightStore, "verify", verify)
     monkeypatch.setattr(LocalStore, "close", close)
+
+
+def test_a_checksum_mismatch_fails_the_start_and_the_weights_are_released_after_the_thread(tmp_path, monkeypatch):
+    def mismatch(store, sample):
+        raise ChecksumMismatch("tensor x has CRC-32 00000001, the tensor table says 00000002: the weights are corrupt")
+
+    order: list[str] = []
+    _slow_verify_then(monkeypatch, order, mismatch)
     prepared = _prepared(servable_tiny_model(tmp_path / "m"))
     with pytest.raises(ChecksumMismatch, match="weights are corrupt"):
         build_worker(*prepared, ServerMetrics("tiny"))
@@ -93,26 +102,14 @@ def test_a_checksum_mismatch_fails_the_start_and_the_weights_are_released_after_
 
 def test_an_error_in_the_warmup_waits_for_the_verify_thread_before_releasing_the_weights(tmp_path, monkeypatch):
     from resident.worker.model_runner import ModelRunner
-    from resident.worker.weight_store import LocalStore, WeightStore
-
-    order: list[str] = []
-    real_verify, real_close = WeightStore.verify, LocalStore.close
-
-    def verify(self, sample=16):
-        time.sleep(0.3)
-        order.append("verify done")
-        return real_verify(self, sample)
+    from resident.worker.weight_store import WeightStore
 
     def warmup(self):
         raise RuntimeError("warm-up failed")
 
-    def close(self):
-        order.append("close")
-        real_close(self)
-
-    monkeypatch.setattr(WeightStore, "verify", verify)
+    order: list[str] = []
+    _slow_verify_then(monkeypatch, order, WeightStore.verify)
     monkeypatch.setattr(ModelRunner, "warmup", warmup)
-    monkeypatch.setattr(LocalStore, "close", close)
     prepared = _prepared(servable_tiny_model(tmp_path / "m"))
     with pytest.raises(RuntimeError, match="warm-up failed"):
         build_worker(*prepared, ServerMetrics("tiny"))
