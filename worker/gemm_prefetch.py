@@ -15,9 +15,12 @@ thread's Python work instead of adding to it. Three stages, one after the other:
    chunk, 1, and the captured decode batch sizes) against each linear's [N, K] — q/k/v, o,
    gate/up, down (as `torch._scaled_mm` on fp8 for fp8_per_tensor) — and the LM head, on
    uninitialized tensors.
-2. sampler: the engine's own Sampler with the warm-up's sampling params, at 1 and every
-   start-up graph size rows (op_prefetch.warm_sampler): its sort/topk/softmax/cumsum/
-   exponential/scatter... kernels, which the warm-up's first decode loads otherwise.
+2. sampler: the engine's own Sampler with the warm-up's sampling params, at the warm-up's
+   one row (op_prefetch.warm_sampler): its sort/topk/softmax/cumsum/exponential/scatter...
+   kernels, which the warm-up's first decode loads otherwise. Only one row: nothing samples
+   more rows before ready (the graphs end at the logits), and on the H200 the four start-up
+   graph sizes' rows (8 calls) took 0.42-0.45 s of this thread, which the KV plan then waited
+   for; other row counts load their kernels at first use, as without this thread.
 3. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
    lookup, the sampled rows' selection, the logits' cast, the KV blocks' zeroing:
    op_prefetch.warm_forward_ops).
@@ -59,6 +62,8 @@ from resident.worker.startup_thread import StartupThread
 logger = logging.getLogger(__name__)
 
 ENV = "RESIDENT_GEMM_PREFETCH"
+#: The sampler stage's row counts: the warm-up's (module doc).
+SAMPLER_ROWS = (1,)
 #: A tensor set (a weight, a sampler call's memory) is prefetched only if it takes at most
 #: this share of the free memory.
 MAX_FREE_SHARE = 0.25
@@ -207,10 +212,10 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
 
 
 def sampler_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
-    """The sampler stage (op_prefetch.warm_sampler at the rows that sample)."""
+    """The sampler stage (op_prefetch.warm_sampler at the warm-up's one row: module doc)."""
     from resident.worker.op_prefetch import warm_sampler
 
-    return warm_sampler(dev, plan.vocab_size, plan.head_ms, plan.prefill_tokens, free)
+    return warm_sampler(dev, plan.vocab_size, SAMPLER_ROWS, plan.prefill_tokens, free)
 
 
 def other_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:

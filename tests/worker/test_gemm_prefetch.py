@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, plan_for, plan_for_serve, run, run_stage,
+from resident.worker.gemm_prefetch import (SAMPLER_ROWS, STAGES, GemmPrefetch, plan_for, plan_for_serve, run, run_stage,
                                            start_for_serve, warmup_prefill_tokens)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -110,8 +110,10 @@ def test_the_stages_run_on_a_cpu_device():
     t = GemmPrefetch(_plan(graph_sizes=(1, 2, 4)), torch.device("cpu")).start()
     assert t.join(), t.error
     counts = {o.name: o.count for o in t.outcomes}
-    # GEMMs: 4 layer linears x (32, 1, 2, 4) + the head x (1, 2, 4); sampler: greedy + sampled per row count.
-    assert counts == {"GEMMs": 4 * 4 + 3, "sampler": 2 * 3, "other ops": 4 + 1 + 2 * 3 + 1}
+    # GEMMs: 4 layer linears x (32, 1, 2, 4) + the head x (1, 2, 4); sampler: greedy + sampled at the
+    # warm-up's one row only (SAMPLER_ROWS).
+    assert SAMPLER_ROWS == (1,)
+    assert counts == {"GEMMs": 4 * 4 + 3, "sampler": 2, "other ops": 4 + 1 + 2 * 3 + 1}
 
 
 def test_run_stage_empties_the_cache_even_when_the_stage_fails(monkeypatch):
