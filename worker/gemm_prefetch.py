@@ -36,12 +36,14 @@ runs; the warm-up still does everything the thread did not.
 Only where the outcome is predictable and cheap: one GPU (TP ranks have other shapes), a
 local model folder (a hub id would need resolving here), a Llama-family config.json.
 
-Opt-in (`RESIDENT_GEMM_PREFETCH=on`): on the H200 (8B shape, 3 restarts each way) the GEMM
-stage alone cut the warm-up's first prefill from 0.25-0.35 s to 0.15-0.22 s, but left the
-decode warm-up (0.15-0.17 s) as it was, and whether its thread slows the imports beside it
-could not be told apart from that host's noise (a bare `import torch` varied by 0.8 s
-between the two sets): not yet a measured net gain (docs/benchmarks.md, session 4). The
-sampler and other-ops stages, aimed at that decode warm-up, are not yet measured on a GPU.
+On by default (`RESIDENT_GEMM_PREFETCH=off` turns it off). On the H200 (8B shape): in
+session 4 the GEMM stage alone cut the warm-up's first prefill from 0.25-0.35 s to
+0.15-0.22 s but left the decode warm-up as it was, and no net gain could be told from that
+host's noise, so it was opt-in. In session 5, with the sampler and other-ops stages, the
+decode warm-up fell from 0.21-0.26 s to 0.03-0.04 s and the whole warm-up from 0.56-0.67 s
+to 0.19-0.31 s; the KV plan waited 0.11-0.20 s for the thread; the phases after the imports
+summed to 1.22 s against 1.44 s without it (medians of 3 restarts each, one host), 0.91-1.04 s
+against 1.29 s in an earlier call (docs/benchmarks.md, session 5).
 """
 from __future__ import annotations
 
@@ -123,10 +125,22 @@ def plan_for(hf_config: Mapping[str, Any], *, dtype: str, quantization: str, blo
                     kv_block=(block_size, mc.num_kv_heads, mc.head_dim))
 
 
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether $RESIDENT_GEMM_PREFETCH leaves the prefetch on (the default; off|0|false|no
+    turns it off; another value is warned about and means on)."""
+    value = environ.get(ENV, "").strip().lower()
+    if value in ("off", "0", "false", "no"):
+        return False
+    if value not in ("", "on", "1", "true", "yes"):
+        logger.warning("%s=%r is neither on nor off: the GEMM prefetch stays on (set %s=off to turn it off)",
+                       ENV, environ.get(ENV), ENV)
+    return True
+
+
 def plan_for_serve(config: Any, environ: Mapping[str, str] = os.environ) -> GemmPlan | None:
-    """The plan for a ServeConfig, or None where it does not apply (module doc) or is not
-    asked for (`RESIDENT_GEMM_PREFETCH=on`)."""
-    if environ.get(ENV, "").strip().lower() not in ("on", "1", "true", "yes"):
+    """The plan for a ServeConfig, or None where it does not apply (module doc) or is turned
+    off (`RESIDENT_GEMM_PREFETCH=off`)."""
+    if not enabled(environ):
         return None
     if config.tensor_parallel_size != 1 or config.speculative is not None:
         return None
@@ -322,6 +336,6 @@ def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
     return GemmPrefetch(plan, index, context_ready).start()
 
 
-__all__ = ["ENV", "STAGES", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
+__all__ = ["ENV", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
            "plan_for_serve", "run", "run_stage", "sampler_ops", "start_for_serve", "warmup_prefill_tokens",
            "warmup_sampling_params"]

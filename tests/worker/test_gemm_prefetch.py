@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gemm_prefetch import (SAMPLER_ROWS, STAGES, GemmPrefetch, plan_for, plan_for_serve, run, run_stage,
-                                           start_for_serve, warmup_prefill_tokens)
+from resident.worker.gemm_prefetch import (SAMPLER_ROWS, STAGES, GemmPrefetch, enabled, plan_for, plan_for_serve, run,
+                                           run_stage, start_for_serve, warmup_prefill_tokens)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
@@ -49,11 +49,21 @@ def test_it_applies_to_one_gpu_and_a_local_llama_folder_only(tmp_path):
     eager = plan_for_serve(replace(base, cuda_graphs="eager", max_num_seqs=24), on)
     assert eager.layer_ms == (32, 1, 2, 4, 8, 16, 24)
     assert plan_for_serve(replace(base, cuda_graphs="off"), on).layer_ms == (32, 1)
-    assert plan_for_serve(base, {}) is None and plan_for_serve(base, {"RESIDENT_GEMM_PREFETCH": "off"}) is None
+    assert plan_for_serve(base, {}) == plan, "on by default"
+    for off in ("off", "0", "false", "NO"):
+        assert plan_for_serve(base, {"RESIDENT_GEMM_PREFETCH": off}) is None
     assert plan_for_serve(replace(base, tensor_parallel_size=2), on) is None
     assert plan_for_serve(replace(base, model="org/not-a-local-folder"), on) is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))   # not a usable config: skipped
     assert plan_for_serve(base, on) is None
+
+
+def test_an_unknown_switch_value_is_warned_about_and_means_on(caplog):
+    with caplog.at_level(logging.WARNING, logger="resident.worker.gemm_prefetch"):
+        assert enabled({"RESIDENT_GEMM_PREFETCH": "maybe"})
+    assert "RESIDENT_GEMM_PREFETCH='maybe' is neither on nor off" in caplog.text and "=off" in caplog.text
+    assert enabled({}) and enabled({"RESIDENT_GEMM_PREFETCH": " On "})
+    assert not enabled({"RESIDENT_GEMM_PREFETCH": "off"})
 
 
 def _plan(graph_sizes=(1,)):
@@ -80,9 +90,9 @@ def test_the_thread_reports_each_stage_and_skips(caplog):
 def test_start_for_serve_imports_the_stages_before_the_thread(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     config = ServeConfig(model=str(tmp_path), preload="off", device="cuda")
-    assert start_for_serve(config, lambda: True, {}) is None   # opt-in
+    assert start_for_serve(config, lambda: True, {"RESIDENT_GEMM_PREFETCH": "off"}) is None
     monkeypatch.delitem(sys.modules, "resident.worker.op_prefetch", raising=False)
-    t = start_for_serve(config, lambda: False, {"RESIDENT_GEMM_PREFETCH": "on"})
+    t = start_for_serve(config, lambda: False, {})   # on by default
     assert t is not None and "resident.worker.op_prefetch" in sys.modules
     t.join()
     assert t.skipped == "no CUDA context was created in advance"
