@@ -42,7 +42,7 @@ session 4 the GEMM stage alone cut the warm-up's first prefill from 0.25-0.35 s 
 host's noise, so it was opt-in. In session 5, with the sampler and other-ops stages, the
 decode warm-up fell from 0.21-0.26 s to 0.03-0.04 s and the whole warm-up from 0.56-0.67 s
 to 0.19-0.31 s; the KV plan waited 0.11-0.20 s for the thread; the phases after the imports
-summed to 1.22 s against 1.44 s without it (medians of 3 restarts each, one host), 0.91-1.04 s
+summed to 1.22 s against 1.47 s without it (medians of 3 restarts each, one host), 0.91-1.04 s
 against 1.29 s in an earlier call (docs/benchmarks.md, session 5).
 """
 from __future__ import annotations
