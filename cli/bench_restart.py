@@ -24,6 +24,11 @@ phases: how long the group took to form (the other ranks' spawn, import, rendezv
 rank 0's "weights" phase), each other rank's own start-up (import, group, shard) and every
 rank's attach time.
 A variant that fails is recorded with its error; the others still run.
+
+Each cold and warm run is paired with a floor process started right before it (the in-process
+`import torch` + CUDA context): per run "ready - floor" and the seconds after the imports, and
+their medians — the goal's own measure (exec -> ready within 0.5 s of the floor), robust to the
+host's drift between runs, which a floor measured once before all runs is not.
 """
 from __future__ import annotations
 
@@ -126,16 +131,19 @@ print(t_import, t_cuda)
 """
 
 
+def _floor_once(device: str, env: dict[str, str]) -> tuple[float, float]:
+    """One process's (`import torch` done, then CUDA context made) seconds from its start, on
+    its own clock (cuda context 0.0 on cpu)."""
+    out = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT, device], check=True, env=env,
+                         capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1])
+
+
 def _in_process_floor(device: str, runs: int, env: dict[str, str]) -> dict[str, float]:
     """Medians of `import torch` (and CUDA context) measured from process start inside the
     process — comparable with the worker's import / cuda_context phases; the wall-clock floor
     also counts interpreter teardown."""
-    imports, contexts = [], []
-    for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT, device], check=True, env=env,
-                             capture_output=True, text=True).stdout.split()
-        imports.append(float(out[0]))
-        contexts.append(float(out[1]))
+    imports, contexts = zip(*(_floor_once(device, env) for _ in range(runs)))
     floor = {"import_torch_from_start_s": statistics.median(imports)}
     if device == "cuda":
         floor["cuda_context_after_import_s"] = statistics.median(contexts)
@@ -193,13 +201,32 @@ def _serve_run(model: str, args: list[str], work: Path, env: dict[str, str], lab
 
 def _summary(rows: list[dict]) -> dict:
     out: dict = {"runs": rows}
-    for k in ("ready_s", "first_token_s", "attach_s", "tp_group_s"):
+    for r in rows:   # everything after the imports: the part of a start that is resident's own
+        if "import" in r.get("phases", {}):
+            r["after_imports_s"] = r["ready_s"] - r["phases"]["import"]
+    for k in ("ready_s", "first_token_s", "attach_s", "tp_group_s", "floor_s", "above_floor_s", "after_imports_s"):
         vals = [r[k] for r in rows if k in r]
         if vals:
             out[k] = statistics.median(vals)
     keys = list(dict.fromkeys(k for r in rows for k in r["phases"]))
     out["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in rows) for k in keys}
     return out
+
+
+def _paired(device: str, env: dict[str, str], once):
+    """`once` with a floor process run right before each start (`_floor_once`): the row gets
+    that floor ("floor_s": torch imported + CUDA context, on the floor process's own clock) and
+    "above_floor_s" = ready_s - floor_s. The hosts' own `import torch` drifts by up to 1.5 s
+    between calls and 0.8 s within one (the H200 machines), so a floor measured once before
+    all runs can be off by more than the goal (0.5 s); pairs measured back to back are not."""
+    def run(i: int) -> dict:
+        imported, context = _floor_once(device, env)
+        row = once(i)
+        row["floor_s"] = imported + context
+        row["above_floor_s"] = row["ready_s"] - row["floor_s"]
+        return row
+
+    return run
 
 
 def _variant(name: str, runs: int, once) -> dict:
@@ -347,15 +374,15 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
                 except Exception as e:  # noqa: BLE001 - the timed runs will show the problem
                     log.warning("priming start failed: %s", e)
             before = _daemon_attach_s(sock)
-            results["warm"] = _variant("warm", runs, lambda i: _serve_run(
-                model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i))
+            results["warm"] = _variant("warm", runs, _paired(device, env, lambda i: _serve_run(
+                model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i)))
             after = _daemon_attach_s(sock)
             if before is not None and after is not None and after[1] > before[1]:
                 # The daemon's share of the workers' attach time (the RPC handler only).
                 results["warm"]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
         if "cold" in chosen:
-            results["cold"] = _variant("cold", runs, lambda i: _serve_run(
-                model, [*base, "--preload", "off"], work, env, "cold", i))
+            results["cold"] = _variant("cold", runs, _paired(device, env, lambda i: _serve_run(
+                model, [*base, "--preload", "off"], work, env, "cold", i)))
         if "hf" in chosen:
             results["hf"] = _variant("hf", runs, lambda i: _hf_run(model, device, dtype, work, env, i))
     finally:
@@ -413,6 +440,12 @@ def _report(results: dict, variants: list[str]) -> None:
                    + "".join(f"{r['phases'][k]:>11.2f}s" if k in r["phases"] else f"{'-':>12}" for k in keys))
         if "error" in r:
             click.echo(f"{'':<28}  (later runs failed: {r['error']})")
+        if "above_floor_s" in r:
+            per_run = ", ".join(f"{x['above_floor_s']:.2f}" for x in r["runs"] if "above_floor_s" in x)
+            after = ", ".join(f"{x['after_imports_s']:.2f}" for x in r["runs"] if "after_imports_s" in x)
+            click.echo(f"{'':<28}  ready - floor (a floor process right before each run): {r['above_floor_s']:.2f} s "
+                       f"median (per run {per_run}); after the imports {r.get('after_imports_s', 0):.2f} s "
+                       f"(per run {after})")
         if "daemon_attach_s" in r:
             click.echo(f"{'':<28}  attach: the daemon's Attach handler took {r['daemon_attach_s'] * 1e3:.2f} ms of it "
                        "on average; the rest is the client (RPC transport, fds, mapping, table)")
