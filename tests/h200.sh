@@ -8,6 +8,8 @@
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
+#   restart-profile (not in the default; ~150 s on a fresh host): one attached start with RESIDENT_STARTUP_PROFILE:
+#      pstats and text summaries per thread (imports, build, Triton/GEMM prefetch, verify) in logs.tgz
 #   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
 #   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
@@ -52,6 +54,10 @@ for s in $steps; do
     restart)
       timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda --runs "${RUNS:-1}" \
         --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
+    restart-profile)   # one attached start under Python's profiler, per thread (worker/startup_profile.py) -> logs.tgz
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda \
+        --runs 1 --variants warm --json "$OUT/restart-profile.json" >> "$LOG" 2>&1 ;;
     throughput)
       timeout "${THROUGHPUT_TIMEOUT:-180}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
         --quantization "${QUANTS:-none,fp8_per_tensor}" --async-scheduling "${ASYNC_MODES:-on,off}" \

@@ -70,6 +70,7 @@ from resident.worker.startup import (  # noqa: F401
     start_kv_growth,
 )
 from resident.worker.switch_interval import StartupSwitchInterval
+from resident.worker.startup_profile import profiled
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,8 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
         logger.error("%s could not start: %s", who, e)
         return None
     try:
-        prepared = _prepare_process(config, t0, who, switch)
+        with profiled("prepare"):
+            prepared = _prepare_process(config, t0, who, switch)
     except BaseException:
         switch.restore()
         raise

@@ -24,6 +24,7 @@ from typing import Any
 from resident.worker.metrics import ServerMetrics
 from resident.worker.proc_time import process_start_time  # noqa: F401 - re-exported (entrypoint, replica)
 from resident.worker.serve_config import CPU_MAX_MODEL_LEN, ServeConfig
+from resident.worker.startup_profile import profiled
 from resident.worker.startup_thread import StartupThread
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
     """Everything between import and ready; runs in a thread (the event loop serves probes).
     The start-up's GIL switch interval (switch_interval.py) ends with it, also on failure."""
     try:
-        return _build_worker(config, startup, metrics)
+        with profiled("build"):
+            return _build_worker(config, startup, metrics)
     finally:
         if startup.switch_interval is not None:
             startup.switch_interval.restore()

@@ -30,8 +30,11 @@ class StartupThread:
         return self
 
     def _timed_run(self) -> None:
+        from resident.worker.startup_profile import profiled
+
         try:
-            self._run()
+            with profiled(self.thread_name):
+                self._run()
         finally:
             self.cpu_s = time.thread_time()
 
