@@ -341,12 +341,15 @@ class ModelRunner:
                 for s in to_sample]
 
     def generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        """The request's own generator when it is seeded (created on first use), else None."""
+        """The request's own generator when it is seeded, else None. Its first sampled token
+        (no output yet) starts a fresh one: an id whose earlier request's generator was never
+        dropped (a request finished in another engine over this runner, or its last step never
+        came) must not continue that request's stream."""
         seed = s.sampling_params.seed
         if seed is None:
             return None
         g = self._generators.get(s.request_id)
-        if g is None:
+        if g is None or not s.output_token_ids:
             g = torch.Generator(device=self.device)
             g.manual_seed(seed)
             self._generators[s.request_id] = g

@@ -166,6 +166,9 @@ def test_seeded_requests_reproduce_across_batches_and_restart_after_finish(tiny_
     # finishing drops the generator: the same id and seed start over
     runner.execute(SchedulerOutput([], 0, finished_request_ids={"s"}))
     assert _generate_alone(runner, "s", prompt, table, 8, params) == alone
+    # ... and so does a new request under that id whose predecessor's generator was never dropped
+    # (it finished in another engine over this runner): its first sampled token starts a fresh stream
+    assert _generate_alone(runner, "s", prompt, table, 8, params) == alone
 
     other = make_runner(path)
     noisy = SamplingParams(temperature=1.0)
