@@ -118,11 +118,15 @@ def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, devic
 
 
 def compact(out: Any) -> Any:
-    """The SchedulerOutput the other ranks need: without the prompt and output token lists
-    (they only feed sampling penalties, and the other ranks' samples are discarded), so a
-    step's message stays small however long the contexts are."""
+    """The SchedulerOutput the other ranks need: without the prompt token list and with at most
+    the first output token (the lists only feed sampling penalties, whose requests step
+    synchronously, where the other ranks' samples are discarded), so a step's message stays
+    small however long the contexts are. The first output token says whether the request has
+    sampled before: a seeded request's first sample starts its generator afresh
+    (`ModelRunner.generator`), on every rank alike, which async scheduling relies on (each rank
+    substitutes its own samples)."""
     return dataclasses.replace(out, scheduled=[
-        dataclasses.replace(s, prompt_token_ids=[], output_token_ids=[]) for s in out.scheduled])
+        dataclasses.replace(s, prompt_token_ids=[], output_token_ids=s.output_token_ids[:1]) for s in out.scheduled])
 
 
 class CommandPipe:

@@ -38,7 +38,7 @@ from resident.worker.entrypoint import ServeConfig
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest, SchedulerOutput
 from resident.worker.sampling_params import SamplingParams
-from resident.worker.tp_executor import RANK_DIED_EXIT, TPGroup, rank_devices
+from resident.worker.tp_executor import RANK_DIED_EXIT, TPGroup, compact, rank_devices
 
 LOGIT_TOL = 1e-3
 MARGIN = 1e-3
@@ -244,6 +244,17 @@ def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
     finally:
         group.close()
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
+
+
+def test_the_other_ranks_get_no_prompt_and_at_most_the_first_output_token():
+    """A step's message to the other ranks stays small however long the contexts are; the first
+    output token tells every rank alike whether a seeded request samples for the first time."""
+    params = SamplingParams(temperature=0.9, seed=3)
+    first = ScheduledRequest("a", [1, 2, 3], 0, [0], True, params, [1, 2, 3], [])
+    later = ScheduledRequest("b", [9], 40, [1, 2, 3], True, params, list(range(30)), list(range(11)))
+    out = compact(SchedulerOutput([first, later], 4))
+    assert [(s.prompt_token_ids, s.output_token_ids) for s in out.scheduled] == [([], []), ([], [0])]
+    assert [s.token_ids for s in out.scheduled] == [[1, 2, 3], [9]] and later.output_token_ids == list(range(11))
 
 
 def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
