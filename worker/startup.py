@@ -25,7 +25,7 @@ from resident.worker.metrics import ServerMetrics
 from resident.worker.proc_time import process_start_time  # noqa: F401 - re-exported (entrypoint, replica)
 from resident.worker.serve_config import CPU_MAX_MODEL_LEN, ServeConfig
 from resident.worker.startup_profile import profiled
-from resident.worker.startup_thread import StartupThread
+from resident.worker.startup_verify import VerifyThread
 
 logger = logging.getLogger(__name__)
 
@@ -293,40 +293,6 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     worker.llm_engine = engine
     worker.tokenizer = tokenizer
     return worker
-
-
-class VerifyThread(StartupThread):
-    """`store.verify(sample)` in a thread beside the warm-up; `result()` joins it and raises
-    what verify raised (ChecksumMismatch: the start fails before ready, as it would inline)."""
-
-    thread_name = "resident-verify"
-
-    def __init__(self, store: Any, sample: int) -> None:
-        super().__init__()
-        self.store, self.sample = store, sample
-        self.checked = 0
-        self.exc: BaseException | None = None
-
-    def _run(self) -> None:
-        try:
-            self.checked = self.store.verify(self.sample)
-        except BaseException as e:  # noqa: BLE001 - raised again by result() in the build thread
-            self.exc = e
-            self.error = str(e)
-
-    def describe(self) -> str:
-        if self.exc is not None:
-            return f"checksum verification failed: {self.exc}"
-        return (f"verified the checksums of {self.checked}/{len(self.store.tensors)} tensors beside the warm-up "
-                f"(waited {self.waited_s:.2f} s for it)")
-
-    def result(self) -> int:
-        """Wait for the verification (no time limit: `--verify-sample -1` reads every tensor)
-        and return how many tensors it checked."""
-        self.join(timeout_s=None)
-        if self.exc is not None:
-            raise self.exc
-        return self.checked
 
 
 def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],

@@ -1,4 +1,4 @@
-"""The start-up's checksum verification (startup.VerifyThread): it runs in its own thread
+"""The start-up's checksum verification (startup_verify.VerifyThread): it runs in its own thread
 beside the warm-up, is joined before the graphs' capture and before ready, and a checksum
 mismatch still fails the start — after the thread is done with the weights they are
 released, not before."""
@@ -12,7 +12,8 @@ from serve_helpers import servable_tiny_model
 
 from resident.worker.metrics import ServerMetrics
 from resident.worker.serve_config import ServeConfig
-from resident.worker.startup import VerifyThread, build_worker
+from resident.worker.startup import build_worker
+from resident.worker.startup_verify import VerifyThread
 from resident.worker.weight_store import ChecksumMismatch
 
 
