@@ -18,9 +18,10 @@ thread's Python work instead of adding to it. Three stages, one after the other:
 2. sampler: the engine's own Sampler with the warm-up's sampling params, at the warm-up's
    one row (op_prefetch.warm_sampler): its sort/topk/softmax/cumsum/exponential/scatter...
    kernels, which the warm-up's first decode loads otherwise. Only one row: nothing samples
-   more rows before ready (the graphs end at the logits), and on the H200 the four start-up
-   graph sizes' rows (8 calls) took 0.42-0.45 s of this thread, which the KV plan then waited
-   for; other row counts load their kernels at first use, as without this thread.
+   more rows before ready (the graphs end at the logits); other row counts load their
+   kernels at first use, as without this thread. (On the H200 the four start-up graph sizes'
+   rows, 8 calls, took 0.42-0.48 s; one row, 2 calls, still 0.33-0.47 s in the GPU tests'
+   replicas: the stage's cost is its first launches, not the row count.)
 3. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
    lookup, the sampled rows' selection, the logits' cast, the KV blocks' zeroing:
    op_prefetch.warm_forward_ops).
