@@ -28,10 +28,12 @@ thread's Python work instead of adding to it. Three stages, one after the other:
 
 What it leaves behind is what the main thread's first launches would have created anyway:
 the kernels loaded in the context and a cuBLAS handle that torch's handle pool hands to the
-next thread once this one ends. Each stage's tensors are freed and the allocator's cache
-returned before the next stage (`run_stage`), so the KV cache plan (which joins the thread
-first, startup.py) sees the GPU's memory as it was. A tensor set larger than a quarter of the
-free memory is skipped. A failing stage is logged (its traceback at DEBUG) and the next one
+next thread once this one ends. Each stage's tensors are freed; after the GEMM stage (the
+weight-sized tensors: MEMORY_STAGES) the allocator's cache is returned too (`run_stage`), and
+the KV cache plan waits for that point only (`wait_memory`, startup.py), so it sees the GPU's
+memory as it was while the later stages (a few MB, left in torch's cache) go on beside the
+plan and the warm-up; the thread is joined before the graphs' capture. A tensor set larger
+than a quarter of the free memory is skipped. A failing stage is logged (its traceback at DEBUG) and the next one
 runs; the warm-up still does everything the thread did not.
 
 Only where the outcome is predictable and cheap: one GPU (TP ranks have other shapes), a
@@ -52,6 +54,7 @@ import importlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -181,10 +184,14 @@ def _free_bytes_of(device: Any) -> Callable[[], int]:
     return lambda: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_stage(stage: Stage, plan: GemmPlan, device: Any, free_bytes: Callable[[], int] | None = None) -> int:
+def run_stage(stage: Stage, plan: GemmPlan, device: Any, free_bytes: Callable[[], int] | None = None,
+              empty_cache: bool = True) -> int:
     """Run one stage on `device` (a torch.device, or a CUDA index) under inference mode; its
-    launches are waited for, and the allocator's cache is emptied before returning (also
-    when the stage raises), so nothing of it stays in GPU memory."""
+    launches are waited for, and with `empty_cache` the allocator's cache is emptied before
+    returning (also when the stage raises), so nothing of it stays in GPU memory. The thread
+    empties it after its weight-sized stages only (MEMORY_STAGES): the later stages run beside
+    the main thread's KV plan and warm-up, where emptying the process's whole cache (cudaFree
+    synchronizes the device) would cost the main thread its cached blocks, for a few MB."""
     import torch
 
     dev = _as_device(device)
@@ -196,7 +203,7 @@ def run_stage(stage: Stage, plan: GemmPlan, device: Any, free_bytes: Callable[[]
                 torch.cuda.synchronize(dev)
             return count
     finally:
-        if cuda:
+        if cuda and empty_cache:
             torch.cuda.empty_cache()
 
 
@@ -264,9 +271,15 @@ class StageOutcome:
     error: str | None = None
 
 
+#: The stages that allocate weight-sized tensors; the later ones allocate a few MB at most.
+MEMORY_STAGES = frozenset({"GEMMs"})
+
+
 class GemmPrefetch(StartupThread):
     """One background run of the plan's stages on `device` (see the module doc); never fails
-    a start. `join()` before planning GPU memory."""
+    a start. `wait_memory()` before planning GPU memory (the weight-sized tensors of the GEMM
+    stage are freed and the allocator's cache returned by then), `join()` before capturing
+    CUDA graphs (no other thread's CUDA work may interleave a capture)."""
 
     thread_name = "resident-gemm-prefetch"
 
@@ -279,26 +292,48 @@ class GemmPrefetch(StartupThread):
         self.plan, self.device = plan, device
         self._context_ready, self._stages, self._free_bytes = context_ready, tuple(stages), free_bytes
         self.outcomes: list[StageOutcome] = []
+        self._memory_done = threading.Event()   # every stage of MEMORY_STAGES has ended (or the thread)
+        self.memory_waited_s = 0.0              # how long wait_memory() waited
 
     @property
     def num_gemms(self) -> int:
         return sum(o.count for o in self.outcomes if o.name == "GEMMs")
 
+    def wait_memory(self, timeout_s: float = 60.0) -> float:
+        """Wait until the stages that allocate weight-sized tensors are done and their memory
+        returned (at once when the thread never started); returns the seconds waited."""
+        if self._thread is not None:
+            t0 = time.monotonic()
+            self._memory_done.wait(timeout_s)
+            self.memory_waited_s = time.monotonic() - t0
+        return self.memory_waited_s
+
     def _run(self) -> None:
+        try:
+            self._run_stages()
+        finally:
+            self._memory_done.set()
+
+    def _run_stages(self) -> None:
         try:
             if self._context_ready is not None and not self._context_ready():
                 self.skipped = "no CUDA context was created in advance"
                 return
+            pending = {name for name, _, _ in self._stages} & MEMORY_STAGES
             for name, stage, unit in self._stages:
                 outcome = StageOutcome(name, unit)
                 self.outcomes.append(outcome)
                 t0 = time.monotonic()
                 try:
-                    outcome.count = run_stage(stage, self.plan, self.device, self._free_bytes)
+                    outcome.count = run_stage(stage, self.plan, self.device, self._free_bytes,
+                                              empty_cache=name in MEMORY_STAGES)
                 except Exception as e:  # noqa: BLE001 - the warm-up does this stage's work
                     outcome.error = f"{type(e).__name__}: {e}"
                     logger.debug("the prefetch's %s stage failed", name, exc_info=True)
                 outcome.seconds = time.monotonic() - t0
+                pending.discard(name)
+                if not pending:   # run_stage has freed the stage's tensors and emptied the cache
+                    self._memory_done.set()
             self.error = self._stage_errors()
         except BaseException as e:  # noqa: BLE001 - the warm-up does this work when the thread cannot
             self.error = f"{type(e).__name__}: {e}"
@@ -318,7 +353,7 @@ class GemmPrefetch(StartupThread):
         done = f"GEMM prefetch: first launches of the warm-up's kernels done in the background: {stages}"
         if self.error is not None:
             done += "; the warm-up does the failed stages' work"
-        return f"{done}; waited {self.waited_s:.2f} s for it"
+        return f"{done}; waited {self.memory_waited_s:.2f} s for its memory, {self.waited_s:.2f} s for the rest"
 
 
 def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
@@ -337,6 +372,6 @@ def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
     return GemmPrefetch(plan, index, context_ready).start()
 
 
-__all__ = ["ENV", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
+__all__ = ["ENV", "MEMORY_STAGES", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
            "plan_for_serve", "run", "run_stage", "sampler_ops", "start_for_serve", "warmup_prefill_tokens",
            "warmup_sampling_params"]

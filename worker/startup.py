@@ -47,7 +47,8 @@ class StartupTimer:
         self._cpu_mark = time.thread_time()
         #: triton_prefetch.TritonPrefetch started by prepare_process (GPU), joined by build_worker
         self.triton_prefetch: Any = None
-        #: gemm_prefetch.GemmPrefetch started by prepare_process (one GPU), joined before the KV plan
+        #: gemm_prefetch.GemmPrefetch started by prepare_process (one GPU): its memory waited for
+        #: before the KV plan, joined before the graphs' capture
         self.gemm_prefetch: Any = None
         #: switch_interval.StartupSwitchInterval set by prepare_process, restored by build_worker
         self.switch_interval: Any = None
@@ -187,7 +188,10 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         if prefetch is not None:
             prefetch.join()   # before anything launches a Triton kernel (the headroom probe may)
         if startup.gemm_prefetch is not None:
-            startup.gemm_prefetch.join()   # its tensors are freed: the plan sees the GPU's memory as it is
+            # Its weight-sized tensors freed, the plan sees the GPU's memory as it is; its later
+            # stages (the sampler's and other first launches, a few MB) go on beside the plan
+            # and the warm-up, and it is joined before the graphs' capture.
+            startup.gemm_prefetch.wait_memory()
         # Recorded for the next start's preload, the headroom probe's too: a start without the
         # probe (headroom cached) then finds them loaded; the probe's own extras are few.
         recorded = recording.enter_context(triton_specializations.recording(prefetch))
@@ -206,7 +210,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
             if prefetch is not None:
                 plan_timings = {"triton_wait": prefetch.waited_s, **plan_timings}
             if startup.gemm_prefetch is not None:
-                plan_timings = {"gemm_wait": startup.gemm_prefetch.waited_s, **plan_timings}
+                plan_timings = {"gemm_wait": startup.gemm_prefetch.memory_waited_s, **plan_timings}
             kv_target_blocks, max_kv_blocks = plan.num_kv_blocks, plan.max_num_kv_blocks
             num_kv_blocks = kv_target_blocks
             if config.num_kv_blocks is None and config.kv_cache_initial_bytes > 0:   # TP grows too (tp_kv.py)
@@ -261,6 +265,8 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         startup.end("warmup")
         verify.result()
         startup.end("verify")
+        if startup.gemm_prefetch is not None:   # its wait (in its log line) counts as the graphs'
+            startup.gemm_prefetch.join()   # no other thread's CUDA work may interleave a capture
         runner.capture_graphs()
         startup.end("graphs")
         recording.close()

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 
+from resident.worker import gemm_prefetch
 from resident.worker.entrypoint import ServeConfig
 from resident.worker.gemm_prefetch import (SAMPLER_ROWS, STAGES, GemmPrefetch, enabled, plan_for, plan_for_serve, run,
                                            run_stage, start_for_serve, warmup_prefill_tokens)
@@ -126,6 +128,36 @@ def test_the_stages_run_on_a_cpu_device():
     assert counts == {"GEMMs": 4 * 4 + 3, "sampler": 2, "other ops": 4 + 1 + 2 * 3 + 1}
 
 
+def test_the_plan_waits_for_the_weight_sized_stage_only_and_only_it_empties_the_cache(monkeypatch):
+    """wait_memory() returns once the GEMM stage is done (its cache emptied) while the later
+    stages still run; join() waits for those; only the GEMM stage empties torch's cache."""
+    release_sampler = threading.Event()
+    emptied: list[bool] = []
+    real_run_stage = gemm_prefetch.run_stage
+
+    def run_stage(stage, plan, device, free_bytes=None, empty_cache=True):
+        emptied.append(empty_cache)
+        return real_run_stage(stage, plan, device, free_bytes, empty_cache)
+
+    monkeypatch.setattr(gemm_prefetch, "run_stage", run_stage)
+    stages = [("GEMMs", lambda p, d, f: 3, "GEMMs"),
+              ("sampler", lambda p, d, f: release_sampler.wait(10) and 2, "calls"),
+              ("other ops", lambda p, d, f: 1, "ops")]
+    t = GemmPrefetch(_plan(), torch.device("cpu"), stages=stages).start()
+    t.wait_memory()
+    assert [o.name for o in t.outcomes] == ["GEMMs", "sampler"] and t._thread.is_alive()   # the sampler still runs
+    release_sampler.set()
+    assert t.join() and [o.count for o in t.outcomes] == [3, 2, 1]
+    assert emptied == [True, False, False]
+    assert "waited 0.00 s for its memory" in t.describe()
+
+
+def test_wait_memory_returns_when_the_thread_ends_early_or_never_started():
+    skipped = GemmPrefetch(_plan(), 0, lambda: False).start()
+    assert skipped.wait_memory(timeout_s=10) < 10 and skipped.join() and skipped.skipped
+    assert GemmPrefetch(_plan(), 0).wait_memory() == 0.0   # not started: nothing to wait for
+
+
 def test_run_stage_empties_the_cache_even_when_the_stage_fails(monkeypatch):
     emptied = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
@@ -157,7 +189,8 @@ def test_gpu_stages_run_and_free_their_memory(quantization):
     skipped = run(plan, torch.cuda.current_device(), free_bytes=lambda: 1024)   # nothing fits: nothing runs
     assert skipped == 0
     # The whole thread: every stage runs; the second time (the first thread's cuBLAS handle and
-    # workspace reused from torch's pool) nothing stays allocated or cached.
+    # workspace reused from torch's pool, and the later stages' few MB from torch's cache, which
+    # only the GEMM stage empties) nothing more stays allocated or cached.
     for _ in range(2):
         torch.cuda.synchronize()
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
