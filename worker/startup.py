@@ -3,8 +3,9 @@
 between the imports and /ready: obtain the weights (attach from the daemon or load;
 tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), load the
 tokenizer, size and allocate the KV cache, wrap the runner for speculative decoding, warm up
-while a thread verifies sampled checksums (joined before ready), capture CUDA graphs. After /ready, `start_kv_growth` maps
-the rest of a GPU KV cache in the background (see entrypoint.py's module doc).
+while a thread verifies sampled checksums (joined before ready), capture CUDA graphs. After
+/ready, `start_kv_growth` maps the rest of a GPU KV cache in the background (see
+entrypoint.py's module doc).
 
 Log lines others parse: "kv_alloc breakdown: ..." (`resident bench restart`, tests).
 """
