@@ -372,6 +372,6 @@ def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
     return GemmPrefetch(plan, index, context_ready).start()
 
 
-__all__ = ["ENV", "MEMORY_STAGES", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "StageOutcome", "gemms", "other_ops", "plan_for",
-           "plan_for_serve", "run", "run_stage", "sampler_ops", "start_for_serve", "warmup_prefill_tokens",
-           "warmup_sampling_params"]
+__all__ = ["ENV", "MEMORY_STAGES", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "gemms", "other_ops", "plan_for",
+           "plan_for_serve", "run", "run_stage", "sampler_ops", "StageOutcome", "start_for_serve",
+           "warmup_prefill_tokens", "warmup_sampling_params"]
