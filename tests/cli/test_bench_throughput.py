@@ -12,14 +12,20 @@ import torch
 from resident.cli.bench_throughput import copy_bandwidth, weight_bytes_per_step
 
 
+def _bench_throughput(folder, out, *args: str) -> subprocess.CompletedProcess:
+    """`resident bench throughput` at batch 1 and 3 over 3 timed steps after 1, JSON to `out`;
+    asserts it exited 0."""
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
+                        "--batch-sizes", "1,3", "--steps", "3", "--warmup-steps", "1", *args, "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 def test_throughput_bf16_and_fp8_on_cpu(tiny_model, tmp_path):
     folder = tiny_model("llama", dtype="bfloat16")
     out = tmp_path / "tp.json"
-    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
-                        "--batch-sizes", "1,3", "--context", "40", "--steps", "3", "--warmup-steps", "1",
-                        "--quantization", "none,fp8_per_tensor", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = _bench_throughput(folder, out, "--context", "40", "--quantization", "none,fp8_per_tensor")
     assert "OF ROOFLINE" in r.stdout and "fp8_per_tensor" in r.stdout
     doc = json.loads(out.read_text())
     assert doc["copy_bandwidth_bytes_per_s"] > 1e8
@@ -43,11 +49,7 @@ def test_throughput_bf16_and_fp8_on_cpu(tiny_model, tmp_path):
 def test_throughput_with_and_without_async_scheduling(tiny_model, tmp_path):
     folder = tiny_model("llama")
     out = tmp_path / "async.json"
-    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
-                        "--batch-sizes", "1,3", "--context", "24", "--steps", "3", "--warmup-steps", "1",
-                        "--async-scheduling", "on,off", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = _bench_throughput(folder, out, "--context", "24", "--async-scheduling", "on,off")
     assert "ASYNC" in r.stdout
     results = json.loads(out.read_text())["variants"][0]["results"]
     assert [(res["batch"], res["async_scheduling"]) for res in results] == [(1, True), (1, False), (3, True), (3, False)]
