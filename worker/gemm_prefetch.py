@@ -82,7 +82,7 @@ class GemmPlan:
 
     linears: tuple[tuple[str, int, int], ...]
     layer_ms: tuple[int, ...]      # the decoder layers' linears: the token counts of the forwards
-    head_ms: tuple[int, ...]       # the LM head (only the rows that sample): the sampler's row counts
+    head_ms: tuple[int, ...]       # the LM head (only the rows that sample: 1 and the graph sizes)
     dtype: str                     # the activations' (and 16-bit weights') dtype
     fp8: bool                      # the layers' linears are fp8_per_tensor (`torch._scaled_mm`)
     hidden_size: int
