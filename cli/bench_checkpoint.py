@@ -6,9 +6,10 @@ tests. Weights are N(0, 0.02) like HF's initialisation (norms 1), so logits are 
 They are generated on the GPU where there is one and streamed into safetensors files
 written here directly (header first, then each tensor's bytes with pwrite from a few
 threads), in ~5 GB shards with an index — the format HF and resident read. Beside them:
-config.json (LlamaForCausalLM), generation_config.json and a byte-level tokenizer
-(tokenizer.json: 256 byte tokens + 3 specials, ids < vocab) with a ChatML template, so
-the folder can be served as it is.
+config.json (LlamaForCausalLM), generation_config.json and a tokenizer of the shape's
+size (cli/bench_tokenizer.py): Llama-3's for llama3-8b (128,256 ids, random merges, so
+its load on a worker's start-up costs what a real one does), a byte-level one with a
+ChatML template for tiny; the folder can be served as it is.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_tokenizer import LLAMA3_BOS_ID, LLAMA3_EOS_IDS, write_byte_tokenizer, write_llama3_tokenizer
+
 log = logging.getLogger(__name__)
 
 SHAPES: dict[str, dict] = {
@@ -35,9 +38,8 @@ SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512, max_position_embeddings=2048, rope_theta=500000.0),
 }
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+#: Each shape's tokenizer (cli/bench_tokenizer.py) and the BOS / EOS ids its config names.
+TOKENIZERS = {"llama3-8b": "llama3", "tiny": "byte"}
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 INIT_STD = 0.02
 DEFAULT_SHARD_BYTES = 5_000_000_000
@@ -108,24 +110,19 @@ def _header(entries: list[Placed], dtype_tag: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer (no merges): specials 0-2, then the 256 bytes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers.pre_tokenizers import ByteLevel
+def _special_ids(shape: str) -> dict:
+    if TOKENIZERS[shape] == "llama3":
+        return {"bos_token_id": LLAMA3_BOS_ID, "eos_token_id": list(LLAMA3_EOS_IDS)}
+    return {"bos_token_id": 1, "eos_token_id": 2}   # the byte tokenizer's <|im_start|>, <|im_end|>
 
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>", "chat_template": CHATML,
-        "clean_up_tokenization_spaces": False, "model_max_length": 8192}, indent=2) + "\n")
+
+def write_tokenizer(folder: Path, shape: str, seed: int = 0) -> None:
+    """The shape's tokenizer files (TOKENIZERS) and generation_config.json with its ids."""
+    if TOKENIZERS[shape] == "llama3":
+        write_llama3_tokenizer(folder, seed)
+    else:
+        write_byte_tokenizer(folder)
+    (folder / "generation_config.json").write_text(json.dumps(_special_ids(shape)) + "\n")
 
 
 def hf_config(shape: str, dtype: str) -> dict:
@@ -133,7 +130,7 @@ def hf_config(shape: str, dtype: str) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **s, "rms_norm_eps": 1e-5,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "initializer_range": INIT_STD, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": dtype,
+        "initializer_range": INIT_STD, **_special_ids(shape), "torch_dtype": dtype,
         "use_cache": True,
     }
 
@@ -177,8 +174,7 @@ def write_checkpoint(out: Path, shape: str = "llama3-8b", dtype: str = "bfloat16
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": {p.name: names[p.shard] for p in placed}}, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
-    write_tokenizer(out)
+    write_tokenizer(out, shape, seed)
     elapsed = time.monotonic() - t0
     return {"path": str(out), "shape": shape, "dtype": dtype, "device": device, "num_shards": num,
             "num_tensors": len(placed), "bytes": total, "seconds": elapsed}

@@ -89,7 +89,7 @@ def test_restart_cold_and_warm_with_json_and_plot(tiny_ckpt, tmp_path):
     assert 0 < doc["warm"]["attach_s"] < 1.0  # parsed from the warm worker's log
     for v in ("cold", "warm"):   # each run paired with a floor process started right before it
         run0 = doc[v]["runs"][0]
-        assert 0 < run0["floor_s"] < run0["ready_s"]
+        assert run0["floor_s"] > 0   # not "< ready_s": on a busy host the floor process can be the slower one
         assert run0["above_floor_s"] == pytest.approx(run0["ready_s"] - run0["floor_s"])
         assert run0["after_imports_s"] == pytest.approx(run0["ready_s"] - run0["phases"]["import"])
         assert doc[v]["above_floor_s"] == pytest.approx(run0["above_floor_s"])   # the median of one run
