@@ -1,8 +1,9 @@
 """`resident bench restart`: how long an engine takes from exec to ready and to its first
 token, side by side on one checkpoint:
 
-- `hf`: HF transformers `from_pretrained(..., device_map=DEVICE)` + generate one token (a
-  small script in a subprocess, timing import, CUDA init, load, first token);
+- `hf`: HF transformers `from_pretrained(..., device_map=DEVICE)` and `AutoTokenizer`, then
+  one generated token (a small script in a subprocess, timing import, CUDA init, load,
+  tokenizer, first token; "ready" once the weights and the tokenizer are loaded);
 - `cold`: `resident serve --preload off` (the worker reads and converts the checkpoint
   itself; the page cache is warmed first);
 - `warm`: `resident serve` attaching to a daemon that holds the model;
@@ -89,8 +90,13 @@ except (ImportError, ValueError) as e:  # device_map may need accelerate
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
 if device == "cuda":
     torch.cuda.synchronize()
+t_weights = time.time()
+try:  # a server needs the tokenizer too (resident's worker loads it before /ready)
+    ids = transformers.AutoTokenizer.from_pretrained(path)("Hello", return_tensors="pt")["input_ids"].to(device)
+except (OSError, ValueError) as e:
+    note += f"; no tokenizer ({e}): token ids given"
+    ids = torch.tensor([[1, 42, 71, 78, 78, 81]], device=device)
 t_loaded = time.time()
-ids = torch.tensor([[1, 42, 71, 78, 78, 81]], device=device)
 with torch.inference_mode():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
                          do_sample=False, pad_token_id=0)
@@ -99,8 +105,8 @@ if device == "cuda":
 t_tok = time.time()
 print("RESIDENT_HF_RESULT " + json.dumps({
     "ready_s": t_loaded - t_exec, "first_token_s": t_tok - t_exec, "new_tokens": int(out.shape[1] - ids.shape[1]),
-    "phases": {"import": t_import - t_exec, "cuda_init": t_ctx - t_import, "weights": t_loaded - t_ctx,
-               "first_token": t_tok - t_loaded}, "transformers": transformers.__version__, "note": note}),
+    "phases": {"import": t_import - t_exec, "cuda_init": t_ctx - t_import, "weights": t_weights - t_ctx,
+               "tokenizer": t_loaded - t_weights, "first_token": t_tok - t_loaded}, "transformers": transformers.__version__, "note": note}),
     flush=True)
 '''
 

@@ -114,7 +114,8 @@ def test_restart_hf_variant(tiny_ckpt, tmp_path):
     hf = json.loads(out.read_text())["hf"]
     assert hf["runs"][0]["new_tokens"] == 1
     assert 0 < hf["ready_s"] < hf["first_token_s"]
-    assert hf["phases"]["import"] > 0 and hf["phases"]["weights"] > 0
+    assert hf["phases"]["import"] > 0 and hf["phases"]["weights"] > 0 and hf["phases"]["tokenizer"] > 0
+    assert "no tokenizer" not in hf["runs"][0]["note"]   # the checkpoint's tokenizer was loaded and used
 
 
 def test_a_failing_variant_is_reported_not_fatal(tiny_ckpt, tmp_path):
