@@ -22,6 +22,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 
 # HF tensors that carry no weights the engine needs.
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LayoutError(ValueError):
@@ -45,6 +46,11 @@ def layer_prefix(i: int) -> str:
 
 def check_architecture(config: dict) -> str:
     archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        raise LayoutError(
+            f"config.json: architectures is {archs!r}; it must be a list of class names such as "
+            f"[\"LlamaForCausalLM\"] (supported: {', '.join(ARCHITECTURES)}); fix config.json or re-download it"
+        )
     for a in archs:
         if a in ARCHITECTURES:
             return a
@@ -53,8 +59,40 @@ def check_architecture(config: dict) -> str:
     )
 
 
+def config_int(config: dict, key: str, default: int | None = None) -> int:
+    """config.json's positive integer `key`; with a `default`, that when the field is absent,
+    null or 0 (as the worker's `config.get(key) or default`). Fails (LayoutError) naming the
+    field when it is missing or not a positive integer, so a broken config never reaches a
+    bare int() or a loop over its layers."""
+    value = config.get(key)
+    if default is not None and not value:
+        return default
+    if value is None:
+        raise LayoutError(f"config.json has no {key!r}, which layout {LAYOUT} needs; the model folder's "
+                          "config.json is incomplete: re-download it or add the field")
+    number = _as_int(value)
+    if number is None or number <= 0:
+        raise LayoutError(f"config.json: {key} is {value!r}, not a positive integer; fix config.json (it must "
+                          "describe these weights) or re-download it")
+    return number
+
+
+def _as_int(value: object) -> int | None:
+    """`value` as an int where the worker's int() reads it as one (an int, an integral float,
+    a string of digits); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
 def head_dim(config: dict) -> int:
-    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return config_int(config, "head_dim", 0) or (
+        config_int(config, "hidden_size") // config_int(config, "num_attention_heads"))
 
 
 def plan(config: dict, names: set[str]) -> list[FusedTensor]:
@@ -64,7 +102,14 @@ def plan(config: dict, names: set[str]) -> list[FusedTensor]:
     silently dropping weights.
     """
     check_architecture(config)
-    num_layers = int(config["num_hidden_layers"])
+    num_layers = config_int(config, "num_hidden_layers")
+    present = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    if num_layers > len(present):
+        # Checked before the loop below, which an absurd layer count would make endless.
+        raise LayoutError(
+            f"config.json says num_hidden_layers={num_layers}, but the checkpoint holds tensors of "
+            f"{len(present)} layer(s); the config and the weights do not belong together"
+        )
     out: list[FusedTensor] = [FusedTensor("model.embed_tokens.weight", ("model.embed_tokens.weight",))]
     for i in range(num_layers):
         p = layer_prefix(i)
@@ -106,14 +151,14 @@ def plan(config: dict, names: set[str]) -> list[FusedTensor]:
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Shapes (HF names) implied by config.json, to catch a checkpoint that does not match."""
-    h = int(config["hidden_size"])
-    nh = int(config["num_attention_heads"])
-    nkv = int(config.get("num_key_value_heads") or nh)
+    h = config_int(config, "hidden_size")
+    nh = config_int(config, "num_attention_heads")
+    nkv = config_int(config, "num_key_value_heads", 0) or nh
     d = head_dim(config)
-    inter = int(config["intermediate_size"])
-    vocab = int(config["vocab_size"])
+    inter = config_int(config, "intermediate_size")
+    vocab = config_int(config, "vocab_size")
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    for i in range(int(config["num_hidden_layers"])):
+    for i in range(config_int(config, "num_hidden_layers")):
         p = layer_prefix(i)
         a, m = f"{p}.self_attn", f"{p}.mlp"
         shapes.update({

@@ -92,7 +92,7 @@ def check_vocab_compatible(target_dir: Path, target_config: Mapping[str, Any], t
             continue
         try:
             same = read(t_file) == read(d_file)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise VocabMismatch(f"cannot compare the vocabularies of draft {draft_label} and target "
                                 f"{target_label}: {fname} is unreadable ({type(e).__name__}: {e}); fix or "
                                 "re-download the tokenizer files") from None

@@ -137,7 +137,7 @@ def parse_header(path: Path, raw: bytes, file_size: int) -> SafetensorsHeader:
     """Validate header bytes `raw` of a file of `file_size` bytes (see read_header)."""
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise _fail(path, f"header is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise _fail(path, f"header is a JSON {type(obj).__name__}, not an object")

@@ -73,7 +73,13 @@ def resolve_model(model: str, revision: str | None = None, hub_cache: str | os.P
     if not model:
         raise SourceError("no model given: pass a local folder or a hub id such as 'org/name'")
     local = Path(model).expanduser()
-    if local.exists():
+    try:
+        exists = local.exists()
+    except OSError as e:  # ENAMETOOLONG and the like: the name cannot be a folder
+        shown = model if len(model) <= 200 else model[:200] + f"... ({len(model)} characters)"
+        raise SourceError(f"model path {shown} cannot be looked up ({e.strerror}); pass the path of a model "
+                          "folder or a hub id such as 'org/name'") from None
+    if exists:
         if revision:
             raise SourceError(f"--revision applies to hub ids, but {model!r} is a local folder")
         return _from_folder(local.resolve())
@@ -131,7 +137,7 @@ def _read_config(folder: Path) -> dict:
         raise SourceError(f"model folder {folder} has no config.json; it must be a Hugging Face model folder")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: absurd nesting
         raise SourceError(f"cannot parse {path}: {e}; re-download or re-save the checkpoint") from None
     if not isinstance(config, dict):
         raise SourceError(f"{path} is not a JSON object; re-download or re-save the checkpoint")
@@ -142,7 +148,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.is_file():
         return _files_from_index(folder, index)
-    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    entries = sorted(folder.glob("*.safetensors"))
+    for p in entries:
+        if p.is_symlink() and not p.exists():  # a hub cache snapshot whose blob is gone
+            raise SourceError(f"{p} is a dangling symlink (to {os.readlink(p)}); the download is incomplete or "
+                              "was cleaned up: re-download the model")
+    files = [p for p in entries if p.is_file()]
     if files:
         return files
     others = sorted({p.name for pat in _OTHER_WEIGHTS for p in folder.glob(pat)})
@@ -159,7 +170,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def _files_from_index(folder: Path, index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError) as e:
         raise SourceError(f"cannot parse {index}: {e}; re-download or re-save the checkpoint") from None
     if not isinstance(weight_map, dict) or not weight_map or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -1,0 +1,117 @@
+"""Bad inputs found by trying them against a daemon: each fails at planning time with an
+error that names the field or file and the fix, never a bare KeyError, a TypeError turned
+into "internal error", or a loop over whatever layer count config.json claims."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from resident.daemon.layout import LayoutError
+from resident.daemon.loader import LoadSpec, plan_load
+from resident.daemon.pairing import VocabMismatch, check_vocab_compatible
+from resident.daemon.safetensors_io import CheckpointError, read_header
+from resident.daemon.source import SourceError, resolve_model
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000   # beyond the json module's recursion limit
+
+
+def _with_config(folder: Path, **changes) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            config.pop(key)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    ({"hidden_size": ...}, "config.json has no 'hidden_size'"),
+    ({"vocab_size": ...}, "config.json has no 'vocab_size'"),
+    ({"num_hidden_layers": None}, "config.json has no 'num_hidden_layers'"),
+    ({"num_hidden_layers": "two"}, "num_hidden_layers is 'two', not a positive integer"),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers is 1.5, not a positive integer"),
+    ({"num_hidden_layers": True}, "num_hidden_layers is True, not a positive integer"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers is -1, not a positive integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads is 0, not a positive integer"),
+    ({"head_dim": "x"}, "head_dim is 'x', not a positive integer"),
+    ({"architectures": 5}, "architectures is 5; it must be a list"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures is 'LlamaForCausalLM'; it must be a list"),
+    # One layer more than the weights hold: refused by count, before the per-layer plan (a
+    # count like 10**12 used to loop until the daemon ran out of memory).
+    ({"num_hidden_layers": 3}, "num_hidden_layers=3, but the checkpoint holds tensors of 2 layer(s)"),
+], ids=["no-hidden-size", "no-vocab-size", "null-layers", "string-layers", "float-layers", "bool-layers",
+        "negative-layers", "zero-heads", "string-head-dim", "int-architectures", "string-architectures",
+        "more-layers-than-weights"])
+def test_a_broken_config_names_the_field(tiny_model, changes, phrase):
+    folder = _with_config(tiny_model("llama", num_hidden_layers=2), **changes)
+    with pytest.raises(LayoutError) as e:
+        plan_load(LoadSpec(str(folder)))
+    assert phrase in str(e.value)
+    assert "config.json" in str(e.value)
+
+
+def test_integral_numbers_written_as_floats_or_strings_still_load(tiny_model):
+    """What the worker's int() accepts, the daemon accepts too."""
+    folder = tiny_model("llama")
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    _with_config(folder, hidden_size=float(hidden), intermediate_size=str(
+        json.loads((folder / "config.json").read_text())["intermediate_size"]))
+    assert plan_load(LoadSpec(str(folder))).tensors
+
+
+def test_absurdly_nested_json_is_a_parse_error_not_an_internal_one(tiny_model, tmp_path):
+    folder = tiny_model("llama")
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    blob = DEEP_JSON.encode()
+    deep = tmp_path / "deep.safetensors"
+    deep.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        read_header(deep)
+
+    (folder / "config.json").write_text(DEEP_JSON)
+    with pytest.raises(SourceError, match=r"cannot parse .*config.json.*re-download"):
+        resolve_model(str(folder))
+
+
+def test_absurdly_nested_index_is_a_parse_error(tiny_model):
+    folder = tiny_model("llama", max_shard_size="100KB")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": ' + DEEP_JSON + "}")
+    with pytest.raises(SourceError, match=r"cannot parse .*model.safetensors.index.json.*re-download"):
+        resolve_model(str(folder))
+
+
+def test_a_dangling_weight_symlink_is_named(tiny_model):
+    """A hub-cache snapshot whose blob was cleaned up: the symlink is what is wrong, not "no weights"."""
+    folder = tiny_model("llama")
+    (folder / "model.safetensors").unlink()
+    os.symlink("../../blobs/0123abcd", folder / "model.safetensors")
+    with pytest.raises(SourceError) as e:
+        resolve_model(str(folder))
+    assert "model.safetensors is a dangling symlink (to ../../blobs/0123abcd)" in str(e.value)
+    assert "re-download" in str(e.value)
+
+
+def test_a_path_too_long_to_look_up_is_a_source_error():
+    with pytest.raises(SourceError) as e:
+        resolve_model("/" + "a" * 5000)
+    assert "cannot be looked up (File name too long)" in str(e.value) and "(5001 characters)" in str(e.value)
+
+
+@pytest.mark.parametrize("tokenizer_json", ["[]", '{"model": "bpe"}', DEEP_JSON],
+                         ids=["list", "model-not-an-object", "deep"])
+def test_an_unreadable_tokenizer_json_fails_the_pairing_clearly(tiny_model, tokenizer_json):
+    target, draft = tiny_model("llama", name="target"), tiny_model("llama", name="draft", seed=1)
+    config = json.loads((target / "config.json").read_text())
+    (target / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {}}}')
+    (draft / "tokenizer.json").write_text(tokenizer_json)
+    with pytest.raises(VocabMismatch) as e:
+        check_vocab_compatible(target, config, "target", draft, config, "draft")
+    assert "tokenizer.json is unreadable" in str(e.value) and "re-download the tokenizer files" in str(e.value)
