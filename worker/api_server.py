@@ -5,13 +5,13 @@ Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE when `strea
 `/health` (200 while the process and its engine thread live), `/ready` (200 only once the
 weights are attached and verified, the KV cache allocated and the warm-up pass done; 503
 before that and while draining), `/metrics` (Prometheus). With an API key, `/v1/*` needs
-`Authorization: Bearer <key>`.
+`Authorization: Bearer <key>`. Every error is an OpenAI-style JSON body, aiohttp's own
+included (unknown route, wrong method, body over 32 MiB) and a handler's bug (a 500).
 """
 from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,11 +22,14 @@ from aiohttp import web
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing, Prepared
-from resident.worker.protocol import RequestError, error_body, parse_chat_request, parse_completion_request
+from resident.worker.protocol import (RequestError, error_body, parse_body, parse_chat_request,
+                                      parse_completion_request)
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY_BYTES = 32 * 2**20
+ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
 
 
 @dataclass
@@ -69,6 +72,32 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(503, str(e), "service_unavailable")
     except EngineDead as e:
         return _error(500, str(e), "server_error")
+    except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+        if e.status < 400:
+            raise
+        return _http_error(request, e)
+    except Exception as e:  # noqa: BLE001 - a bug must still answer JSON, and the server goes on
+        logger.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal server error ({type(e).__name__}: {e}); the server keeps serving, "
+                      "and its log has the traceback", "server_error")
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's plain-text errors as OpenAI-style JSON bodies."""
+    if isinstance(e, web.HTTPNotFound):
+        message = f"there is no {request.path}; this server answers {ROUTES}"
+    elif isinstance(e, web.HTTPMethodNotAllowed):
+        message = (f"{request.path} does not take {request.method}; "
+                   f"use {' or '.join(sorted(e.allowed_methods))}")
+    elif isinstance(e, web.HTTPRequestEntityTooLarge):
+        message = (f"the request body is larger than this server's limit of {MAX_BODY_BYTES // 2**20} MiB; "
+                   "send a shorter prompt or fewer prompts per request")
+    else:
+        message = e.text or e.reason
+    resp = _error(e.status, message)
+    if "Allow" in e.headers:  # a 405 names the methods the route takes
+        resp.headers["Allow"] = e.headers["Allow"]
+    return resp
 
 
 def _auth_middleware(state: ServerState):
@@ -91,7 +120,7 @@ class ApiServer:
         self.state = state
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_auth_middleware(self.state), _errors], client_max_size=32 * 2**20)
+        app = web.Application(middlewares=[_auth_middleware(self.state), _errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
@@ -130,10 +159,7 @@ class ApiServer:
         return web.json_response({"object": "list", "data": data})
 
     async def _body(self, request: web.Request) -> object:
-        try:
-            return json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        return parse_body(await request.read())
 
     def _serving(self) -> OpenAIServing:
         if self.state.draining:

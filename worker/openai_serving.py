@@ -80,18 +80,27 @@ class OpenAIServing:
             logger.warning("ignoring unknown request field(s): %s (logged once per field)", ", ".join(new))
 
     def _params(self, req: CommonRequest, logprobs: int | None, num_prompts: int) -> list[Any]:
-        from resident.worker.sampling_params import SamplingParams
+        from dataclasses import fields
+
+        from resident.worker.sampling_params import MAX_SEED, SamplingParams
 
         out = []
         for _ in range(num_prompts):
             for i in range(req.n):
                 kwargs = dict(req.sampling)
                 if "seed" in kwargs and req.n > 1:
-                    kwargs["seed"] += i      # n seeded choices that still differ from each other
+                    # n seeded choices that still differ from each other; past the top of the
+                    # range the seed wraps, as torch reads seeds modulo 2**64.
+                    kwargs["seed"] += i
+                    if kwargs["seed"] > MAX_SEED:
+                        kwargs["seed"] -= 2**64
                 try:
                     out.append(SamplingParams(max_tokens=req.max_tokens, logprobs=logprobs, **kwargs))
                 except ValueError as e:
-                    raise RequestError(str(e)) from None
+                    # SamplingParams' messages start with the field's name: the request's too.
+                    name = str(e).split(" ", 1)[0]
+                    param = name if name in {f.name for f in fields(SamplingParams)} else None
+                    raise RequestError(str(e), param=param) from None
         return out
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
@@ -186,6 +195,14 @@ class OpenAIServing:
             self.metrics.e2e.observe(now - prep.arrival)
             self.metrics.success.labels(finish_reason=out.finish_reason or "unknown").inc()
 
+    def _count_aborted(self, choices: list[_Choice]) -> None:
+        """Choices that end without finishing still count in request_success_total, under
+        finish_reason "abort" (as vLLM counts them), so every started request is counted."""
+        for c in choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                self.metrics.success.labels(finish_reason="abort").inc()
+
     def _usage(self, prep: Prepared, choices: list[_Choice]) -> dict:
         prompt = sum(len(p) for p in prep.prompts)
         completion = sum(c.num_output_tokens for c in choices)
@@ -204,12 +221,18 @@ class OpenAIServing:
         """Non-streaming: the whole response body."""
         choices = [_Choice() for _ in range(prep.num_choices)]
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prep.prompts))
-        async for i, out in self._outputs(prep):
-            c = choices[i]
-            self._track(prep, c, out)
-            c.text.append(out.new_text)
-            c.token_ids.extend(out.new_token_ids)
-            c.logprobs.extend(out.logprobs or [])
+        try:
+            async for i, out in self._outputs(prep):
+                c = choices[i]
+                self._track(prep, c, out)
+                c.text.append(out.new_text)
+                c.token_ids.extend(out.new_token_ids)
+                c.logprobs.extend(out.logprobs or [])
+        except RequestError:
+            raise                             # the engine refused it: it never ran
+        except BaseException:
+            self._count_aborted(choices)      # the client went away, or a drain or engine failure
+            raise
         body = {"id": prep.request_id, "created": prep.created, "model": prep.request.model}
         if prep.kind == "chat":
             body["object"] = "chat.completion"
@@ -261,7 +284,11 @@ class OpenAIServing:
                     yield sse({**base, "choices": [fin]})
         except RequestError as e:
             yield sse(e.body())
+        except (GeneratorExit, asyncio.CancelledError):
+            self._count_aborted(choices)      # the client went away
+            raise
         except Exception as e:  # noqa: BLE001 - headers are sent: report inside the stream
+            self._count_aborted(choices)
             logger.warning("stream %s failed: %s", prep.request_id, e)
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         else:

@@ -9,7 +9,10 @@ or processor kwargs) are refused unless the server trusts them.
 """
 from __future__ import annotations
 
+import json
 import math
+import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +100,58 @@ class ChatRequest(CommonRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# --- the body ---------------------------------------------------------------------------
+# A JSON \u escape of a UTF-16 surrogate (D800-DFFF): only then can a decoded string hold
+# a lone surrogate, so only then is the body walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request body as JSON, or a RequestError saying what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body nests JSON arrays or objects too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # Python refuses to read an integer of thousands of digits
+        raise RequestError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                           "digits, more than any field takes") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_unicode(body)
+    return body
+
+
+def _check_unicode(body: Any) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON lets `"\\ud800"` through; it is
+    no Unicode character, and the tokenizer and the response encoder fail on it)."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:  # iterative: the body may nest as deep as json.loads allows
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path, key=True)
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, path)
+
+
+def _check_text(text: str, path: str, key: bool = False) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        if key:
+            where = f"a key of '{path}'" if path else "a key of the request body"
+        else:
+            where = f"'{path}'" if path else "the request body"
+        raise RequestError(
+            f"{where} holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), which is "
+            "not valid Unicode: send the text as UTF-8, or escape a character above U+FFFF as a "
+            "surrogate pair (e.g. \\ud83d\\ude00)", param=path or None) from None
 
 
 # --- field readers ------------------------------------------------------------------------
@@ -259,6 +314,17 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
+def _tool(tool: Any, i: int) -> None:
+    """A tool as OpenAI defines it; the chat template reads these fields."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str) or not fn["name"]
+            or not isinstance(fn.get("parameters", {}), dict)):
+        raise RequestError(
+            f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \"<name>\", "
+            f"\"parameters\": {{<JSON schema>}}}}}}, got {json.dumps(tool)[:200]}", param=f"tools[{i}]")
+
+
 def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     if isinstance(body, dict) and not opts.trust_request_chat_template:
         for name in UNTRUSTED_CHAT_FIELDS:
@@ -279,6 +345,8 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
+    for i, tool in enumerate(tools or []):
+        _tool(tool, i)
     req.tools = tools or None
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): the sampler divides float32
+# logits by the temperature, and a tiny one overflows them to inf (or, below float32's
+# range, rounds to 0 and divides by zero), so the softmax is NaN and picks token 0.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 def _check_int(name: str, value: object) -> int:
@@ -31,6 +35,7 @@ def _check_float(name: str, value: object) -> float:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
+    temperature: 0 = greedy; so is anything below GREEDY_TEMPERATURE_EPS (set to 0), as in vLLM.
     top_k: 0 (or -1, the vLLM spelling, normalised to 0) means no top-k cut.
     logprobs: None = none; n >= 0 = the chosen token's logprob plus the top-n alternatives.
     stop: strings that end generation when they appear in the generated text; the text is
@@ -60,6 +65,8 @@ class SamplingParams:
         self.temperature = _check_float("temperature", self.temperature)
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
         self.top_p = _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -1,0 +1,174 @@
+"""Bad input found by throwing odd requests at a real `resident serve`: each gets a JSON
+error naming the problem (never a plain-text 500), values the server accepts behave, and
+a request the client abandons is still counted in /metrics."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from serve_helpers import MODEL_NAME, http, metric, servable_tiny_model, start_serve, stop_serve
+from test_api_server import ScriptedEngine, _in_process
+
+from resident.worker.protocol import RequestError, ServingOptions, parse_chat_request
+from resident.worker.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bad")
+    model = servable_tiny_model(work / "llama", "llama")
+    proc = start_serve(model, work / "serve.log", "--preload", "off", "--max-model-len", str(MAX_MODEL_LEN))
+    yield proc
+    stop_serve(proc)
+
+
+def _ok_completion(base: str) -> None:
+    status, body = http(base, "POST", "/v1/completions",
+                        {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def _assert_error(got: object, status: int, want_status: int, param: str | None, *words: str) -> None:
+    assert status == want_status, got
+    assert isinstance(got, dict) and set(got["error"]) == {"message", "type", "param", "code"}, got
+    assert got["error"]["param"] == param, got
+    for w in words:
+        assert w in got["error"]["message"], got
+
+
+RAW = {
+    # JSON's \ud800 escape decodes to a lone surrogate, which the tokenizer refused with a 500
+    "lone surrogate in a prompt": (
+        "/v1/completions", b'{"model": "tiny", "prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    "lone surrogate in a chat message": (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+        "messages[0].content"),
+    # json.loads raised RecursionError / ValueError (integer digits limit): 500s
+    "JSON nested too deeply": ("/v1/completions", b"[" * 100_000, None),
+    "an integer of 5000 digits": (
+        "/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW))
+def test_undecodable_bodies_are_a_400_naming_the_field(server, case):
+    path, raw, param = RAW[case]
+    status, got = http(server.base_url, "POST", path, raw=raw)
+    _assert_error(got, status, 400, param)
+    _ok_completion(server.base_url)
+
+
+def test_surrogate_pairs_are_fine(server):
+    raw = b'{"model": "tiny", "prompt": "hi \\ud83d\\ude00", "max_tokens": 2}'
+    status, got = http(server.base_url, "POST", "/v1/completions", raw=raw)
+    assert status == 200, got
+
+
+def test_unknown_route_wrong_method_and_huge_body_answer_json(server):
+    status, got = http(server.base_url, "GET", "/v1/embeddings")
+    _assert_error(got, status, 404, None, "/v1/embeddings", "/v1/chat/completions")
+    status, got = http(server.base_url, "GET", "/v1/completions")
+    _assert_error(got, status, 405, None, "GET", "POST")
+    raw = b'{"model": "tiny", "prompt": "' + b"a" * (33 * 2**20) + b'"}'
+    status, got = http(server.base_url, "POST", "/v1/completions", raw=raw)
+    _assert_error(got, status, 413, None, "32 MiB")
+    _ok_completion(server.base_url)
+
+
+@pytest.mark.parametrize("field,value", [("top_p", 0), ("repetition_penalty", 0), ("seed", 2**64)])
+def test_sampling_params_refusals_name_the_field(server, field, value):
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, field: value}
+    status, got = http(server.base_url, "POST", "/v1/completions", body)
+    _assert_error(got, status, 400, field, field)
+
+
+def test_n_seeded_choices_at_the_top_of_the_seed_range(server):
+    """seed + choice index went past 2**64 - 1 and the request was refused with a seed it
+    never sent; now it wraps (torch reads seeds modulo 2**64) and stays reproducible."""
+    body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 4, "n": 3, "seed": 2**64 - 1}
+    status, first = http(server.base_url, "POST", "/v1/completions", body)
+    assert status == 200, first
+    status, again = http(server.base_url, "POST", "/v1/completions", body)
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in first["choices"]]
+    assert len(first["choices"]) == 3
+
+
+def _token_ids(base: str, temperature: float) -> list[str]:
+    body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 6, "temperature": temperature,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    status, got = http(base, "POST", "/v1/completions", body)
+    assert status == 200, got
+    return got["choices"][0]["logprobs"]["tokens"]
+
+
+def test_a_vanishing_temperature_is_greedy(server):
+    """temperature 1e-300 divided the logits by float32 0: NaN probabilities, token 0 every step."""
+    greedy = _token_ids(server.base_url, 0.0)
+    assert set(greedy) != {"token_id:0"}
+    assert _token_ids(server.base_url, 1e-300) == greedy
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_a_finished_stream_is_not_counted_as_abort(server):
+    before = metric(server.base_url, "resident_request_success_total", 'finish_reason="abort"') or 0.0
+    body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 4, "stream": True}
+    assert http(server.base_url, "POST", "/v1/completions", body)[0] == 200
+    # A finished stream counts under its own reason, never as an abort.
+    assert (metric(server.base_url, "resident_request_success_total", 'finish_reason="abort"') or 0.0) == before
+
+
+def test_client_gone_counts_each_unfinished_choice_as_abort():
+    """The engine's own abort output reaches no one once the stream is dropped, so a request
+    whose client left vanished from request_success_total."""
+    async def test(s, state, engine):
+        body = {"model": "m", "prompt": "x", "max_tokens": 4000, "n": 2, "stream": True}
+        r = await s.post("/v1/completions", json=body)
+        await r.content.readline()
+        r.close()
+        for _ in range(500):
+            if len(engine.aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(engine.aborted) == 2
+        text = state.metrics.render().decode()
+        for _ in range(500):  # the handler notices the closed connection on its next write
+            text = state.metrics.render().decode()
+            if 'finish_reason="abort"} 2.0' in text:
+                break
+            await asyncio.sleep(0.01)
+        assert 'resident_request_success_total{finish_reason="abort"} 2.0' in text, text
+        # Non-streaming: the handler is cancelled when the connection drops.
+        task = asyncio.ensure_future(s.post("/v1/completions", json={**body, "stream": False, "n": 1}))
+        for _ in range(500):
+            if engine.running:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        for _ in range(500):
+            text = state.metrics.render().decode()
+            if 'finish_reason="abort"} 3.0' in text:
+                break
+            await asyncio.sleep(0.01)
+        assert 'resident_request_success_total{finish_reason="abort"} 3.0' in text, text
+
+    asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))
+
+
+@pytest.mark.parametrize("tools", [[5], [{"type": "function"}], [{"type": "retrieval", "function": {"name": "f"}}],
+                                   [{"type": "function", "function": {"name": "f", "parameters": "x"}}]])
+def test_malformed_tools_are_refused_by_index(tools):
+    """A tools-aware chat template failed on these with a message about 'messages'."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    with pytest.raises(RequestError) as e:
+        parse_chat_request(body, ServingOptions(("m",), 64))
+    assert e.value.param == "tools[0]" and '"function"' in e.value.message
+
+
+def test_a_wellformed_tool_passes():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    assert parse_chat_request(body, ServingOptions(("m",), 64)).tools == tools
