@@ -184,6 +184,10 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
     what = f"{info.name} v{info.version} (key {info.key[:12]}, {info.dtype}, {info.quantization}{_extras(info)})"
     if final.already_resident:
         click.echo(f"{what}: already resident, {format_bytes(info.nbytes)}, nothing read")
+        if name and info.name != name:
+            # One copy per key: the model keeps the name it was loaded under first.
+            click.echo(f"note: not listed as {name!r}: the daemon holds one copy per model key and lists this one "
+                       f"as {info.name!r}; attach or unload it by that name or by its key {info.key[:12]}", err=True)
     else:
         read = bytes_read or info.nbytes
         click.echo(f"loaded {what}: read {format_bytes(read)} in {final.elapsed_s:.2f} s "
@@ -271,7 +275,7 @@ def status(daemon: DaemonAddress, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Unload even while clients lease it.")
 @report_daemon_errors
 def unload(name: str, daemon: DaemonAddress, force: bool) -> None:
-    """Unload NAME (all versions) or one version by its key."""
+    """Unload NAME (all versions) or one version by its key (the 12 digits `list` shows will do)."""
     with connect(daemon) as client:
         keys = list(client.unload(name, force=force))
     click.echo(f"unloaded {name}: {', '.join(k[:12] for k in keys) or 'nothing'}")

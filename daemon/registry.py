@@ -13,15 +13,20 @@ Thread-safe.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from resident.daemon.errors import ModelLeased, NotFound, ResourceExhausted, StaleModel
+from resident.daemon.errors import InvalidArgument, ModelLeased, NotFound, ResourceExhausted, StaleModel
 
 log = logging.getLogger(__name__)
+
+#: Fewest hex digits of a key that unload accepts as a prefix (a shorter one could match by chance).
+MIN_KEY_PREFIX = 8
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def fmt_bytes(n: int) -> str:
@@ -215,14 +220,15 @@ class Registry:
             return stale
 
     def remove(self, name_or_key: str, force: bool = False) -> list[ResidentModel]:
-        """Unload one version (by key) or all versions of a name."""
+        """Unload one version (by its key, or a unique prefix of at least MIN_KEY_PREFIX hex
+        digits: `resident preload list` shows 12) or all versions of a name."""
         with self._lock:
             if name_or_key in self._by_key:
                 targets = [self._by_key[name_or_key]]
             elif name_or_key in self._by_name:
                 targets = list(self._by_name[name_or_key])
             else:
-                raise NotFound(f"no resident model named or keyed {name_or_key!r}; see `resident preload list`")
+                targets = [self._by_key_prefix(name_or_key)]
             leased = [(m, self._lease_count(m.key)) for m in targets if self._lease_count(m.key)]
             if leased and not force:
                 what = ", ".join(f"{m.name} v{m.version} ({n} lease(s))" for m, n in leased)
@@ -233,6 +239,19 @@ class Registry:
             for m in targets:
                 self._remove(m)
             return targets
+
+    def _by_key_prefix(self, prefix: str) -> ResidentModel:
+        matches = [m for key, m in self._by_key.items() if key.startswith(prefix)] \
+            if len(prefix) >= MIN_KEY_PREFIX and _HEX.fullmatch(prefix) else []
+        if len(matches) > 1:
+            raise InvalidArgument(
+                f"key prefix {prefix!r} matches {len(matches)} resident models ("
+                + ", ".join(f"{m.name} v{m.version} key {m.key}" for m in matches)
+                + "); give more digits of the key"
+            )
+        if not matches:
+            raise NotFound(f"no resident model named or keyed {prefix!r}; see `resident preload list`")
+        return matches[0]
 
     def close_all(self) -> None:
         with self._lock:

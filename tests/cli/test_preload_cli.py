@@ -155,6 +155,25 @@ def test_bad_input_is_one_clear_line_and_the_daemon_stays_healthy(daemon, tiny_m
     assert json.loads(ok.stdout)["num_tensors"] > 0
 
 
+def test_a_second_name_for_a_resident_key_is_explained_and_list_keys_unload(daemon, tiny_model):
+    """The daemon holds one copy per key under its first name: loading it again as another
+    name says which name to use, and the 12 key digits `list` prints are enough to unload it."""
+    sock = daemon["socket"]
+    model = tiny_model("llama")
+    assert run_cli("preload", "load", str(model), "--name", "first", "--socket", sock).returncode == 0
+    again = run_cli("preload", "load", str(model), "--name", "second", "--socket", sock)
+    assert again.returncode == 0, again.stderr
+    assert "first v1" in again.stdout and "already resident" in again.stdout
+    assert "not listed as 'second'" in again.stderr and "lists this one as 'first'" in again.stderr
+
+    short_key = run_cli("preload", "list", "--socket", sock).stdout.splitlines()[2].split()[2]
+    assert re.fullmatch(r"[0-9a-f]{12}", short_key)
+    un = run_cli("preload", "unload", short_key, "--socket", sock)
+    assert un.returncode == 0, un.stderr
+    assert un.stdout.strip() == f"unloaded {short_key}: {short_key}"
+    assert json.loads(run_cli("preload", "list", "--json", "--socket", sock).stdout) == []
+
+
 _PROBE = """
 import json, sys
 from click.testing import CliRunner

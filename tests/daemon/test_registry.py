@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from resident.daemon.errors import ModelLeased, NotFound, ResourceExhausted, StaleModel
+from resident.daemon.errors import InvalidArgument, ModelLeased, NotFound, ResourceExhausted, StaleModel
 from resident.daemon.memory import SlabDesc
 from resident.daemon.registry import Registry
 
@@ -156,6 +156,23 @@ def test_unload_by_key_removes_one_version():
     with pytest.raises(NotFound, match="no longer resident"):
         reg.resolve("m")
     assert reg.resolve("k1").key == "k1"
+
+
+def test_unload_by_the_key_prefix_that_list_shows():
+    """`resident preload list` prints 12 digits of each key: unload takes those (any unique
+    prefix of at least 8 hex digits), refuses an ambiguous one, and never guesses from a short one."""
+    reg, _ = make()
+    a, _ = add(reg, "3eb9cbe6adae95c2" + "0" * 48, "a")
+    add(reg, "3eb9cbe6ff0011aa" + "0" * 48, "b")
+    with pytest.raises(InvalidArgument) as e:
+        reg.remove("3eb9cbe6")
+    assert "matches 2 resident models" in str(e.value) and "give more digits" in str(e.value)
+    with pytest.raises(NotFound, match="no resident model named or keyed '3eb9cbe'"):
+        reg.remove("3eb9cbe")                  # 7 digits: too short to mean one model
+    assert reg.remove("3eb9cbe6adae") == [a]
+    assert [m.name for m in reg.models()] == ["b"]
+    with pytest.raises(NotFound):
+        reg.remove("3eb9cbe6adae")
 
 
 def test_promote_makes_an_older_resident_version_current_again():
