@@ -16,6 +16,8 @@ import errno
 import logging
 import os
 import signal
+import socket
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +40,31 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def check_path_free(path: str, option: str) -> None:
+    """Raise ValueError unless a fresh daemon may rename its socket onto `path`: it does not
+    exist, or it is a stale socket nothing listens on any more."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(f"{option} {path} exists and is not a socket; choose another {option} (the daemon "
+                         "replaces only stale sockets there)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return  # stale: left behind by a process that is gone
+    except OSError as e:
+        raise ValueError(f"cannot tell whether {option} {path} is in use ({e.strerror or e}); choose another "
+                         f"{option}") from None
+    finally:
+        probe.close()
+    raise ValueError(f"{option} {path} is in use: a process listens on it (another resident daemon's socket?); "
+                     f"choose another {option}, or stop what listens there")
 
 
 class Daemon:
@@ -83,6 +110,10 @@ class Daemon:
         from resident.daemon.sessions import Lease
 
         self._lock.acquire()
+        # The lock guards --socket's own path only: the paths our sockets are renamed onto
+        # must not be a live socket of another daemon (its fd socket, say) or any other file.
+        check_path_free(self.config.socket, "--socket")
+        check_path_free(self.config.fd_socket, "--fd-socket")
         self._owns_paths = True
         backend = get_backend(self.config.backend or default_backend_name())
         self._build(backend)

@@ -237,6 +237,31 @@ def test_second_daemon_on_the_same_path_is_refused(env):
     assert_still_serving(daemon)
 
 
+@pytest.mark.parametrize("where", ["fd-socket-on-its-fd-socket", "socket-on-its-fd-socket", "fd-socket-on-a-file"])
+def test_a_daemon_whose_paths_land_on_another_daemons_socket_is_refused(env, where):
+    """The lock file guards each daemon's --socket path; a second daemon must not rename its
+    sockets over the first one's fd socket either (it used to, and the first daemon's clients
+    then found "no resident daemon"), nor over a file that is not a socket."""
+    d, _, daemon = env
+    victim = {"fd-socket-on-a-file": str(d / "notes.txt")}.get(where, daemon.fd_socket)
+    if where == "fd-socket-on-a-file":
+        Path(victim).write_text("keep me")
+    args = ("--socket", victim) if where == "socket-on-its-fd-socket" else ("--fd-socket", victim)
+    before = os.stat(victim).st_ino
+    second = start_daemon(d, *args, name="other.sock", wait=False)
+    try:
+        assert second.proc.wait(timeout=60) == 1, second.log()
+    finally:
+        second.stop()
+    option = "--socket" if where == "socket-on-its-fd-socket" else "--fd-socket"
+    reason = "exists and is not a socket" if where == "fd-socket-on-a-file" else "is in use: a process listens on it"
+    assert f"{option} {victim} {reason}" in second.log() and f"choose another {option}" in second.log()
+    assert os.stat(victim).st_ino == before
+    if where == "fd-socket-on-a-file":
+        assert Path(victim).read_text() == "keep me"
+    assert_still_serving(daemon)
+
+
 def test_uid_outside_the_allow_list_is_refused_at_hello(short_tmp):
     daemon = start_daemon(short_tmp, "--allow-uid", "4242")    # not us, and no group
     try:
