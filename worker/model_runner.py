@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 #: Added to the measured headroom: allocations outside torch's allocator (graph
 #: executables, cuBLAS/Triton module loads) and fragmentation.
 PROFILE_MARGIN_BYTES = 256 * 2**20
+#: The CPU warm-up's one prefill (ModelRunner.warmup): more than one token, so it takes the
+#: multi-token attention path.
+CPU_WARMUP_TOKENS = 2
 
 
 class BatchError(ValueError):
@@ -464,34 +467,48 @@ class ModelRunner:
 
     # --- start-up ------------------------------------------------------------------------
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """One dummy forward + sampling through the real path, before any request runs.
+    def warmup(self, full: bool | None = None) -> None:
+        """Dummy forward passes + sampling through the real path, before any request runs: a
+        start-up check that the model computes, and on a GPU the first launches (Triton
+        specializations, cuBLAS, the sampler's kernels) that the first request would pay.
+
+        Full (on a GPU; `full=True` elsewhere, as the tests that trace it do): a prefill of
+        `warmup_prefill_tokens` (greedy), then a decode step with the seeded all-options
+        sampling row. Short (on CPU): one prefill of 2 tokens with that sampling row — there
+        is nothing to load lazily, and every forward streams all the weights from memory (on
+        the 2-core box 0.1 s per pass for SmolLM2, the prefill of 32 tokens 0.2 s), so more
+        passes would only delay ready (the first request measured 0.09 s of CPU after the
+        two-pass warm-up, 0.11-0.13 s after none).
 
         Writes KV into the first blocks and zeroes them afterwards, so it must run while no
         request holds KV blocks (at start-up, before the engine schedules anything).
         """
         t0 = time.monotonic()
         ec = self.engine_config   # the GEMM prefetch (gemm_prefetch.py) warms the same prefill size
+        on_gpu = self.device.type == "cuda" if full is None else full
         num_tokens = warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
+        if not on_gpu:
+            num_tokens = min(num_tokens, CPU_WARMUP_TOKENS)
         blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // self.block_size))))
         prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
         greedy, seeded = warmup_sampling_params()   # the GEMM prefetch's sampler stage warms the same
         graphs, self.graphs = self.graphs, None   # eager: graphs are captured in their own phase
         try:
-            prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy, prompt, [])
+            prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy if on_gpu else seeded, prompt, [])
             out = self.execute(SchedulerOutput([prefill], num_tokens))
             tok = out.sampled["warmup-0"]
             t_prefill = time.monotonic()
-            decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, seeded, prompt, [tok])
-            self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
+            if on_gpu:
+                decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, seeded, prompt, [tok])
+                self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
         finally:
             self.graphs = graphs
-            self._generators.pop("warmup-1", None)
+            for rid in ("warmup-0", "warmup-1"):
+                self._generators.pop(rid, None)
             self.kv_cache.zero_blocks(blocks)
         now = time.monotonic()
-        # Mostly first launches (Triton specializations, cuBLAS, the sampler's kernels) on a GPU.
-        logger.info("warm-up forward passes done in %.2f s (prefill of %d tokens %.2f s, decode %.2f s)", now - t0,
-                    num_tokens, t_prefill - t0, now - t_prefill)
+        logger.info("warm-up forward passes done in %.2f s (prefill of %d tokens %.2f s, decode %s)", now - t0,
+                    num_tokens, t_prefill - t0, f"{now - t_prefill:.2f} s" if on_gpu else "none: the short warm-up")
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -213,13 +213,14 @@ def test_bad_batches_fail_naming_the_request(tiny_model, bad, message: str) -> N
         runner.execute(SchedulerOutput([bad()], 1))
 
 
-def test_warmup_leaves_a_clean_cache_and_runners_rebuild(tiny_model) -> None:
+@pytest.mark.parametrize("full", [None, True], ids=["cpu-short", "gpu-full"])
+def test_warmup_leaves_a_clean_cache_and_runners_rebuild(tiny_model, full) -> None:
     path = tiny_model("llama")
     first = make_runner(path)
     reference = _generate_alone(first, "r", list(range(30, 50)), [0, 1, 2, 3, 4, 5, 6], 5)
     del first
     runner = make_runner(path)
-    runner.warmup()
+    runner.warmup(full)
     assert all(int(t.count_nonzero()) == 0 for t in runner.kv_cache.tensors)
     assert _generate_alone(runner, "r", list(range(30, 50)), [0, 1, 2, 3, 4, 5, 6], 5) == reference
 

@@ -166,7 +166,7 @@ def test_the_forward_ops_cover_a_warm_ups_non_gemm_non_triton_ops(tiny_model, mo
     weights = fused_weights_from_hf_folder(path, torch.bfloat16)
     runner = ModelRunner(ModelConfig.from_hf(hf), ENGINE, weights)
     with ops:
-        runner.warmup()
+        runner.warmup(full=True)   # the GPU's passes
     warm_up = ops.ops
     assert ("embedding", ("torch.bfloat16", "torch.int64")) in warm_up   # the trace sees the forward
 
@@ -194,8 +194,11 @@ def test_the_warm_up_samples_with_the_prefetchs_params(tiny_model, monkeypatch):
         seen.extend(s.sampling_params for s in to_sample)
         return sample(logits, to_sample)
     monkeypatch.setattr(runner, "sample", spy)
-    runner.warmup()
+    runner.warmup(full=True)   # the GPU's passes
     assert seen == list(warmup_sampling_params())
+    seen.clear()
+    runner.warmup()   # CPU: one short prefill, sampled with the decode's all-options row
+    assert seen == list(warmup_sampling_params())[1:]
 
 
 def test_the_forward_ops_skip_an_embedding_too_large_for_the_free_memory():
