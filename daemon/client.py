@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 SESSION_METADATA = "x-resident-session"
 #: Deadline for calls that answer at once (everything but Load).
 CALL_TIMEOUT_S = 30.0
+#: Deadline for one exchange on the fd socket (hello, fds): a daemon that accepts connections
+#: but does not answer (stopped, hung) must not hang its clients.
+FD_CALL_TIMEOUT_S = 15.0
 
 
 def _no_daemon(path: str, why: object = "") -> DaemonUnavailable:
@@ -127,6 +130,7 @@ class Client:
         if not os.path.exists(self.fd_socket_path):
             raise _no_daemon(self.socket_path, f"{self.fd_socket_path} does not exist")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(FD_CALL_TIMEOUT_S)
         try:
             sock.connect(self.fd_socket_path)
         except OSError as e:
@@ -139,6 +143,11 @@ class Client:
             try:
                 send_frame(self._sock, request)
                 frame = recv_frame(self._sock, want_fds=want_fds)
+            except TimeoutError:
+                raise DaemonUnavailable(
+                    f"the daemon at {self.socket_path} did not answer on its fd socket {self.fd_socket_path} within "
+                    f"{FD_CALL_TIMEOUT_S:.0f} s: it is stopped or hung; restart it (`resident preload stop --socket "
+                    f"{self.socket_path}` sends SIGTERM to a daemon that does not answer)") from None
             except (OSError, FrameError) as e:
                 raise DaemonUnavailable(f"lost the daemon's fd socket {self.fd_socket_path}: {e}") from None
         if frame is None:

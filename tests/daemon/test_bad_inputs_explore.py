@@ -115,3 +115,38 @@ def test_an_unreadable_tokenizer_json_fails_the_pairing_clearly(tiny_model, toke
     with pytest.raises(VocabMismatch) as e:
         check_vocab_compatible(target, config, "target", draft, config, "draft")
     assert "tokenizer.json is unreadable" in str(e.value) and "re-download the tokenizer files" in str(e.value)
+
+
+def test_a_daemon_that_accepts_but_never_answers_does_not_hang_the_client(short_tmp, monkeypatch):
+    """A stopped (SIGSTOP) or hung daemon still completes connects from its listen backlog:
+    the hello used to wait forever, so `preload status` and `preload stop` hung with it."""
+    import socket
+    import threading
+
+    from resident.daemon import client as client_module
+    from resident.daemon.errors import DaemonUnavailable
+
+    monkeypatch.setattr(client_module, "FD_CALL_TIMEOUT_S", 0.5, raising=False)
+    listeners = []
+    for name in ("d.sock", "d.sock.fd"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(short_tmp / name))
+        s.listen(8)   # never accepts: connects complete in the backlog, nothing answers
+        listeners.append(s)
+    outcome: dict[str, BaseException] = {}
+
+    def connect() -> None:
+        try:
+            client_module.Client(str(short_tmp / "d.sock")).close()
+        except BaseException as e:  # noqa: BLE001 - inspected below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(60)   # a bound so that a regression fails instead of hanging the suite
+    for s in listeners:
+        s.close()     # also frees a client still stuck in a hello
+    assert not thread.is_alive(), "the client still waits for the hello"
+    error = outcome.get("error")
+    assert isinstance(error, DaemonUnavailable), error
+    assert "did not answer on its fd socket" in str(error) and "resident preload stop --socket" in str(error)
