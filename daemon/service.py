@@ -30,6 +30,8 @@ from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SESSION_METADATA = "x-resident-session"
+#: Longest --name a Load accepts.
+MAX_NAME_CHARS = 256
 SERVICE_NAME = "resident.v1.WeightCache"
 _HealthStatus = health_pb2.HealthCheckResponse.ServingStatus
 
@@ -161,6 +163,12 @@ class WeightCacheService(pb_grpc.WeightCacheServicer):
 
         if not request.model:
             raise InvalidArgument("Load needs a model: a local folder or a hub id such as 'org/name'")
+        if len(request.name) > MAX_NAME_CHARS or not request.name.isprintable():
+            # It is listed in every status and list: one line, of a size a table can show.
+            shown = request.name[:60] + ("..." if len(request.name) > 60 else "")
+            raise InvalidArgument(f"--name {shown!r} ({len(request.name)} characters) is not a usable model name: "
+                                  f"give at most {MAX_NAME_CHARS} printable characters (no newlines or control "
+                                  "characters), or leave --name out to list the model under its path or hub id")
         try:
             return LoadSpec(model=request.model, name=request.name, dtype=request.dtype or "auto",
                             quantization=request.quantization or "none", revision=request.revision or None,

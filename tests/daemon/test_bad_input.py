@@ -143,6 +143,19 @@ def test_missing_path_and_folder_without_weights(env):
     assert_still_serving(daemon)
 
 
+@pytest.mark.parametrize("name", ["n" * 100_000, "two\nlines", "tab\tbell\a"], ids=["huge", "newline", "control"])
+def test_a_model_name_that_cannot_be_listed_is_refused(env, name):
+    """Names show up in every `preload list` / `status` line: a 100 kB one or one with a
+    newline used to be accepted and broke those tables."""
+    _, good, daemon = env
+    with daemon.client() as c:
+        with pytest.raises(InvalidArgument) as e:
+            load(c, good, name=name)
+        assert "is not a usable model name" in str(e.value) and "at most 256 printable characters" in str(e.value)
+        assert name not in {m.name for m in c.list()}
+    assert_still_serving(daemon)
+
+
 # --- protocol abuse --------------------------------------------------------------------
 def test_grpc_calls_without_or_with_a_wrong_token_are_unauthenticated(env):
     _, _, daemon = env
