@@ -168,6 +168,7 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
     bytes_read = 0
     label = name or os.path.basename(model.rstrip("/")) or model
     with connect(daemon) as client, LoadProgressBar(label) as bar:
+        before = client.list()
         for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision,
                                  draft=draft, tensor_parallel_size=tensor_parallel_size, devices=device_list):
             if event.done:
@@ -175,12 +176,21 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
             else:
                 bar.update(event.phase, event.bytes_done, event.bytes_total)
                 bytes_read = max(bytes_read, event.bytes_done)
+        after = {m.key for m in client.list()} if final is not None else set()
     if final is None:
         raise click.ClickException(f"the daemon at {daemon.socket} ended the load of {model} without a result")
     info = final.model
+    dropped = [m for m in before if m.key not in after and m.key != info.key]
     if as_json:
         echo_json(message_to_dict(info))
-        return
+    else:
+        _echo_loaded(final, name, bytes_read)
+    for m in dropped:
+        _note_dropped(m, superseded=m.name == info.name)
+
+
+def _echo_loaded(final, name: str, bytes_read: int) -> None:
+    info = final.model
     what = f"{info.name} v{info.version} (key {info.key[:12]}, {info.dtype}, {info.quantization}{_extras(info)})"
     if final.already_resident:
         click.echo(f"{what}: already resident, {format_bytes(info.nbytes)}, nothing read")
@@ -192,6 +202,15 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
         read = bytes_read or info.nbytes
         click.echo(f"loaded {what}: read {format_bytes(read)} in {final.elapsed_s:.2f} s "
                    f"({gb_per_s(read, final.elapsed_s):.2f} GB/s), {format_bytes(info.nbytes)} resident")
+
+
+def _note_dropped(m, superseded: bool) -> None:
+    """Say on stderr which resident model a load made the daemon drop, and why."""
+    why = ("a load under the same name supersedes its unleased older versions (other dtypes and quantizations "
+           "too); give each variant its own --name to keep them side by side") if superseded else (
+           "evicted (unleased, least recently used) to stay under the daemon's --max-bytes")
+    click.echo(f"note: no longer resident: {m.name} v{m.version} (key {m.key[:12]}, {m.dtype}, {m.quantization}"
+               f"{_extras(m)}): {why}", err=True)
 
 
 def _extras(info) -> str:

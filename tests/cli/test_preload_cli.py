@@ -174,6 +174,21 @@ def test_a_second_name_for_a_resident_key_is_explained_and_list_keys_unload(daem
     assert json.loads(run_cli("preload", "list", "--json", "--socket", sock).stdout) == []
 
 
+def test_a_load_says_which_resident_variant_it_superseded(daemon, tiny_model):
+    """Loading another dtype/quantization of a model under the same name drops the unleased
+    older variant: the load says so (it used to vanish without a word)."""
+    sock = daemon["socket"]
+    model = tiny_model("llama")
+    fp8 = run_cli("preload", "load", str(model), "--quantization", "fp8_per_tensor", "--socket", sock)
+    assert fp8.returncode == 0 and "no longer resident" not in fp8.stderr, fp8.stderr
+    plain = run_cli("preload", "load", str(model), "--socket", sock)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.startswith(f"loaded {model} v2 ")
+    note = re.search(r"note: no longer resident: (\S+) v1 \(key [0-9a-f]{12}, float32, fp8_per_tensor\): .*"
+                     r"give each variant its own --name", plain.stderr)
+    assert note and note.group(1) == str(model), plain.stderr
+
+
 _PROBE = """
 import json, sys
 from click.testing import CliRunner
