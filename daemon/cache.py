@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -171,15 +172,24 @@ class WeightCache:
             self._changed()
 
     def fetch_fds(self, token: str, lease_id: str) -> list[tuple[int, int]]:
+        """(slab index, fd) for each slab of the lease: duplicates the caller sends and then
+        closes, so an `unload --force` that closes the slabs meanwhile cannot turn them into
+        closed (or reused, unrelated) fd numbers."""
         lease = self.sessions.lease_of(token, lease_id)
-        model = self.registry.get_key(lease.key)
-        if model is None:
-            raise NotFound(f"lease {lease_id}: model {lease.key} was unloaded (--force); attach again")
-        pairs = []
-        for local, slab in enumerate(self.rank_slabs(model, self._lease_ranks.get(lease_id, 0))):
-            fd = slab.export_fd()
-            if fd is not None:
-                pairs.append((local, fd))
+        pairs: list[tuple[int, int]] = []
+        with self._state_lock:   # unload and eviction close slabs under this lock
+            model = self.registry.get_key(lease.key)
+            if model is None:
+                raise NotFound(f"lease {lease_id}: model {lease.key} was unloaded (--force); attach again")
+            try:
+                for local, slab in enumerate(self.rank_slabs(model, self._lease_ranks.get(lease_id, 0))):
+                    fd = slab.export_fd()
+                    if fd is not None:
+                        pairs.append((local, os.dup(fd)))
+            except BaseException:
+                for _, fd in pairs:
+                    os.close(fd)
+                raise
         return pairs
 
     @staticmethod

@@ -108,6 +108,7 @@ def peer_creds(sock: socket.socket) -> PeerCreds:
 
 class FdHandler(Protocol):
     def hello(self, peer: PeerCreds, client_name: str) -> Session: ...
+    # (slab index, fd) pairs: fds of the caller's own, closed once sent.
     def fetch_fds(self, token: str, lease_id: str) -> list[tuple[int, int]]: ...
     def close_session(self, token: str) -> None: ...
 
@@ -244,7 +245,11 @@ class FdSocketServer:
                 if reply.WhichOneof("kind") == "hello":
                     token = reply.hello.session_token
                     conn.settimeout(None)  # the session lives as long as the client wants
-                send_frame(conn, reply, fds)
+                try:
+                    send_frame(conn, reply, fds)
+                finally:
+                    for fd in fds:   # the handler's duplicates (FdHandler.fetch_fds)
+                        os.close(fd)
                 if not keep:
                     break
         except TimeoutError:

@@ -150,3 +150,31 @@ def test_a_daemon_that_accepts_but_never_answers_does_not_hang_the_client(short_
     error = outcome.get("error")
     assert isinstance(error, DaemonUnavailable), error
     assert "did not answer on its fd socket" in str(error) and "resident preload stop --socket" in str(error)
+
+
+def test_fds_handed_out_for_sending_outlive_a_forced_unload(tiny_model, tmp_path):
+    """`unload --force` closes the slabs while an attach of the same model may be sending their
+    fds: fetch_fds hands out duplicates, so what is sent is still the slab, never a closed or
+    reused fd number (an unrelated file of the daemon)."""
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.memory import get_backend
+    from resident.daemon.sessions import PeerCreds
+
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http=""), get_backend("host_shm"))
+    try:
+        model = cache.load(LoadSpec(str(tiny_model("llama")))).model
+        sizes = [s.desc.nbytes for s in model.loaded.slabs]
+        session = cache.hello(PeerCreds(uid=os.getuid(), gid=os.getgid(), pid=os.getpid()), "engine")
+        lease, _ = cache.attach(session.token, model.key)
+        pairs = cache.fetch_fds(session.token, lease.lease_id)
+        assert cache.unload(model.key, force=True) == [model]
+        replacement = os.open(os.devnull, os.O_RDONLY)   # would take a closed slab fd's number
+        try:
+            assert [os.fstat(fd).st_size for _, fd in pairs] == sizes
+        finally:
+            os.close(replacement)
+            for _, fd in pairs:
+                os.close(fd)
+    finally:
+        cache.close()
