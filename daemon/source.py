@@ -104,7 +104,11 @@ def _hub_snapshot(hub_id: str, revision: str | None, cache: Path) -> tuple[Path,
         commit = rev
     else:
         ref = repo / "refs" / rev
-        if not _is_inside(ref, repo / "refs") or not ref.is_file():
+        try:
+            known = _is_inside(ref, repo / "refs") and ref.is_file()
+        except OSError:  # ENAMETOOLONG and the like: no such ref
+            known = False
+        if not known:
             raise ModelNotFound(f"revision {rev!r} of {hub_id!r} not found in the hub cache {cache}; {hint}")
         commit = ref.read_text().strip()
         if not _COMMIT.match(commit):

@@ -178,3 +178,15 @@ def test_fds_handed_out_for_sending_outlive_a_forced_unload(tiny_model, tmp_path
                 os.close(fd)
     finally:
         cache.close()
+
+
+def test_a_revision_too_long_for_a_ref_name_is_not_found(tiny_model, tmp_path):
+    from fake_hub import fake_hub
+
+    from resident.daemon.source import ModelNotFound
+
+    cache = tmp_path / "hub"
+    fake_hub(cache, "org/name", tiny_model("llama"))
+    with pytest.raises(ModelNotFound) as e:
+        resolve_model("org/name", "v" * 5000, cache)
+    assert "of 'org/name' not found in the hub cache" in str(e.value) and "huggingface-cli download" in str(e.value)
