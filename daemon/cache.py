@@ -25,7 +25,7 @@ from resident.daemon.errors import (
     ProtocolMismatch,
     ResourceExhausted,
 )
-from resident.daemon.registry import Registry, ResidentModel
+from resident.daemon.registry import Registry, ResidentModel, fmt_bytes
 from resident.daemon.source import ModelNotFound
 from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
 
@@ -231,7 +231,9 @@ class WeightCache:
                         self.registry.promote(existing)
                         self._changed()
                     return LoadResult(existing, True, time.monotonic() - start)
-            self._make_room(estimate_nbytes(plan, self.backend))
+            needed = estimate_nbytes(plan, self.backend)
+            self._make_room(needed)
+            self._check_memory(needed, spec.model)
             try:
                 loaded = loader.load(spec, self.backend, progress)
             except Exception as e:  # noqa: BLE001
@@ -255,6 +257,16 @@ class WeightCache:
                  model.nbytes, load_s)
         self._changed()
         return LoadResult(model, False, time.monotonic() - start)
+
+    def _check_memory(self, nbytes: int, model: str) -> None:
+        """Refuse a load the machine cannot hold, before a slab is allocated."""
+        free = self.backend.available_bytes()
+        if free is not None and nbytes > free:
+            raise ResourceExhausted(
+                f"not enough memory to load {model}: its slabs need {fmt_bytes(nbytes)} and only {fmt_bytes(free)} "
+                f"are available to the daemon ({self.backend.name}); loading it would make the kernel's OOM killer "
+                "end the daemon and every resident model. Free memory, unload models you do not need (`resident "
+                "preload list`), or load a smaller variant (--dtype bfloat16 or --quantization fp8_per_tensor)")
 
     def _make_room(self, nbytes: int) -> None:
         with self._state_lock:

@@ -79,6 +79,11 @@ class MemoryBackend(abc.ABC):
     def slab_size_limit(self) -> int:
         """The largest slab this backend allocates in one piece."""
 
+    def available_bytes(self) -> int | None:
+        """Bytes new slabs can take before memory runs out, checked before a load; None: not
+        known here (GPU backends: the driver refuses an allocation that does not fit)."""
+        return None
+
     @classmethod
     @abc.abstractmethod
     def import_slab(cls, desc: SlabDesc, fd: int | None) -> torch.Tensor:

@@ -262,6 +262,12 @@ class HostShmBackend(MemoryBackend):
     def slab_size_limit(self) -> int:
         return self.max_slab_bytes
 
+    def available_bytes(self) -> int | None:
+        # memfd pages are overcommitted: past this, the OOM killer ends the daemon mid-load.
+        from resident.daemon.memory.host_memory import available_bytes
+
+        return available_bytes()
+
     def allocate(self, nbytes: int, index: int, device: str = "cpu") -> HostShmSlab:
         if device != "cpu":
             raise ValueError(f"host_shm keeps weights in host memory; device must be 'cpu', not {device!r}")

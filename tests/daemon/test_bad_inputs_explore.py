@@ -190,3 +190,75 @@ def test_a_revision_too_long_for_a_ref_name_is_not_found(tiny_model, tmp_path):
     with pytest.raises(ModelNotFound) as e:
         resolve_model("org/name", "v" * 5000, cache)
     assert "of 'org/name' not found in the hub cache" in str(e.value) and "huggingface-cli download" in str(e.value)
+
+
+def _fake_proc(root: Path, cgroup_line: str, mem_available_kb: int = 8 << 20) -> Path:
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "meminfo").write_text(f"MemTotal: 16000000 kB\nMemAvailable: {mem_available_kb} kB\n")
+    (root / "proc" / "self" / "cgroup").write_text(cgroup_line + "\n")
+    return root / "proc"
+
+
+def _fake_group(group: Path, limit: str, usage: int, stat: dict[str, int], v1: bool) -> None:
+    group.mkdir(parents=True)
+    (group / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(limit + "\n")
+    (group / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+    (group / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in stat.items()))
+
+
+def test_host_memory_available_is_meminfo_capped_by_the_cgroup(tmp_path):
+    from resident.daemon.memory.host_memory import available_bytes
+
+    gib = 1 << 30
+    v2 = tmp_path / "v2"
+    proc = _fake_proc(v2, "0::/job")
+    _fake_group(v2 / "cg" / "job", str(4 * gib), 3 * gib, {"active_file": gib // 2, "inactive_file": gib // 4,
+                                                           "shmem": 2 * gib}, v1=False)
+    assert available_bytes(str(proc), str(v2 / "cg")) == gib + gib // 2 + gib // 4   # limit - usage + file cache
+
+    v1 = tmp_path / "v1"
+    proc = _fake_proc(v1, "4:memory:/job", mem_available_kb=1 << 20)   # 1 GiB: less than the group allows
+    _fake_group(v1 / "cg" / "memory" / "job", str(8 * gib), gib, {"total_inactive_file": gib}, v1=True)
+    assert available_bytes(str(proc), str(v1 / "cg")) == gib
+
+    unlimited = tmp_path / "unlimited"
+    proc = _fake_proc(unlimited, "0::/")
+    _fake_group(unlimited / "cg", "max", 5 * gib, {}, v1=False)
+    assert available_bytes(str(proc), str(unlimited / "cg")) == 8 * gib
+    assert available_bytes(str(tmp_path / "nothing"), str(tmp_path / "nothing")) is None
+
+
+def test_a_model_larger_than_the_available_host_memory_is_refused_before_allocating(tiny_model, tmp_path):
+    """memfd pages are overcommitted: a load past the machine's memory used to run on until
+    the OOM killer ended the daemon, and every resident model with it."""
+    from resident.daemon.cache import WeightCache, estimate_nbytes
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.errors import ResourceExhausted
+    from resident.daemon.memory.host_shm import HostShmBackend
+
+    class TightHost(HostShmBackend):
+        free = 0
+
+        def available_bytes(self) -> int | None:
+            return self.free
+
+        def allocate(self, nbytes, index, device="cpu"):
+            assert nbytes <= self.free, "allocated past the available memory"
+            return super().allocate(nbytes, index, device)
+
+    backend = TightHost()
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http=""), backend)
+    folder = tiny_model("llama")
+    needed = estimate_nbytes(plan_load(LoadSpec(str(folder))), backend)
+    try:
+        backend.free = needed - 1
+        with pytest.raises(ResourceExhausted) as e:
+            cache.load(LoadSpec(str(folder)))
+        msg = str(e.value)
+        assert f"({needed} bytes)" in msg and f"({needed - 1} bytes) are available" in msg
+        assert "OOM killer" in msg and "--quantization fp8_per_tensor" in msg
+        assert cache.registry.models() == []
+        backend.free = needed
+        assert cache.load(LoadSpec(str(folder))).model.nbytes >= needed   # slabs are then page-rounded
+    finally:
+        cache.close()
