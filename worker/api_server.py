@@ -159,7 +159,14 @@ class ApiServer:
         return web.json_response({"object": "list", "data": data})
 
     async def _body(self, request: web.Request) -> object:
-        return parse_body(await request.read())
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as e:  # e.g. a body that does not decode as its Content-Encoding
+            encoding = request.headers.get("Content-Encoding")
+            hint = (f": it does not decode as its Content-Encoding ({encoding}) says; send it encoded so, "
+                    "or with no Content-Encoding" if encoding else "")
+            raise RequestError(f"the request body could not be read ({e.__cause__ or e}){hint}") from None
+        return parse_body(raw)
 
     def _serving(self) -> OpenAIServing:
         if self.state.draining:

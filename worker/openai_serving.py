@@ -112,14 +112,15 @@ class OpenAIServing:
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._note_ignored(req.ignored_fields)
         prompts, texts = [], []
-        for p in req.prompts:
+        for i, p in enumerate(req.prompts):
+            param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"  # which one of a batch
             if isinstance(p, str):
                 ids = self.tokenizer.encode(p, add_special_tokens=True)
                 texts.append(p)
             else:
-                ids = self._check_ids(list(p), "prompt")
+                ids = self._check_ids(list(p), param)
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
-            check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="prompt")
+            check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param)
             prompts.append(ids)
         return Prepared("completion", req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts,
                         self._params(req, req.logprobs, len(prompts)))

@@ -370,7 +370,7 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_mode
                         param: str = "messages") -> None:
     """Refuse prompts that do not fit the context, with the numbers OpenAI's message gives."""
     if num_prompt_tokens == 0:
-        raise RequestError("the prompt is empty", param=param)
+        raise RequestError(f"the prompt is empty: '{param}' gives no tokens; send at least one", param=param)
     requested = num_prompt_tokens + (max_tokens or 0)
     if num_prompt_tokens >= max_model_len or requested > max_model_len:
         raise RequestError(

@@ -172,3 +172,19 @@ def test_a_wellformed_tool_passes():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
     assert parse_chat_request(body, ServingOptions(("m",), 64)).tools == tools
+
+
+def test_body_that_does_not_decode_as_its_content_encoding_is_a_400(server):
+    """aiohttp's RequestPayloadError escaped the handler: a plain-text 500."""
+    status, got = http(server.base_url, "POST", "/v1/completions", raw=b"not gzip at all",
+                       headers={"Content-Encoding": "gzip"})
+    _assert_error(got, status, 400, None, "Content-Encoding", "gzip")
+    _ok_completion(server.base_url)
+
+
+@pytest.mark.parametrize("prompts,param", [(["the cat", ""], "prompt[1]"), ([[5, 6], [7, 10**6]], "prompt[1]"),
+                                           (["the cat", "word " * 100], "prompt[1]"), ([""], "prompt")])
+def test_a_bad_prompt_of_a_batch_is_named_by_index(server, prompts, param):
+    body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 2}
+    status, got = http(server.base_url, "POST", "/v1/completions", body)
+    _assert_error(got, status, 400, param)
