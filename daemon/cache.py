@@ -6,13 +6,14 @@ Errors are `resident.daemon.errors` types; loader exceptions are mapped to them 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,24 +214,15 @@ class WeightCache:
             raise _as_daemon_error(e, spec.model) from None
         key = plan.key
         self._refuse_during_handover("load")
-        with self._load_lock:
+        # Already resident: answered at once, not after another model's load in progress.
+        resident = self._resident(spec, key, devices, start, promote=False)
+        if resident is not None:
+            return resident
+        with self._load_turn(progress, plan.bytes_to_read, start):
             self._refuse_during_handover("load")
-            with self._state_lock:
-                existing = self.registry.get_key(key)
-                if existing is not None:
-                    held = tuple(existing.loaded.devices)
-                    if spec.devices and held and held != devices:
-                        # Placement is not part of the key: one copy per key, where it was put first.
-                        raise FailedPrecondition(
-                            f"{existing.name} (key {key[:16]}) is already resident on {','.join(held)}, not "
-                            f"{','.join(devices)}; the daemon holds one copy per model key: unload it first "
-                            f"(`resident preload unload {existing.name}`) to place it elsewhere, or run one "
-                            "daemon per GPU")
-                    self.registry.touch(existing)
-                    if not existing.latest:
-                        self.registry.promote(existing)
-                        self._changed()
-                    return LoadResult(existing, True, time.monotonic() - start)
+            resident = self._resident(spec, key, devices, start, promote=True)
+            if resident is not None:
+                return resident
             needed = estimate_nbytes(plan, self.backend)
             self._make_room(needed)
             self._check_memory(needed, spec.model)
@@ -257,6 +249,43 @@ class WeightCache:
                  model.nbytes, load_s)
         self._changed()
         return LoadResult(model, False, time.monotonic() - start)
+
+    def _resident(self, spec: Any, key: str, devices: tuple[str, ...], start: float, *,
+                  promote: bool) -> LoadResult | None:
+        """The answer to a load of a key already resident (touched), or None. An older version
+        is made its name's newest again only with `promote` (under the load lock: a hand-over
+        holds that lock while it copies the state)."""
+        with self._state_lock:
+            existing = self.registry.get_key(key)
+            if existing is None or (not existing.latest and not promote):
+                return None
+            held = tuple(existing.loaded.devices)
+            if spec.devices and held and held != devices:
+                # Placement is not part of the key: one copy per key, where it was put first.
+                raise FailedPrecondition(
+                    f"{existing.name} (key {key[:16]}) is already resident on {','.join(held)}, not "
+                    f"{','.join(devices)}; the daemon holds one copy per model key: unload it first "
+                    f"(`resident preload unload {existing.name}`) to place it elsewhere, or run one "
+                    "daemon per GPU")
+            self.registry.touch(existing)
+            if not existing.latest:
+                self.registry.promote(existing)
+                self._changed()
+            return LoadResult(existing, True, time.monotonic() - start)
+
+    @contextlib.contextmanager
+    def _load_turn(self, progress: Callable[[Any], None] | None, total: int, start: float) -> Iterator[None]:
+        """One load at a time; a load that has to wait for another says so ("waiting") first."""
+        if not self._load_lock.acquire(blocking=False):
+            if progress is not None:
+                from resident.daemon.loader import LoadProgressEvent
+
+                progress(LoadProgressEvent("waiting", 0, total, time.monotonic() - start))
+            self._load_lock.acquire()
+        try:
+            yield
+        finally:
+            self._load_lock.release()
 
     def _check_memory(self, nbytes: int, model: str) -> None:
         """Refuse a load the machine cannot hold, before a slab is allocated."""

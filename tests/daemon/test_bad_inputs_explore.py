@@ -262,3 +262,43 @@ def test_a_model_larger_than_the_available_host_memory_is_refused_before_allocat
         assert cache.load(LoadSpec(str(folder))).model.nbytes >= needed   # slabs are then page-rounded
     finally:
         cache.close()
+
+
+def test_a_load_behind_another_says_it_waits_and_a_resident_model_does_not_wait(tiny_model, tmp_path):
+    """Loads run one at a time. One queued behind another used to show nothing at all until
+    its turn, and a load of a model already resident waited for the other load too."""
+    import threading
+
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.memory import get_backend
+
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http=""), get_backend("host_shm"))
+    resident, queued = tiny_model("llama", name="resident"), tiny_model("llama", name="queued", seed=1)
+    try:
+        cache.load(LoadSpec(str(resident)))
+        waiting = threading.Event()
+        results: dict[str, object] = {}
+
+        def run(name: str, folder: Path) -> None:
+            def progress(event) -> None:
+                if event.phase == "waiting":
+                    waiting.set()
+            results[name] = cache.load(LoadSpec(str(folder)), progress=progress)
+
+        cache._load_lock.acquire()   # another model's load in progress
+        try:
+            again = threading.Thread(target=run, args=("again", resident), daemon=True)
+            again.start()
+            again.join(60)
+            assert not again.is_alive() and results["again"].already_resident
+            behind = threading.Thread(target=run, args=("behind", queued), daemon=True)
+            behind.start()
+            assert waiting.wait(60), "the queued load did not say it waits"
+            assert "behind" not in results
+        finally:
+            cache._load_lock.release()
+        behind.join(60)
+        assert not results["behind"].already_resident
+    finally:
+        cache.close()
