@@ -167,16 +167,22 @@ def load(model: str, daemon: DaemonAddress, quantization: str, dtype: str, name:
     final = None
     bytes_read = 0
     label = name or os.path.basename(model.rstrip("/")) or model
-    with connect(daemon) as client, LoadProgressBar(label) as bar:
-        before = client.list()
-        for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision,
-                                 draft=draft, tensor_parallel_size=tensor_parallel_size, devices=device_list):
-            if event.done:
-                final = event
-            else:
-                bar.update(event.phase, event.bytes_done, event.bytes_total)
-                bytes_read = max(bytes_read, event.bytes_done)
-        after = {m.key for m in client.list()} if final is not None else set()
+    try:
+        with connect(daemon) as client, LoadProgressBar(label) as bar:
+            before = client.list()
+            for event in client.load(model, name=name, dtype=dtype, quantization=quantization, revision=revision,
+                                     draft=draft, tensor_parallel_size=tensor_parallel_size, devices=device_list):
+                if event.done:
+                    final = event
+                else:
+                    bar.update(event.phase, event.bytes_done, event.bytes_total)
+                    bytes_read = max(bytes_read, event.bytes_done)
+            after = {m.key for m in client.list()} if final is not None else set()
+    except KeyboardInterrupt:
+        # The load runs in the daemon: leaving does not stop it.
+        raise click.ClickException(
+            f"interrupted; the daemon goes on loading {model} and keeps it resident once done (`resident preload "
+            f"list` shows it; `resident preload unload {name or model}` removes it)") from None
     if final is None:
         raise click.ClickException(f"the daemon at {daemon.socket} ended the load of {model} without a result")
     info = final.model
