@@ -24,6 +24,11 @@ from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequ
 
 logger = logging.getLogger(__name__)
 
+# A prompt text of more than max_model_len x this many characters is judged by prefixes
+# first (`_encode`); a cut inside a word (no space to cut at) may count a few more tokens.
+PRESCAN_CHARS_PER_TOKEN = 16
+PRESCAN_SLACK_TOKENS = 16
+
 
 @dataclass
 class Prepared:
@@ -103,6 +108,27 @@ class OpenAIServing:
                     raise RequestError(str(e), param=param) from None
         return out
 
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenize, refusing early a text far longer than the context: tokenizing holds the
+        event loop and the GIL (30 MiB of text took 24 s on a CPU core, and meanwhile no other
+        request streamed a token nor /health answered). Such a text is judged by prefixes,
+        each 4x the last, cut at a space (the words before it tokenize as in the whole text):
+        once a prefix alone cannot fit, neither can the text."""
+        max_len = self.opts.max_model_len
+        num_chars = max_len * PRESCAN_CHARS_PER_TOKEN
+        while num_chars < len(text):
+            cut = text.rfind(" ", num_chars // 2, num_chars)
+            end = cut if cut > 0 else num_chars
+            num_tokens = len(self.tokenizer.encode(text[:end], add_special_tokens=add_special_tokens))
+            if num_tokens - PRESCAN_SLACK_TOKENS >= max_len:
+                raise RequestError(
+                    f"This model's maximum context length is {max_len} tokens. However, the prompt alone "
+                    f"has more than {num_tokens - PRESCAN_SLACK_TOKENS} tokens (in its first {end} of "
+                    f"{len(text)} characters). Please reduce the prompt.",
+                    param=param, code="context_length_exceeded")
+            num_chars *= 4
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -115,12 +141,13 @@ class OpenAIServing:
         for i, p in enumerate(req.prompts):
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"  # which one of a batch
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p, add_special_tokens=True)
+                ids = self._encode(p, True, param)
+                check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param)
                 texts.append(p)
             else:
+                check_prompt_length(len(p), req.max_tokens, self.opts.max_model_len, param=param)
                 ids = self._check_ids(list(p), param)
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
-            check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param)
             prompts.append(ids)
         return Prepared("completion", req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts,
                         self._params(req, req.logprobs, len(prompts)))
@@ -137,7 +164,7 @@ class OpenAIServing:
         except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise RequestError(f"the chat template failed to render these messages: {e}",
                                param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, False, "messages")
         check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="messages")
         logprobs = req.top_logprobs if req.logprobs else None
         return Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],

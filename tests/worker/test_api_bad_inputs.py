@@ -188,3 +188,62 @@ def test_a_bad_prompt_of_a_batch_is_named_by_index(server, prompts, param):
     body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 2}
     status, got = http(server.base_url, "POST", "/v1/completions", body)
     _assert_error(got, status, 400, param)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word; records every text it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+        self.decoded: list[int] = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded.append(len(text))
+        return [len(w) % 256 for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded.append(len(ids))
+        return " ".join("w" * i for i in ids)
+
+
+def _serving(tokenizer, max_model_len: int = 4096):
+    from resident.worker.metrics import ServerMetrics
+    from resident.worker.openai_serving import OpenAIServing
+    from resident.worker.protocol import parse_completion_request
+
+    opts = ServingOptions(("m",), max_model_len)
+    serving = OpenAIServing(None, tokenizer, opts, ServerMetrics("m"), vocab_size=256)
+    return serving, lambda body: serving.prepare_completion(parse_completion_request({"model": "m", **body}, opts))
+
+
+def test_a_text_far_beyond_the_context_is_refused_without_tokenizing_it_whole():
+    """Tokenizing holds the event loop: a 30 MiB prompt took 24 s, in which no other request
+    streamed a token and /health did not answer."""
+    tok = WordTokenizer()
+    _, prepare = _serving(tok)
+    text = "word " * 2_000_000   # 10 M characters, 2 M tokens
+    with pytest.raises(RequestError) as e:
+        prepare({"prompt": text, "max_tokens": 1})
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert "4096" in e.value.message and sum(tok.encoded) < len(text) // 10
+
+
+def test_a_long_text_that_fits_is_tokenized_exactly():
+    """Many characters per token (whitespace runs) go past every prefix and still fit."""
+    tok = WordTokenizer()
+    _, prepare = _serving(tok)
+    text = ("word" + " " * 1000) * 300   # 301 k characters, 300 tokens
+    prep = prepare({"prompt": text, "max_tokens": 1})
+    assert prep.prompts == [[4] * 300]
+    text = ("word" + " " * 100) * 20_000   # 2 M characters, 20 k tokens: refused by a prefix
+    with pytest.raises(RequestError) as e:
+        prepare({"prompt": text, "max_tokens": 1})
+    assert e.value.code == "context_length_exceeded" and max(tok.encoded) < len(text)
+
+
+def test_token_ids_beyond_the_context_are_refused_before_echo_decodes_them():
+    tok = WordTokenizer()
+    _, prepare = _serving(tok, max_model_len=64)
+    with pytest.raises(RequestError) as e:
+        prepare({"prompt": [5] * 100_000, "echo": True, "max_tokens": 1})
+    assert e.value.code == "context_length_exceeded" and tok.decoded == []
