@@ -65,7 +65,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as e:
-        return web.json_response(e.body(), status=e.status)
+        # An unknown model is a 404 over HTTP, as OpenAI and vLLM answer it (the openai client
+        # raises NotFoundError); the protocol layer only names it, code model_not_found.
+        return web.json_response(e.body(), status=404 if e.code == "model_not_found" else e.status)
     except EngineDraining as e:
         return _error(503, str(e), "service_unavailable")
     except RequestAborted as e:

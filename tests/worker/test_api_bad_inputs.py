@@ -247,3 +247,15 @@ def test_token_ids_beyond_the_context_are_refused_before_echo_decodes_them():
     with pytest.raises(RequestError) as e:
         prepare({"prompt": [5] * 100_000, "echo": True, "max_tokens": 1})
     assert e.value.code == "context_length_exceeded" and tok.decoded == []
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"model": "gpt-4", "prompt": "x"}),
+                                       ("/v1/chat/completions", {"model": "gpt-4", "messages": [
+                                           {"role": "user", "content": "x"}]})])
+def test_unknown_model_is_a_404_model_not_found(server, path, body):
+    """OpenAI and vLLM answer 404 (the openai client raises NotFoundError); this was a 400."""
+    status, got = http(server.base_url, "POST", path, body)
+    _assert_error(got, status, 404, "model", "gpt-4", MODEL_NAME)
+    assert got["error"]["code"] == "model_not_found"
+    status, got = http(server.base_url, "POST", path, {k: v for k, v in body.items() if k != "model"})
+    _assert_error(got, status, 400, "model", MODEL_NAME)   # a missing model stays a 400

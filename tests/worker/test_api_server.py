@@ -42,7 +42,6 @@ def _ok_completion(base: str) -> None:
 
 
 BAD = {
-    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     "prompt longer than the context": ("/v1/completions", {"model": MODEL_NAME, "prompt": "word " * 200}, "prompt"),
     "prompt plus max_tokens beyond the context": (
         "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": MAX_MODEL_LEN - 1}, "prompt"),
