@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # first (`_encode`); a cut inside a word (no space to cut at) may count a few more tokens.
 PRESCAN_CHARS_PER_TOKEN = 16
 PRESCAN_SLACK_TOKENS = 16
+# Unknown request fields are logged once each, for this many distinct names, so many at a time.
+MAX_WARNED_FIELDS = 256
+MAX_FIELDS_PER_WARNING = 8
 
 
 @dataclass
@@ -79,10 +82,16 @@ class OpenAIServing:
 
     # --- preparation -----------------------------------------------------------------------
     def _note_ignored(self, fields: list[str]) -> None:
-        new = [f for f in fields if f not in self._warned_fields]
+        # Bounded: field names are the client's, and a body may carry a million distinct ones
+        # (memory kept for the server's life, one log line of megabytes).
+        room = MAX_WARNED_FIELDS - len(self._warned_fields)
+        new = [f for f in fields if f not in self._warned_fields][:max(room, 0)]
         if new:
             self._warned_fields.update(new)
-            logger.warning("ignoring unknown request field(s): %s (logged once per field)", ", ".join(new))
+            shown = ", ".join(repr(f[:64]) for f in new[:MAX_FIELDS_PER_WARNING])
+            more = f" and {len(new) - MAX_FIELDS_PER_WARNING} more" if len(new) > MAX_FIELDS_PER_WARNING else ""
+            logger.warning("ignoring unknown request field(s): %s%s (logged once per field, for the first %d)",
+                           shown, more, MAX_WARNED_FIELDS)
 
     def _params(self, req: CommonRequest, logprobs: int | None, num_prompts: int) -> list[Any]:
         from dataclasses import fields

@@ -259,3 +259,16 @@ def test_unknown_model_is_a_404_model_not_found(server, path, body):
     assert got["error"]["code"] == "model_not_found"
     status, got = http(server.base_url, "POST", path, {k: v for k, v in body.items() if k != "model"})
     _assert_error(got, status, 400, "model", MODEL_NAME)   # a missing model stays a 400
+
+
+def test_unknown_fields_are_logged_within_bounds(caplog):
+    """Every distinct unknown field name was kept for the server's life and logged whole:
+    a body of 100 k made-up fields grew the set by 100 k and wrote a 1.5 MB log line."""
+    serving, prepare = _serving(WordTokenizer())
+    prepare({"prompt": "x", "max_tokens": 1, "frobnicate": 1})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="resident.worker.openai_serving"):
+        prepare({"prompt": "x", "max_tokens": 1, **{f"junk{i}": 1 for i in range(100_000)}})
+    assert len(serving._warned_fields) <= 256
+    assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 1000
+    assert "and 247 more" in caplog.records[0].getMessage()
