@@ -207,7 +207,9 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise RequestError("'model' is required: one of " + ", ".join(opts.served_model_names), param="model")
+        names = ", ".join(opts.served_model_names)
+        raise RequestError(f"'model' is required: one of {names}" if model is None
+                           else f"'model' must name one of {names}, got {model!r}", param="model")
     if model not in opts.served_model_names:
         raise RequestError(f"The model '{model}' does not exist; this server serves: "
                            + ", ".join(opts.served_model_names), param="model",
@@ -292,7 +294,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise RequestError(f"{param} must be an object with 'role' and 'content'", param=param)
     role = m.get("role")
-    if role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or object: unhashable
         raise RequestError(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
                            param=f"{param}.role")
     content = m.get("content")

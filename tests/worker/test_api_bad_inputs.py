@@ -263,7 +263,7 @@ def test_unknown_model_is_a_404_model_not_found(server, path, body):
 
 def test_unknown_fields_are_logged_within_bounds(caplog):
     """Every distinct unknown field name was kept for the server's life and logged whole:
-    a body of 100 k made-up fields grew the set by 100 k and wrote a 1.5 MB log line."""
+    a body of 100 k made-up fields grew the set by 100 k and wrote a 1 MB log line."""
     serving, prepare = _serving(WordTokenizer())
     prepare({"prompt": "x", "max_tokens": 1, "frobnicate": 1})
     caplog.clear()
@@ -272,3 +272,18 @@ def test_unknown_fields_are_logged_within_bounds(caplog):
     assert len(serving._warned_fields) <= 256
     assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 1000
     assert "and 247 more" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("role", [["user"], {"name": "user"}])
+def test_a_role_that_is_no_string_is_a_400(role):
+    """`role not in frozenset` raised TypeError (unhashable) for a list or object: a 500."""
+    body = {"model": "m", "messages": [{"role": role, "content": "x"}]}
+    with pytest.raises(RequestError) as e:
+        parse_chat_request(body, ServingOptions(("m",), 64))
+    assert e.value.param == "messages[0].role" and "user" in e.value.message
+
+
+def test_a_model_of_the_wrong_type_says_so():
+    with pytest.raises(RequestError) as e:
+        parse_chat_request({"model": ["m"], "messages": [{"role": "user", "content": "x"}]}, ServingOptions(("m",), 64))
+    assert e.value.param == "model" and "['m']" in e.value.message and "required" not in e.value.message
