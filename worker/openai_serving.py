@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from resident.worker.async_engine import AsyncEngine
+from resident.worker.async_engine import AsyncEngine, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
 from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequest, RequestError,
                                       ServingOptions, check_prompt_length)
@@ -327,7 +327,9 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - headers are sent: report inside the stream
             self._count_aborted(choices)
             logger.warning("stream %s failed: %s", prep.request_id, e)
-            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            # The type a non-streaming request gets for the same failure (api_server._errors).
+            kind = "service_unavailable" if isinstance(e, (RequestAborted, EngineDraining)) else "server_error"
+            yield sse({"error": {"message": str(e), "type": kind, "param": None, "code": None}})
         else:
             if prep.request.include_usage:
                 yield sse({**base, "choices": [], "usage": self._usage(prep, choices)})

@@ -4,6 +4,7 @@ a request the client abandons is still counted in /metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from serve_helpers import MODEL_NAME, http, metric, servable_tiny_model, start_serve, stop_serve
@@ -287,3 +288,20 @@ def test_a_model_of_the_wrong_type_says_so():
     with pytest.raises(RequestError) as e:
         parse_chat_request({"model": ["m"], "messages": [{"role": "user", "content": "x"}]}, ServingOptions(("m",), 64))
     assert e.value.param == "model" and "['m']" in e.value.message and "required" not in e.value.message
+
+
+def test_a_stream_aborted_by_the_server_says_service_unavailable_as_a_plain_request_does():
+    """A drain's abort reached a non-streaming client as a 503 service_unavailable but a
+    streaming one as type server_error; now both say service_unavailable, and it counts."""
+    async def test(s, state, engine):
+        body = {"model": "m", "prompt": "x", "max_tokens": 4000, "stream": True}
+        async with s.post("/v1/completions", json=body) as r:
+            await r.content.readline()
+            state.serving.engine.abort(next(iter(engine.running)))   # as the drain timeout does
+            raw = (await r.read()).decode()
+        events = [e.strip().removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "service_unavailable", events[-2]
+        assert 'resident_request_success_total{finish_reason="abort"} 1.0' in state.metrics.render().decode()
+
+    asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))
