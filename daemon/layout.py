@@ -59,6 +59,20 @@ def check_architecture(config: dict) -> str:
     )
 
 
+def check_unquantized(config: dict) -> None:
+    """Refuse a pre-quantized checkpoint (fp8, GPTQ, AWQ, ...): its tensors (`*.weight_scale`,
+    `qweight`, ...) would otherwise fail as unknown or missing, which points at the wrong fix."""
+    key = next((k for k in ("quantization_config", "compression_config") if config.get(k)), None)
+    if key is not None:
+        method = config[key].get("quant_method") if isinstance(config[key], dict) else None
+        raise LayoutError(
+            f"config.json describes a pre-quantized checkpoint ({key}"
+            + (f" quant_method {method!r}" if method else "") + "); resident loads unquantized floating-point "
+            "checkpoints (F32, F16, BF16) and quantizes while loading: load the original checkpoint, with "
+            "--quantization fp8_per_tensor for fp8 weights"
+        )
+
+
 def config_int(config: dict, key: str, default: int | None = None) -> int:
     """config.json's positive integer `key`; with a `default`, that when the field is absent,
     null or 0 (as the worker's `config.get(key) or default`). Fails (LayoutError) naming the
@@ -102,6 +116,7 @@ def plan(config: dict, names: set[str]) -> list[FusedTensor]:
     silently dropping weights.
     """
     check_architecture(config)
+    check_unquantized(config)
     num_layers = config_int(config, "num_hidden_layers")
     present = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
     if num_layers > len(present):

@@ -302,3 +302,24 @@ def test_a_load_behind_another_says_it_waits_and_a_resident_model_does_not_wait(
         assert not results["behind"].already_resident
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("key, section, method", [
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"}, "fp8"),
+    ("quantization_config", {"quant_method": "gptq", "bits": 4}, "gptq"),
+    ("compression_config", {"quant_method": "compressed-tensors"}, "compressed-tensors"),
+], ids=["fp8", "gptq", "compressed-tensors"])
+def test_a_pre_quantized_checkpoint_is_named_as_such(tiny_model, key, section, method):
+    """Its extra or renamed tensors used to fail as "unknown to the layout; is the architecture
+    right?" or "missing", neither of which is the fix."""
+    folder = _with_config(tiny_model("llama"), **{key: section})
+    with pytest.raises(LayoutError) as e:
+        plan_load(LoadSpec(str(folder)))
+    msg = str(e.value)
+    assert f"pre-quantized checkpoint ({key} quant_method {method!r})" in msg
+    assert "load the original checkpoint" in msg and "--quantization fp8_per_tensor" in msg
+
+
+def test_a_null_quantization_config_is_no_quantization(tiny_model):
+    folder = _with_config(tiny_model("llama"), quantization_config=None)
+    assert plan_load(LoadSpec(str(folder))).tensors
