@@ -33,6 +33,11 @@ CHAT_FIELDS = frozenset(_COMMON | {
 UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
 MAX_N = 128
 MAX_LOGPROBS = 20
+# The engine thread checks every stop string (and every stop token id) of every running
+# request at each step: 200 k stop strings in one request made every other request 2.5x
+# slower; OpenAI allows 4 stop strings, vLLM has no limit.
+MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -198,6 +203,9 @@ def _stop(body: dict) -> list[str]:
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+    if len(v) > MAX_STOP_STRINGS:
+        raise RequestError(f"'stop' holds {len(v)} strings; this server takes at most {MAX_STOP_STRINGS}",
+                           param="stop")
     return list(v)
 
 
@@ -252,6 +260,9 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise RequestError("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"'stop_token_ids' holds {len(ids)} ids; this server takes at most "
+                               f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
         sampling["stop_token_ids"] = list(ids)
     for flag in ("ignore_eos", "include_stop_str_in_output"):
         if flag in body:
