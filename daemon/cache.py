@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 PROTOCOL_MAJOR = 1
 
 
+class _LoadAbandoned(BaseException):
+    """Raised from a load's progress callback once the daemon stops. A BaseException, so the
+    loader's fallbacks for ordinary errors do not catch it: it unwinds the load (readers
+    stopped, its slabs freed) instead of the daemon's exit waiting until the load is done."""
+
+
 @dataclass(frozen=True)
 class LoadResult:
     model: ResidentModel
@@ -99,6 +105,7 @@ class WeightCache:
         #: Called (no arguments) after models or leases changed: the fd store re-publishes.
         self.on_change: Callable[[], None] | None = None
         self._handing_over = threading.Event()
+        self._stopping = threading.Event()
         #: The tensor-parallel rank each lease of a sharded model attached (its fds are that rank's slabs).
         self._lease_ranks: dict[str, int] = {}
 
@@ -226,8 +233,17 @@ class WeightCache:
             needed = estimate_nbytes(plan, self.backend)
             self._make_room(needed)
             self._check_memory(needed, spec.model)
+            def report(event: Any) -> None:
+                if self._stopping.is_set():
+                    raise _LoadAbandoned()
+                if progress is not None:
+                    progress(event)
+
             try:
-                loaded = loader.load(spec, self.backend, progress)
+                loaded = loader.load(spec, self.backend, report)
+            except _LoadAbandoned:
+                raise FailedPrecondition(f"the daemon is stopping: the load of {spec.model} was abandoned; load it "
+                                         "again once a daemon runs") from None
             except Exception as e:  # noqa: BLE001
                 raise _as_daemon_error(e, spec.model) from None
             with self._state_lock:
@@ -361,6 +377,12 @@ class WeightCache:
         self._changed()
         return removed
 
+    def abandon_loads(self) -> None:
+        """The daemon is stopping: a load in progress stops at its next progress report (its
+        slabs freed) and fails; later ones fail at their first."""
+        self._stopping.set()
+
     def close(self) -> None:
+        self.abandon_loads()
         self.sessions.close_all()
         self.registry.close_all()

@@ -368,6 +368,8 @@ class Daemon:
         when the paths and the lock belong to the successor."""
         self._ready = False
         unlink = self._owns_paths and not self.handed_over
+        if self.cache is not None:
+            self.cache.abandon_loads()   # else the exit waits for a load in progress to finish
         if self.publisher is not None:
             self.publisher.close()
         if self._health is not None:

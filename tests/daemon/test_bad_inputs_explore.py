@@ -323,3 +323,36 @@ def test_a_pre_quantized_checkpoint_is_named_as_such(tiny_model, key, section, m
 def test_a_null_quantization_config_is_no_quantization(tiny_model):
     folder = _with_config(tiny_model("llama"), quantization_config=None)
     assert plan_load(LoadSpec(str(folder))).tensors
+
+
+def test_stopping_the_daemon_abandons_a_load_in_progress(tiny_model, tmp_path):
+    """SIGTERM during a load: the load used to run to its end (and the daemon's exit waited for
+    it, its model added to a cache already closed); now it stops at its next progress report,
+    frees its slabs and fails naming why."""
+    from recording_backend import RecordingBackend
+
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.errors import FailedPrecondition
+
+    backend = RecordingBackend()
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http=""), backend)
+    folder = tiny_model("llama")
+    phases = []
+
+    def progress(event) -> None:
+        phases.append(event.phase)
+        if event.phase == "read":
+            cache.abandon_loads()      # what Daemon.stop() does first
+
+    try:
+        with pytest.raises(FailedPrecondition) as e:
+            cache.load(LoadSpec(str(folder)), progress=progress)
+        assert f"the daemon is stopping: the load of {folder} was abandoned" in str(e.value)
+        assert phases[-1] == "read" and "pack" not in phases   # stopped at the next report
+        assert cache.registry.models() == []
+        assert backend.slabs and all(s._fd is None for s in backend.slabs)   # its slabs were freed
+        with pytest.raises(FailedPrecondition, match="the daemon is stopping"):
+            cache.load(LoadSpec(str(tiny_model("llama", name="later", seed=1))))
+    finally:
+        cache.close()
