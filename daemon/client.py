@@ -194,6 +194,12 @@ class Client:
                 return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
             except grpc.RpcError as e:
                 raise _map_rpc_error(e, self.socket_path) from None
+        if isinstance(error, Unauthenticated):
+            # Not the protocol advice meant for hand-written clients: this one did say hello.
+            raise Unauthenticated(
+                f"the daemon at {self.socket_path} no longer knows this client's session (the daemon restarted or "
+                f"was replaced since pid {self.hello.daemon_pid} said hello), and with it went the leases this "
+                "client held; open a new Client and attach again (mapped tensors stay valid)") from None
         raise error
 
     def _renew_session(self) -> None:

@@ -356,3 +356,32 @@ def test_stopping_the_daemon_abandons_a_load_in_progress(tiny_model, tmp_path):
             cache.load(LoadSpec(str(tiny_model("llama", name="later", seed=1))))
     finally:
         cache.close()
+
+
+def test_a_client_whose_daemon_restarted_is_told_to_reconnect(short_tmp, tiny_model):
+    """Its leases are gone with the old daemon, so the client cannot quietly say hello again;
+    it used to repeat the protocol advice for hand-written clients ("say hello on the fd
+    socket first"), which a Client user cannot act on."""
+    from helpers import load, start_daemon
+
+    from resident.daemon.errors import Unauthenticated
+
+    folder = tiny_model("llama")
+    daemon = start_daemon(short_tmp)
+    old_pid = daemon.pid
+    client = daemon.client("engine")
+    try:
+        load(client, folder, name="m")
+        client.attach("m")
+        assert daemon.stop() == 0
+        daemon = start_daemon(short_tmp)
+        with pytest.raises(Unauthenticated) as e:
+            client.status()
+        msg = str(e.value)
+        assert f"no longer knows this client's session (the daemon restarted or was replaced since pid {old_pid}" in msg
+        assert "open a new Client and attach again" in msg and "say hello" not in msg
+        with daemon.client() as fresh:
+            assert fresh.status().pid == daemon.pid
+    finally:
+        client.close()
+        assert daemon.stop() == 0
