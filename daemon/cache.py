@@ -33,6 +33,8 @@ from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, Se
 log = logging.getLogger(__name__)
 
 PROTOCOL_MAJOR = 1
+#: How many leases ended by `unload --force` are remembered to explain a late FetchFds.
+_MAX_FORCE_ENDED = 1024
 
 
 class _LoadAbandoned(BaseException):
@@ -106,6 +108,8 @@ class WeightCache:
         self.on_change: Callable[[], None] | None = None
         self._handing_over = threading.Event()
         self._stopping = threading.Event()
+        #: Leases ended by `unload --force` (lease id -> the model), newest last, to explain a FetchFds.
+        self._force_ended: dict[str, str] = {}
         #: The tensor-parallel rank each lease of a sharded model attached (its fds are that rank's slabs).
         self._lease_ranks: dict[str, int] = {}
 
@@ -183,7 +187,14 @@ class WeightCache:
         """(slab index, fd) for each slab of the lease: duplicates the caller sends and then
         closes, so an `unload --force` that closes the slabs meanwhile cannot turn them into
         closed (or reused, unrelated) fd numbers."""
-        lease = self.sessions.lease_of(token, lease_id)
+        try:
+            lease = self.sessions.lease_of(token, lease_id)
+        except NotFound:
+            ended = self._force_ended.get(lease_id)
+            if ended is None:
+                raise
+            raise NotFound(f"lease {lease_id} ended before its fds were fetched: {ended} was unloaded with --force "
+                           "meanwhile; attach again") from None
         pairs: list[tuple[int, int]] = []
         with self._state_lock:   # unload and eviction close slabs under this lock
             model = self.registry.get_key(lease.key)
@@ -374,6 +385,10 @@ class WeightCache:
                         self.sessions.release(lease.token, lease.lease_id)
                     except DaemonError:
                         pass
+                    # An attach between its Attach and its FetchFds learns why its lease is gone.
+                    self._force_ended[lease.lease_id] = f"{m.name} v{m.version} (key {m.key[:16]})"
+                    while len(self._force_ended) > _MAX_FORCE_ENDED:
+                        self._force_ended.pop(next(iter(self._force_ended)))
         self._changed()
         return removed
 

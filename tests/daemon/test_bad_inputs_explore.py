@@ -385,3 +385,28 @@ def test_a_client_whose_daemon_restarted_is_told_to_reconnect(short_tmp, tiny_mo
     finally:
         client.close()
         assert daemon.stop() == 0
+
+
+def test_fetching_fds_of_a_lease_ended_by_a_forced_unload_says_so(tiny_model, tmp_path):
+    """Attach, then `unload --force`, then the attach's FetchFds: the client used to be told
+    "no lease held by this session; attach first" right after it had attached."""
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.errors import NotFound
+    from resident.daemon.memory import get_backend
+    from resident.daemon.sessions import PeerCreds
+
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http=""), get_backend("host_shm"))
+    try:
+        model = cache.load(LoadSpec(str(tiny_model("llama")), name="m")).model
+        session = cache.hello(PeerCreds(uid=os.getuid(), gid=os.getgid(), pid=os.getpid()), "engine")
+        lease, _ = cache.attach(session.token, "m")
+        cache.unload("m", force=True)
+        with pytest.raises(NotFound) as e:
+            cache.fetch_fds(session.token, lease.lease_id)
+        assert f"lease {lease.lease_id} ended before its fds were fetched: m v1 (key {model.key[:16]}) was " \
+               "unloaded with --force meanwhile; attach again" == str(e.value)
+        with pytest.raises(NotFound, match="no lease 'never' held by this session"):
+            cache.fetch_fds(session.token, "never")
+    finally:
+        cache.close()
