@@ -3,7 +3,8 @@ a process may build, tear down and rebuild a server).
 
 Exported names (all prefixed `resident_`):
 - `request_ttft_seconds`, `request_inter_token_latency_seconds`, `request_e2e_latency_seconds`
-  (histograms), `request_success_total{finish_reason}`
+  (histograms), `request_success_total{finish_reason}` (stop, length, and abort: the client
+  went away or the request was cancelled)
 - `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_ratio` (gauges, set after
   every engine step)
 - `prompt_tokens_total`, `generation_tokens_total` (counters)
