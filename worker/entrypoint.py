@@ -65,6 +65,7 @@ from resident.worker.startup import (  # noqa: F401
     Worker,
     build_worker,
     compile_chat_template_after_ready,
+    explains_itself,
     in_thread,
     process_start_time,
     start_kv_growth,
@@ -116,8 +117,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     except Exception as e:  # noqa: BLE001 - reported as one clear line, the process exits 1
         state.failed = str(e)
         stopper.cancel()
-        expected = isinstance(e, (ValueError, RuntimeError, OSError))  # they explain themselves
-        logger.error("resident serve could not start: %s", e, exc_info=not expected)
+        logger.error("resident serve could not start: %s", e, exc_info=not explains_itself(e))
         await runner.cleanup()
         await _stop_admin(admin)
         return 1

@@ -41,8 +41,8 @@ from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
 from resident.worker.serve_config import ServeConfig
-from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, in_thread,
-                                     process_start_time, start_kv_growth)
+from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, explains_itself,
+                                     in_thread, process_start_time, start_kv_growth)
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +199,7 @@ class Replica:
             self.state = ReplicaState.FAILED
             self.server_state.failed = str(e)
             drain.cancel()
-            expected = isinstance(e, (ValueError, RuntimeError, OSError))
-            logger.error("replica %d could not start: %s", self.options.replica_id, e, exc_info=not expected)
+            logger.error("replica %d could not start: %s", self.options.replica_id, e, exc_info=not explains_itself(e))
             self.sock.close()
             await self._runner.cleanup()
             return 1

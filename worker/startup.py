@@ -383,6 +383,16 @@ def compile_chat_template_after_ready(worker: Worker) -> threading.Thread | None
     return thread
 
 
+def explains_itself(e: BaseException) -> bool:
+    """Whether a start-up failure's message is the whole story for its log line (no
+    traceback): bad configuration or input (ValueError), a failed step that says which
+    (RuntimeError, OSError), the preload daemon's refusals (DaemonError: not found, denied,
+    out of memory — each naming the fix)."""
+    from resident.daemon.errors import DaemonError
+
+    return isinstance(e, (ValueError, RuntimeError, OSError, DaemonError))
+
+
 def in_thread(fn: Any, *args: Any) -> asyncio.Future:
     """Run fn in a daemon thread (so a SIGTERM during start-up need not wait for it)."""
     loop = asyncio.get_running_loop()
