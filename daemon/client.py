@@ -32,6 +32,7 @@ from resident.daemon.errors import (
     ERROR_KIND_METADATA,
     DaemonError,
     DaemonUnavailable,
+    FailedPrecondition,
     ProtocolMismatch,
     StaleModel,
     Unauthenticated,
@@ -47,6 +48,7 @@ from resident.daemon.fdsock import (
     recv_frame,
     send_frame,
 )
+from resident.daemon.paths import absolute_model_path
 from resident.protos.resident.v1 import fdsock_pb2 as fpb
 from resident.protos.resident.v1 import weight_cache_pb2 as pb
 from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
@@ -59,6 +61,10 @@ CALL_TIMEOUT_S = 30.0
 #: Deadline for one exchange on the fd socket (hello, fds): a daemon that accepts connections
 #: but does not answer (stopped, hung) must not hang its clients.
 FD_CALL_TIMEOUT_S = 15.0
+
+
+class ClientClosed(FailedPrecondition):
+    """A call on a `Client` after its `close()`."""
 
 
 def _no_daemon(path: str, why: object = "") -> DaemonUnavailable:
@@ -110,22 +116,35 @@ class Client:
         self.fd_socket_path = os.path.abspath(fd_socket_path or self.socket_path + ".fd")
         self.client_name = client_name or f"pid-{os.getpid()}"
         self._fd_lock = threading.Lock()
+        self._closed = False
         self._sock = self._connect_fd_socket()
         try:
             # The gRPC connection is set up while the hello goes back and forth on the fd socket.
             self._channel = _connected_channel(self.socket_path)
-            self._stub = pb_grpc.WeightCacheStub(self._channel)
+            self._grpc_stub = pb_grpc.WeightCacheStub(self._channel)
             self.hello = self._say_hello()
         except BaseException:
+            self._closed = True
             self._sock.close()
             if hasattr(self, "_channel"):
                 self._channel.close()
             raise
         self._metadata = ((SESSION_METADATA, self.hello.session_token),)
-        self._closed = False
         self._leases: set[str] = set()
 
     # --- session --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        """Every call reaches the daemon through `_stub` or `_fd_call`, and both ask here
+        first: a closed client says so instead of grpc's or the socket's ValueError/EBADF."""
+        if self._closed:
+            raise ClientClosed(f"this Client (session with the daemon at {self.socket_path}) is closed; open a "
+                               "new Client for further calls")
+
+    @property
+    def _stub(self) -> pb_grpc.WeightCacheStub:
+        self._check_open()
+        return self._grpc_stub
+
     def _connect_fd_socket(self) -> socket.socket:
         if not os.path.exists(self.fd_socket_path):
             raise _no_daemon(self.socket_path, f"{self.fd_socket_path} does not exist")
@@ -139,6 +158,7 @@ class Client:
         return sock
 
     def _fd_call(self, request: fpb.FdRequest, want_fds: bool = False) -> tuple[fpb.FdReply, list[int]]:
+        self._check_open()
         with self._fd_lock:
             try:
                 send_frame(self._sock, request)
@@ -211,7 +231,7 @@ class Client:
         self._metadata = ((SESSION_METADATA, self.hello.session_token),)
         self._channel.close()
         self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
-        self._stub = pb_grpc.WeightCacheStub(self._channel)
+        self._grpc_stub = pb_grpc.WeightCacheStub(self._channel)
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Block until the daemon ends this session — its end of the fd socket closes because
@@ -250,7 +270,10 @@ class Client:
              devices: tuple[str, ...] | list[str] = ()) -> Iterator[pb.LoadProgress]:
         """Stream the daemon's progress; the last message has done=True and the model's info.
         `draft` pairs a speculative-decoding draft; `tensor_parallel_size` > 1 holds one shard
-        per rank, rank r's on `devices[r]`."""
+        per rank, rank r's on `devices[r]`. A relative `model` or `draft` naming a local folder
+        is sent as an absolute path: the daemon's working directory is not ours."""
+        model = absolute_model_path(model)
+        draft = absolute_model_path(draft) if draft else ""
         request = pb.LoadRequest(model=model, name=name, dtype=dtype, quantization=quantization,
                                  revision=revision, tensor_parallel_size=tensor_parallel_size,
                                  draft_model=draft, devices=list(devices))
@@ -361,7 +384,7 @@ class Client:
 
     def close(self) -> None:
         """End the session (and with it every lease; mapped tensors stay valid)."""
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         self._closed = True
         self._channel.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import os
 import random
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 from resident.daemon.errors import DaemonError, DaemonUnavailable, InvalidArgument, NotFound, PermissionDenied
 from resident.daemon.loader import LoadSpec, key_for
 from resident.daemon.pairing import DRAFT_PREFIX, split_draft
+from resident.daemon.paths import absolute_model_path
 from resident.daemon.tensor_table import TensorTable, crc32_of
 
 logger = logging.getLogger(__name__)
@@ -309,11 +309,8 @@ def _load_into_daemon(client: Any, spec: LoadSpec) -> None:
 
 def _absolute(spec: LoadSpec) -> LoadSpec:
     """The daemon resolves paths itself: hand it an absolute folder."""
-    def absolute(model: str) -> str:
-        return os.path.abspath(model) if os.path.isdir(model) and not os.path.isabs(model) else model
-
-    return dataclasses.replace(spec, model=absolute(spec.model),
-                               draft=absolute(spec.draft) if spec.draft is not None else None)
+    return dataclasses.replace(spec, model=absolute_model_path(spec.model),
+                               draft=absolute_model_path(spec.draft) if spec.draft is not None else None)
 
 
 def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = None,

@@ -16,7 +16,7 @@ from fixtures_models import make_tiny_model
 from helpers import load, start_daemon
 from weights_util import fused_weights_from_hf_folder
 
-from resident.daemon.client import Client, attach
+from resident.daemon.client import Client, ClientClosed, attach
 from resident.daemon.errors import DaemonError, DaemonUnavailable, NotFound, PermissionDenied
 
 
@@ -169,6 +169,42 @@ def test_a_client_without_torch_imports_nothing_heavy(env, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
+
+
+def test_a_closed_client_says_it_is_closed_on_every_call(env):
+    """Calls after close() used to raise grpc's or the socket's raw ValueError."""
+    _, model, daemon = env
+    c = daemon.client()
+    held = c.attach("qwen3")
+    c.close()
+    calls = {
+        "list": c.list, "status": c.status, "attach": lambda: c.attach("qwen3"),
+        "release": lambda: c.release(held.lease_id), "unload": lambda: c.unload("qwen3"),
+        "shutdown": c.shutdown, "load": lambda: list(c.load(str(model))),
+        "reattach": lambda: c.reattach(held.info.key), "slab_fds": lambda: c.slab_fds(held.lease_id),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClientClosed, match="Client .* is closed; open a new Client") as e:
+            call()
+        assert isinstance(e.value, DaemonError), name
+    c.close()   # closing again is fine
+    assert c.wait_closed(timeout=0)
+    with daemon.client() as again:
+        assert "qwen3" in [m.name for m in again.list()]   # nothing was unloaded or shut down
+
+
+def test_load_sends_a_relative_local_folder_as_an_absolute_path(env, monkeypatch):
+    """The daemon resolved a relative path against its own working directory (the CLI made
+    paths absolute, the library did not): here that folder does not exist."""
+    d, _, daemon = env
+    target = make_tiny_model(d / "rel-target", "llama")
+    draft = make_tiny_model(d / "rel-draft", "llama", seed=1, num_hidden_layers=1)
+    monkeypatch.chdir(d)
+    assert not (Path(f"/proc/{daemon.pid}/cwd") / "rel-target").exists()   # the daemon's working directory
+    with daemon.client() as c:
+        info = load(c, "rel-target", draft="rel-draft", name="relative").model
+        assert info.source == str(target) and info.draft_source == str(draft)
+        c.unload("relative")
 
 
 def test_shutdown_rpc_stops_the_daemon_cleanly(env):
