@@ -45,12 +45,27 @@ def foreground_argv(config: DaemonConfig) -> list[str]:
     return argv
 
 
-def log_tail(path: str, num_lines: int = 20) -> str:
+def log_size(path: str) -> int:
+    """The log's size now: where what a start about to begin writes will begin."""
     try:
-        lines = Path(path).read_text(errors="replace").splitlines()
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def log_tail(path: str, num_lines: int = 20, offset: int = 0) -> str:
+    """The last lines of `path` written from byte `offset` on (the log is appended to across
+    starts: earlier runs' lines would pass for this one's). From the start of the file when it
+    is now shorter than `offset` (truncated or replaced meanwhile)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size >= offset:
+                f.seek(offset)
+            data = f.read()
     except OSError:
         return "(no log)"
-    return "\n".join(lines[-num_lines:]) or "(empty log)"
+    lines = data.decode(errors="replace").splitlines()
+    return "\n".join(lines[-num_lines:]) or ("(it wrote nothing)" if offset else "(empty log)")
 
 
 def health_serving(socket: str, timeout_s: float = 1.0) -> bool:
@@ -121,6 +136,7 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
         )
     log_path = log_file or config.socket + ".log"
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
+    offset = log_size(log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(foreground_argv(config), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
@@ -130,8 +146,8 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
         code = proc.poll()
         if code is not None:
             raise DaemonStartError(
-                f"the daemon exited with code {code} before it was ready; last lines of {log_path}:\n"
-                f"{log_tail(log_path)}"
+                f"the daemon exited with code {code} before it was ready; last lines it wrote to {log_path}:\n"
+                f"{log_tail(log_path, offset=offset)}"
             )
         if os.path.exists(config.socket) and health_serving(config.socket):
             return StartedDaemon(pid=proc.pid, log_file=log_path, http=bound_http(config))
@@ -142,6 +158,6 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
     except subprocess.TimeoutExpired:
         proc.kill()
     raise DaemonStartError(
-        f"the daemon was not ready within {timeout_s:.0f} s and was stopped; last lines of {log_path}:\n"
-        f"{log_tail(log_path)}"
+        f"the daemon was not ready within {timeout_s:.0f} s and was stopped; last lines it wrote to {log_path}:\n"
+        f"{log_tail(log_path, offset=offset)}"
     )

@@ -106,12 +106,13 @@ def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
     """Spawn `start --foreground --takeover` detached; done once it holds the lock and serves."""
     import subprocess
 
-    from resident.cli.daemon_process import foreground_argv, health_serving, log_tail
+    from resident.cli.daemon_process import foreground_argv, health_serving, log_size, log_tail
     from resident.daemon.server import running_daemon_pid
 
     old_pid = running_daemon_pid(config)
     log_path = log_file or config.socket + ".log"
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
+    offset = log_size(log_path)
     with open(log_path, "ab") as log_out:
         proc = subprocess.Popen(foreground_argv(config) + ["--takeover"], stdin=subprocess.DEVNULL, stdout=log_out,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -119,15 +120,35 @@ def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
-            raise click.ClickException(f"the new daemon exited with code {code} before taking over; last lines of "
-                                       f"{log_path}:\n{log_tail(log_path)}")
+            raise click.ClickException(f"the new daemon exited with code {code} before taking over; last lines it "
+                                       f"wrote to {log_path}:\n{log_tail(log_path, offset=offset)}")
         if running_daemon_pid(config) == proc.pid and health_serving(config.socket):
             click.echo(f"resident daemon pid {proc.pid} took over {config.socket}"
                        + (f" from pid {old_pid}" if old_pid else "") + f"; log {log_path}")
+            _warn_over_cap(config)
             return
         time.sleep(0.05)
     raise click.ClickException(f"the new daemon (pid {proc.pid}) did not take over within {timeout_s:.0f} s; "
-                               f"it keeps trying; see {log_path}:\n{log_tail(log_path)}")
+                               f"it keeps trying; see {log_path}:\n{log_tail(log_path, offset=offset)}")
+
+
+def _warn_over_cap(config) -> None:
+    """Say so when the models taken over exceed the new daemon's --max-bytes (it logs it too)."""
+    if not config.max_bytes:
+        return
+    from resident.daemon.cache import over_cap_warning
+    from resident.daemon.client import Client
+    from resident.daemon.errors import DaemonError
+
+    try:
+        with Client(config.socket, config.fd_socket, client_name="resident-preload-start") as client:
+            st = client.status()
+    except DaemonError as e:
+        click.echo(f"note: could not ask the new daemon whether the models fit under --max-bytes: {e}", err=True)
+        return
+    over = over_cap_warning(st.resident_bytes, st.max_bytes)
+    if over:
+        click.echo(f"warning: {over}", err=True)
 
 
 def _model_arg(model: str) -> str:

@@ -2,32 +2,23 @@
 (a lease tied to the caller's session), release, unload, and the fd socket's session hooks.
 
 The gRPC servicer (service.py) and the fd socket (fdsock.py) are thin adapters over this.
-Errors are `resident.daemon.errors` types; loader exceptions are mapped to them here.
+Errors are `resident.daemon.errors` types. Which load runs when, whether it fits in memory and
+how loader exceptions map to errors is load_gate.py's part.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
-import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from resident.daemon.config import DaemonConfig
-from resident.daemon.errors import (
-    DaemonError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ProtocolMismatch,
-    ResourceExhausted,
-)
+from resident.daemon.errors import DaemonError, FailedPrecondition, InvalidArgument, NotFound, ProtocolMismatch
+from resident.daemon.load_gate import LoadAbandoned, LoadGate, as_daemon_error, check_memory, estimate_nbytes
 from resident.daemon.registry import Registry, ResidentModel, fmt_bytes
-from resident.daemon.source import ModelNotFound
 from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -35,12 +26,6 @@ log = logging.getLogger(__name__)
 PROTOCOL_MAJOR = 1
 #: How many leases ended by `unload --force` are remembered to explain a late FetchFds.
 _MAX_FORCE_ENDED = 1024
-
-
-class _LoadAbandoned(BaseException):
-    """Raised from a load's progress callback once the daemon stops. A BaseException, so the
-    loader's fallbacks for ordinary errors do not catch it: it unwinds the load (readers
-    stopped, its slabs freed) instead of the daemon's exit waiting until the load is done."""
 
 
 @dataclass(frozen=True)
@@ -58,36 +43,16 @@ class LoadObserver:
     def on_evict(self, model: ResidentModel) -> None: ...
 
 
-def estimate_nbytes(plan: Any, backend: Any) -> int:
-    """Slab bytes a load will occupy, from its plan (headers only, before reading any data).
-
-    Used to evict before loading; the exact size is checked again after the load."""
-    from resident.daemon.loader import pack
-
-    if plan.tensor_parallel_size > 1:
-        from resident.daemon.shard_fill import shard_shapes
-
-        sizes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shard_shapes(plan))]
-        _, slab_sizes = pack(sizes, backend.alignment, backend.slab_size_limit())
-        return sum(slab_sizes) * plan.tensor_parallel_size
-    _, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
-    return sum(slab_sizes)
-
-
-def _as_daemon_error(e: BaseException, model: str) -> DaemonError:
-    if isinstance(e, DaemonError):
-        return e
-    if isinstance(e, FileNotFoundError):
-        return NotFound(f"cannot load {model}: {e}")
-    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.ENOSPC)):
-        return ResourceExhausted(f"out of memory loading {model}: {e}; free memory or use --max-bytes")
-    if isinstance(e, ModelNotFound):
-        return NotFound(str(e))
-    name = type(e).__name__
-    if isinstance(e, (ValueError, OSError, KeyError)):
-        return InvalidArgument(str(e) or f"{name} while loading {model}")
-    log.exception("internal error loading %s", model)
-    return DaemonError(f"internal error while loading {model}: {name}: {e}", code="INTERNAL")
+def over_cap_warning(resident_bytes: int, max_bytes: int) -> str:
+    """"" while `resident_bytes` fit under `max_bytes` (0: unlimited); else what a daemon that
+    took over (a hand-over, systemd's fd store) more than its --max-bytes does about it."""
+    if not max_bytes or resident_bytes <= max_bytes:
+        return ""
+    return (f"the models taken over hold {fmt_bytes(resident_bytes)}, more than --max-bytes {fmt_bytes(max_bytes)}. "
+            "They all stay resident and attachable: nothing is evicted now. The next load of a model not yet "
+            "resident first evicts unleased models, least recently used first, until it fits under the cap, and "
+            "is refused while leased models (leases awaiting re-attach included) alone keep it over. Unload "
+            "models (`resident preload unload NAME`) to get under the cap now")
 
 
 class WeightCache:
@@ -99,6 +64,7 @@ class WeightCache:
         self.sessions = SessionTable(AccessPolicy(uids, gids, config.effective_admins()))
         self.registry = Registry(config.max_bytes, self.sessions.lease_count)
         self._load_lock = threading.Lock()   # one load at a time: exact accounting under max_bytes
+        self._gate = LoadGate(self._load_lock)
         self._state_lock = threading.RLock()  # multi-step changes of registry + sessions
         self.bytes_loaded_total = 0
         self.bytes_read_total = 0
@@ -106,8 +72,6 @@ class WeightCache:
         self.num_attaches = 0
         #: Called (no arguments) after models or leases changed: the fd store re-publishes.
         self.on_change: Callable[[], None] | None = None
-        self._handing_over = threading.Event()
-        self._stopping = threading.Event()
         #: Leases ended by `unload --force` (lease id -> the model), newest last, to explain a FetchFds.
         self._force_ended: dict[str, str] = {}
         #: The tensor-parallel rank each lease of a sharded model attached (its fds are that rank's slabs).
@@ -123,29 +87,16 @@ class WeightCache:
     # --- hand-over ------------------------------------------------------------------
     @property
     def handing_over(self) -> bool:
-        return self._handing_over.is_set()
+        return self._gate.handing_over
 
     def begin_handover(self, wait_s: float) -> None:
         """Stop taking loads and unloads (a successor is taking the models over). Waits up to
         `wait_s` for a load in progress to finish; raises FailedPrecondition if it does not."""
-        if self._handing_over.is_set():
-            raise FailedPrecondition("a hand-over to another daemon is already in progress")
-        if not self._load_lock.acquire(timeout=wait_s):
-            raise FailedPrecondition(
-                f"a model load is still in progress after {wait_s:.0f} s; retry the takeover when it "
-                "finishes (`resident preload status` shows the models)")
-        self._handing_over.set()
+        self._gate.begin_handover(wait_s)
 
     def end_handover(self) -> None:
         """The hand-over was abandoned: take loads again."""
-        if self._handing_over.is_set():
-            self._handing_over.clear()
-            self._load_lock.release()
-
-    def _refuse_during_handover(self, what: str) -> None:
-        if self._handing_over.is_set():
-            raise FailedPrecondition(f"this daemon is handing its models over to a new daemon; retry the "
-                                     f"{what} in a moment (it will reach the new daemon)")
+        self._gate.end_handover()
 
     def restore(self, models: list[ResidentModel], next_version: dict[str, int], leases: list[Lease],
                 grace_s: float, counters: dict[str, float] | None = None) -> None:
@@ -158,6 +109,9 @@ class WeightCache:
         self.bytes_loaded_total = int(counters.get("bytes_loaded_total", 0))
         self.bytes_read_total = int(counters.get("bytes_read_total", 0))
         self.num_attaches = int(counters.get("num_attaches", 0))
+        over = over_cap_warning(self.registry.resident_bytes, self.registry.max_bytes)
+        if over:
+            log.warning("%s", over)
 
     def housekeeping(self) -> None:
         """Periodic: drop carried-over leases past their grace period (and what they kept)."""
@@ -229,34 +183,28 @@ class WeightCache:
             plan = loader.plan_load(spec)  # validates everything and computes the key; reads no data
             devices = placement.resolve_devices(spec.devices, plan.tensor_parallel_size, self.backend)
         except Exception as e:  # noqa: BLE001 - mapped to a DaemonError naming the problem
-            raise _as_daemon_error(e, spec.model) from None
+            raise as_daemon_error(e, spec.model) from None
         key = plan.key
-        self._refuse_during_handover("load")
+        self._gate.refuse_during_handover("load")
         # Already resident: answered at once, not after another model's load in progress.
         resident = self._resident(spec, key, devices, start, promote=False)
         if resident is not None:
             return resident
-        with self._load_turn(progress, plan.bytes_to_read, start):
-            self._refuse_during_handover("load")
+        with self._gate.turn(progress, plan.bytes_to_read, start):
+            self._gate.refuse_during_handover("load")
             resident = self._resident(spec, key, devices, start, promote=True)
             if resident is not None:
                 return resident
             needed = estimate_nbytes(plan, self.backend)
             self._make_room(needed)
-            self._check_memory(needed, spec.model)
-            def report(event: Any) -> None:
-                if self._stopping.is_set():
-                    raise _LoadAbandoned()
-                if progress is not None:
-                    progress(event)
-
+            check_memory(self.backend, needed, spec.model)
             try:
-                loaded = loader.load(spec, self.backend, report)
-            except _LoadAbandoned:
+                loaded = loader.load(spec, self.backend, self._gate.reporter(progress))
+            except LoadAbandoned:
                 raise FailedPrecondition(f"the daemon is stopping: the load of {spec.model} was abandoned; load it "
                                          "again once a daemon runs") from None
             except Exception as e:  # noqa: BLE001
-                raise _as_daemon_error(e, spec.model) from None
+                raise as_daemon_error(e, spec.model) from None
             with self._state_lock:
                 try:
                     self._make_room(sum(s.desc.nbytes for s in loaded.slabs))
@@ -299,30 +247,6 @@ class WeightCache:
                 self.registry.promote(existing)
                 self._changed()
             return LoadResult(existing, True, time.monotonic() - start)
-
-    @contextlib.contextmanager
-    def _load_turn(self, progress: Callable[[Any], None] | None, total: int, start: float) -> Iterator[None]:
-        """One load at a time; a load that has to wait for another says so ("waiting") first."""
-        if not self._load_lock.acquire(blocking=False):
-            if progress is not None:
-                from resident.daemon.loader import LoadProgressEvent
-
-                progress(LoadProgressEvent("waiting", 0, total, time.monotonic() - start))
-            self._load_lock.acquire()
-        try:
-            yield
-        finally:
-            self._load_lock.release()
-
-    def _check_memory(self, nbytes: int, model: str) -> None:
-        """Refuse a load the machine cannot hold, before a slab is allocated."""
-        free = self.backend.available_bytes()
-        if free is not None and nbytes > free:
-            raise ResourceExhausted(
-                f"not enough memory to load {model}: its slabs need {fmt_bytes(nbytes)} and only {fmt_bytes(free)} "
-                f"are available to the daemon ({self.backend.name}); loading it would make the kernel's OOM killer "
-                "end the daemon and every resident model. Free memory, unload models you do not need (`resident "
-                "preload list`), or load a smaller variant (--dtype bfloat16 or --quantization fp8_per_tensor)")
 
     def _make_room(self, nbytes: int) -> None:
         with self._state_lock:
@@ -374,7 +298,7 @@ class WeightCache:
         self._changed()
 
     def unload(self, name_or_key: str, force: bool = False) -> list[ResidentModel]:
-        self._refuse_during_handover("unload")
+        self._gate.refuse_during_handover("unload")
         with self._state_lock:
             removed = self.registry.remove(name_or_key, force)
             for m in removed:
@@ -395,7 +319,7 @@ class WeightCache:
     def abandon_loads(self) -> None:
         """The daemon is stopping: a load in progress stops at its next progress report (its
         slabs freed) and fails; later ones fail at their first."""
-        self._stopping.set()
+        self._gate.abandon()
 
     def close(self) -> None:
         self.abandon_loads()

@@ -1,0 +1,68 @@
+"""`resident preload start` that fails: what it shows of the daemon log is what this start
+wrote, not lines of earlier runs (the log is appended to across starts)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from resident.cli import daemon_process
+from resident.cli.daemon_process import DaemonStartError, log_tail, start_detached
+from resident.daemon.config import DaemonConfig
+
+EARLIER = "an earlier run's line\n" * 40
+
+
+def _fake_daemon(monkeypatch, code: str) -> None:
+    """The detached start runs `python -c code` instead of the daemon."""
+    monkeypatch.setattr(daemon_process, "foreground_argv", lambda config: [sys.executable, "-u", "-c", code])
+
+
+@pytest.fixture
+def setup(short_tmp):
+    log = short_tmp / "d.log"
+    log.write_text(EARLIER)
+    return DaemonConfig(socket=str(short_tmp / "d.sock"), http=""), log
+
+
+def test_a_start_whose_daemon_exits_shows_only_what_it_wrote(setup, monkeypatch):
+    config, log = setup
+    _fake_daemon(monkeypatch, "print('this start failed'); raise SystemExit(3)")
+    with pytest.raises(DaemonStartError) as e:
+        start_detached(config, str(log), timeout_s=60)
+    message = str(e.value)
+    assert "exited with code 3" in message and "this start failed" in message
+    assert "earlier run" not in message
+    assert log.read_text().startswith(EARLIER)   # the log itself is still appended to
+
+
+def test_a_start_that_times_out_shows_none_of_the_earlier_lines(setup, monkeypatch):
+    config, log = setup
+    _fake_daemon(monkeypatch, "import time; time.sleep(120)")
+    with pytest.raises(DaemonStartError) as e:
+        start_detached(config, str(log), timeout_s=0.5)
+    message = str(e.value)
+    assert "not ready within" in message and "earlier run" not in message
+    assert "(it wrote nothing)" in message
+
+
+def test_a_takeover_whose_daemon_exits_shows_only_what_it_wrote(setup, monkeypatch):
+    from resident.cli.preload import _takeover_detached
+
+    config, log = setup
+    _fake_daemon(monkeypatch, "print('this takeover failed'); raise SystemExit(1)")
+    with pytest.raises(click.ClickException) as e:
+        _takeover_detached(config, str(log), timeout_s=60)
+    message = e.value.message
+    assert "exited with code 1" in message and "this takeover failed" in message
+    assert "earlier run" not in message
+
+
+def test_log_tail_reads_from_the_start_of_a_log_shorter_than_the_offset(tmp_path: Path):
+    log = tmp_path / "d.log"
+    log.write_text("one\ntwo\n")   # truncated (rotated) after its size was taken
+    assert log_tail(str(log), offset=1000) == "one\ntwo"
+    assert log_tail(str(log), offset=4) == "two"
+    assert log_tail(str(tmp_path / "none.log")) == "(no log)"
