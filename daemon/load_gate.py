@@ -103,7 +103,9 @@ class LoadGate:
 def estimate_nbytes(plan: Any, backend: Any) -> int:
     """Slab bytes a load will occupy, from its plan (headers only, before reading any data).
 
-    Used to evict before loading; the exact size is checked again after the load."""
+    Used to evict before loading, in the backend's rounded slab sizes (`slab_bytes`), so a
+    load that made room is not refused once its slabs exist; the exact size is checked
+    again after the load."""
     from resident.daemon.loader import pack
 
     if plan.tensor_parallel_size > 1:
@@ -111,9 +113,9 @@ def estimate_nbytes(plan: Any, backend: Any) -> int:
 
         sizes = [t.dtype.itemsize * math.prod(shape) for t, shape in zip(plan.tensors, shard_shapes(plan))]
         _, slab_sizes = pack(sizes, backend.alignment, backend.slab_size_limit())
-        return sum(slab_sizes) * plan.tensor_parallel_size
+        return sum(backend.slab_bytes(n) for n in slab_sizes) * plan.tensor_parallel_size
     _, slab_sizes = pack([t.nbytes for t in plan.tensors], backend.alignment, backend.slab_size_limit())
-    return sum(slab_sizes)
+    return sum(backend.slab_bytes(n) for n in slab_sizes)
 
 
 def check_memory(backend: Any, nbytes: int, model: str) -> None:

@@ -79,6 +79,11 @@ class MemoryBackend(abc.ABC):
     def slab_size_limit(self) -> int:
         """The largest slab this backend allocates in one piece."""
 
+    def slab_bytes(self, nbytes: int) -> int:
+        """The bytes `allocate(nbytes)` will take (its rounding): what a load's estimate counts
+        before evicting, so that a load evicting for room is not refused after its slabs exist."""
+        return nbytes
+
     def available_bytes(self) -> int | None:
         """Bytes new slabs can take before memory runs out, checked before a load; None: not
         known here (GPU backends: the driver refuses an allocation that does not fit)."""

@@ -77,6 +77,9 @@ class CudaIpcBackend(MemoryBackend):
     def slab_size_limit(self) -> int:
         return self.max_slab_bytes
 
+    def slab_bytes(self, nbytes: int) -> int:
+        return round_up(nbytes, _ROUND)
+
     def allocate(self, nbytes: int, index: int, device: str = "cpu") -> IpcSlab:
         """A slab of `nbytes` rounded up to 2 MiB, on `device` ("cpu" = the backend's GPU)."""
         if nbytes <= 0:

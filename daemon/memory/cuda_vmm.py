@@ -175,6 +175,9 @@ class CudaVmmBackend(MemoryBackend):
     def slab_size_limit(self) -> int:
         return self.max_slab_bytes
 
+    def slab_bytes(self, nbytes: int) -> int:
+        return round_up(nbytes, self.granularity)   # the backend's GPU's (another GPU's may differ)
+
     def allocate(self, nbytes: int, index: int, device: str = "cpu") -> VmmSlab:
         """A slab of `nbytes` rounded up to the granularity, on `device` ("cpu" = the backend's GPU)."""
         if nbytes <= 0:

@@ -268,10 +268,13 @@ class HostShmBackend(MemoryBackend):
 
         return available_bytes()
 
+    def slab_bytes(self, nbytes: int) -> int:
+        return max(PAGE_BYTES, (nbytes + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES)
+
     def allocate(self, nbytes: int, index: int, device: str = "cpu") -> HostShmSlab:
         if device != "cpu":
             raise ValueError(f"host_shm keeps weights in host memory; device must be 'cpu', not {device!r}")
-        size = max(PAGE_BYTES, (nbytes + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES)
+        size = self.slab_bytes(nbytes)
         fd = os.memfd_create(f"resident-slab-{index}", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)

@@ -410,3 +410,53 @@ def test_fetching_fds_of_a_lease_ended_by_a_forced_unload_says_so(tiny_model, tm
             cache.fetch_fds(session.token, "never")
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8_per_tensor"])
+def test_the_estimate_before_evicting_is_the_slabs_real_size(tiny_model, quantization):
+    """The load's estimate counts the backend's rounded slab sizes (`slab_bytes`): an estimate
+    under the real size made a load evict for room and then be refused once its slabs existed."""
+    from resident.daemon.load_gate import estimate_nbytes
+    from resident.daemon.loader import load
+    from resident.daemon.memory import get_backend
+
+    backend = get_backend("host_shm")
+    spec = LoadSpec(str(tiny_model("llama")), quantization=quantization,
+                    dtype="bfloat16" if quantization != "none" else "auto")
+    loaded = load(spec, backend)
+    try:
+        assert estimate_nbytes(plan_load(spec), backend) == sum(s.desc.nbytes for s in loaded.slabs)
+    finally:
+        for s in loaded.slabs:
+            s.close()
+
+
+def test_a_load_refused_for_room_evicts_nothing(tiny_model, tmp_path):
+    """a (leased) and a smaller b fit under a cap one byte short of two a-sized models; a load
+    of c (a's size) is refused before anything is evicted — with an estimate under the real
+    slab size it evicted b first and was refused only after loading."""
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.config import DaemonConfig
+    from resident.daemon.errors import ResourceExhausted
+    from resident.daemon.memory import get_backend
+    from resident.daemon.sessions import PeerCreds
+
+    paths = {"a": tiny_model("llama", name="a", seed=0, vocab_size=512), "b": tiny_model("llama", name="b", seed=1),
+             "c": tiny_model("llama", name="c", seed=2, vocab_size=512)}
+    probe = WeightCache(DaemonConfig(socket=str(tmp_path / "p.sock"), http=""), get_backend("host_shm"))
+    try:
+        size = probe.load(LoadSpec(str(paths["a"]), name="a")).model.nbytes
+    finally:
+        probe.close()
+    cache = WeightCache(DaemonConfig(socket=str(tmp_path / "s.sock"), http="", max_bytes=2 * size - 1),
+                        get_backend("host_shm"))
+    try:
+        a = cache.load(LoadSpec(str(paths["a"]), name="a")).model
+        assert cache.load(LoadSpec(str(paths["b"]), name="b")).model.nbytes < size
+        session = cache.hello(PeerCreds(uid=os.getuid(), gid=os.getgid(), pid=os.getpid()), "engine")
+        cache.attach(session.token, a.key)
+        with pytest.raises(ResourceExhausted):
+            cache.load(LoadSpec(str(paths["c"]), name="c"))
+        assert sorted(m.name for m in cache.registry.models()) == ["a", "b"]
+    finally:
+        cache.close()
