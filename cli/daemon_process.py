@@ -158,6 +158,6 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
     except subprocess.TimeoutExpired:
         proc.kill()
     raise DaemonStartError(
-        f"the daemon was not ready within {timeout_s:.0f} s and was stopped; last lines it wrote to {log_path}:\n"
+        f"the daemon was not ready within {timeout_s:g} s and was stopped; last lines it wrote to {log_path}:\n"
         f"{log_tail(log_path, offset=offset)}"
     )
