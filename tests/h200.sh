@@ -52,11 +52,12 @@ for s in $steps; do
     checkpoint)
       timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b --force >> "$LOG" 2>&1 ;;
     restart)
-      timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda --runs "${RUNS:-1}" \
+      # a fresh host spends ~85 s on the floor, the page-cache read and the priming start; then ~40 s a run
+      timeout "${RESTART_TIMEOUT:-$((150 + 40 * ${RUNS:-1}))}" $B restart $M --device cuda --runs "${RUNS:-1}" \
         --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
     restart-profile)   # one attached start under Python's profiler, per thread (worker/startup_profile.py) -> logs.tgz
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
-      RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-200}" $B restart $M --device cuda \
+      RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-240}" $B restart $M --device cuda \
         --runs 1 --variants warm --json "$OUT/restart-profile.json" >> "$LOG" 2>&1 ;;
     throughput)
       timeout "${THROUGHPUT_TIMEOUT:-180}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
