@@ -13,6 +13,7 @@ import signal
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,13 @@ def start_serve(model: Path, log_path: Path, *args: str, wait: bool = True,
 
 def stop_serve(proc: ServeProcess) -> int:
     return proc.kill(signal.SIGKILL)
+
+
+def serve_tiny(work: Path, *args: str) -> Iterator[ServeProcess]:
+    """For a fixture: a tiny Llama served from `work` with `--preload off ARGS`, killed after."""
+    proc = start_serve(servable_tiny_model(work / "llama", "llama"), work / "serve.log", "--preload", "off", *args)
+    yield proc
+    stop_serve(proc)
 
 
 def http(base_url: str, method: str, path: str, body: Any = None, raw: bytes | None = None,

@@ -7,8 +7,8 @@ import asyncio
 import json
 
 import pytest
-from serve_helpers import MODEL_NAME, http, metric, servable_tiny_model, start_serve, stop_serve
-from test_api_server import ScriptedEngine, _in_process
+from serve_helpers import MODEL_NAME, http, metric, serve_tiny
+from test_api_server import ScriptedEngine, _in_process, _ok_completion
 
 from resident.worker.protocol import RequestError, ServingOptions, parse_chat_request
 from resident.worker.sampling_params import SamplingParams
@@ -18,18 +18,7 @@ MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("bad")
-    model = servable_tiny_model(work / "llama", "llama")
-    proc = start_serve(model, work / "serve.log", "--preload", "off", "--max-model-len", str(MAX_MODEL_LEN))
-    yield proc
-    stop_serve(proc)
-
-
-def _ok_completion(base: str) -> None:
-    status, body = http(base, "POST", "/v1/completions",
-                        {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0})
-    assert status == 200, body
-    assert body["usage"]["completion_tokens"] == 3
+    yield from serve_tiny(tmp_path_factory.mktemp("bad"), "--max-model-len", str(MAX_MODEL_LEN))
 
 
 def _assert_error(got: object, status: int, want_status: int, param: str | None, *words: str) -> None:

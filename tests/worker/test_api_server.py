@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
-from serve_helpers import MODEL_NAME, http, servable_tiny_model, start_serve, stop_serve
+from serve_helpers import MODEL_NAME, http, serve_tiny
 
 from resident.worker.api_server import ApiServer, ServerState
 from resident.worker.async_engine import AsyncEngine
@@ -27,11 +27,7 @@ MAX_MODEL_LEN = 64
 # --- a real server ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("api")
-    model = servable_tiny_model(work / "llama", "llama")
-    proc = start_serve(model, work / "serve.log", "--preload", "off", "--max-model-len", str(MAX_MODEL_LEN))
-    yield proc
-    stop_serve(proc)
+    yield from serve_tiny(tmp_path_factory.mktemp("api"), "--max-model-len", str(MAX_MODEL_LEN))
 
 
 def _ok_completion(base: str) -> None:
