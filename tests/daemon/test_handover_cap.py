@@ -22,6 +22,15 @@ def _preload(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=180, env=env)
 
 
+def _stop(old, new_pid: int) -> None:
+    """Stop the daemon that took over (pid `new_pid`, 0: none did), then the old one's handle."""
+    if new_pid:
+        _preload("stop", "--socket", old.socket)
+        if not wait_exit(new_pid, old.socket, 30):
+            os.kill(new_pid, 9)
+    old.stop()
+
+
 def test_a_takeover_under_a_smaller_cap_warns_and_the_next_load_evicts_or_is_refused(short_tmp, tiny_model):
     models = {name: tiny_model("llama", name=name, seed=seed) for seed, name in enumerate(("a", "b", "c"))}
     old = start_cli_daemon(short_tmp)
@@ -53,11 +62,7 @@ def test_a_takeover_under_a_smaller_cap_warns_and_the_next_load_evicts_or_is_ref
             assert [m.name for m in c.list()] == ["c"]
             assert c.status().resident_bytes <= cap
     finally:
-        if new_pid:
-            _preload("stop", "--socket", old.socket)
-            if not wait_exit(new_pid, old.socket, 30):
-                os.kill(new_pid, 9)
-        old.stop()
+        _stop(old, new_pid)
 
 
 def test_a_takeover_within_the_cap_says_nothing_about_it(short_tmp, tiny_model):
@@ -72,8 +77,4 @@ def test_a_takeover_within_the_cap_says_nothing_about_it(short_tmp, tiny_model):
         new_pid = int(re.search(r"pid (\d+) took over", r.stdout).group(1))
         assert "--max-bytes" not in r.stderr and "--max-bytes" not in (short_tmp / "new.log").read_text()
     finally:
-        if new_pid:
-            _preload("stop", "--socket", old.socket)
-            if not wait_exit(new_pid, old.socket, 30):
-                os.kill(new_pid, 9)
-        old.stop()
+        _stop(old, new_pid)
