@@ -6,10 +6,19 @@ become ready (the old replicas then keep serving). Standard library only: no tor
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 import click
+
+
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # FloatRange lets NaN through (it compares false with every bound); the supervisor would
+    # then give each new replica no time at all and fail the rollout.
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("must be a number of seconds greater than 0, not nan")
+    return value
 
 
 @click.command()
@@ -17,7 +26,7 @@ import click
               help="The port the supervisor (`resident serve --data-parallel-size N`) serves.")
 @click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
               help="The supervisor's control socket [default: derived from --port, see `resident serve --help`].")
-@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=_not_nan,
               help="Seconds each new replica may take to become ready [default: the supervisor's --ready-timeout].")
 @click.option("--status", "show_status", is_flag=True, help="Print the supervisor's replicas as JSON and exit.")
 def rollout(port: int, control_socket: str | None, ready_timeout: float | None, show_status: bool) -> None:
@@ -40,7 +49,11 @@ def rollout(port: int, control_socket: str | None, ready_timeout: float | None, 
     except ControlUnavailable as e:
         raise click.ClickException(str(e)) from None
     except (OSError, ValueError) as e:
-        raise click.ClickException(f"lost the supervisor at {path} during the rollout: {e}") from None
+        if show_status:
+            raise click.ClickException(f"no status from {path}: {e}; is it a running supervisor's control "
+                                       "socket?") from None
+        raise click.ClickException(f"lost the supervisor at {path} during the rollout: {e}; `resident rollout "
+                                   f"--port {port} --status` shows where its replicas are") from None
     if final is None:
         raise click.ClickException(f"the supervisor at {path} closed the connection before the rollout ended")
     if not final["ok"]:

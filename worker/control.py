@@ -82,15 +82,30 @@ def _request(path: str, method: str, url: str, timeout_s: float) -> http.client.
             "running for that port, as this user (or with the same $RESIDENT_RUNTIME_DIR)?") from None
 
 
+def _not_a_supervisor(path: str, what: str) -> ControlUnavailable:
+    return ControlUnavailable(
+        f"{path} is not a resident supervisor's control socket (it answered {what}); pass the one the supervisor "
+        "logged at start ('control socket: ...'), or just --port PORT — a replica's admin socket does not roll out")
+
+
 def get_status(path: str, timeout_s: float = 10.0) -> dict[str, Any]:
     resp = _request(path, "GET", STATUS_PATH, timeout_s)
-    return json.loads(resp.read())
+    raw = resp.read()
+    try:
+        status = json.loads(raw) if resp.status == 200 else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        status = None
+    if not isinstance(status, dict) or "replicas" not in status:
+        raise _not_a_supervisor(path, f"{resp.status} {raw[:100]!r} to GET {STATUS_PATH}")
+    return status
 
 
 def request_rollout(path: str, ready_timeout_s: float | None = None, timeout_s: float = 3600.0) -> Iterator[dict]:
     """Ask for a rolling restart; yields the supervisor's step messages as they happen."""
     url = ROLLOUT_PATH + (f"?ready_timeout={ready_timeout_s}" if ready_timeout_s is not None else "")
     resp = _request(path, "POST", url, timeout_s)
+    if resp.status in (404, 405):
+        raise _not_a_supervisor(path, f"{resp.status} to POST {ROLLOUT_PATH}")
     if resp.status != 200:
         body = resp.read().decode(errors="replace")
         raise ControlUnavailable(f"the supervisor refused the rollout ({resp.status}): {body}")

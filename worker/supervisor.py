@@ -41,8 +41,10 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import errno
 import itertools
 import logging
+import math
 import os
 import signal
 import socket
@@ -90,10 +92,13 @@ class SupervisorConfig:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.num_replicas}")
         if self.num_standby < 0:
             raise ValueError(f"--standby-replicas must be >= 0, got {self.num_standby}")
-        if self.ready_timeout_s <= 0:
-            raise ValueError(f"--ready-timeout must be positive, got {self.ready_timeout_s}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"--drain-grace must be >= 0, got {self.drain_grace_s}")
+        # `not x > 0` rather than `x <= 0`: NaN compares false both ways and would slip through.
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"--ready-timeout must be a positive number of seconds, got {self.ready_timeout_s}")
+        if not 0 <= self.drain_grace_s < math.inf:
+            raise ValueError(f"--drain-grace must be a finite number of seconds >= 0, got {self.drain_grace_s}")
+        if math.isnan(self.serve.drain_timeout_s):
+            raise ValueError("--drain-timeout must be a number of seconds >= 0, got nan")
         if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
             raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
         KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
@@ -106,6 +111,10 @@ class SupervisorConfig:
     def replica_drain_timeout_s(self) -> float:
         """How long a draining replica may take before it is killed."""
         return self.serve.drain_timeout_s + self.drain_grace_s + 10.0
+
+
+class SupervisorStartError(RuntimeError):
+    """The supervisor cannot start (its socket, control socket or port file): one line, exit 1."""
 
 
 class Supervisor:
@@ -315,27 +324,74 @@ class Supervisor:
         return True
 
     async def run(self) -> int:
+        try:
+            return await self._run()
+        except SupervisorStartError as e:
+            logger.error("resident serve could not start: %s", e)
+            return 1
+        finally:
+            if self.sock is not None:
+                self.sock.close()
+            os.close(self._lifeline_w)
+            os.close(self._lifeline_r)
+
+    def _bind(self) -> socket.socket:
+        """The listening socket, or a SupervisorStartError naming the address and the fix."""
+        host, port = self.config.serve.host, self.config.serve.port
+        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        try:
+            return self._listen_socket()
+        except OSError as e:
+            # socket.create_server re-raises a failed bind as OSError(errno, "why (while attempting ...)").
+            why = str(e.strerror or e).split(" (while attempting", 1)[0]
+            if isinstance(e, socket.gaierror) or (e.errno or 0) < 0:  # getaddrinfo's EAI_* codes are negative
+                fix = f"--host {host!r} is not an address or name of this machine; use e.g. 127.0.0.1, 0.0.0.0 or ::"
+            elif e.errno == errno.EADDRINUSE:
+                fix = "another process listens there; stop it, or pick another --port (0 picks a free one)"
+            elif e.errno == errno.EADDRNOTAVAIL:
+                fix = f"--host {host!r} is not an address of this machine; use e.g. 127.0.0.1, 0.0.0.0 or ::"
+            elif e.errno == errno.EACCES:
+                fix = "ports below 1024 need root or CAP_NET_BIND_SERVICE; pick a --port of 1024 or more"
+            else:
+                fix = "check --host and --port"
+            raise SupervisorStartError(f"cannot listen on {where}: {why}; {fix}") from None
+
+    async def _run(self) -> int:
         from resident.worker.rollout import ControlServer
 
         if self.kv_grows:
             logger.info("KV headroom policy on the GPU: %.6g slices of what --gpu-memory-utilization leaves beside "
                         "the shared weights, one per replica and standby, %.2g for a rollout's incoming replica",
                         self.budget.pool, self.config.kv_headroom)
-        self.sock = self._listen_socket()
+        self.sock = self._bind()
         self.port = self.sock.getsockname()[1]
-        host = self.config.serve.host
-        shown = host if ":" not in host else f"[{host}]"
-        sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")
-        sys.stdout.flush()
-        if self.config.serve.port_file:
-            Path(self.config.serve.port_file).write_text(f"{self.port}\n")
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         control = ControlServer(self)
-        await control.start()
         try:
+            await control.start()
+        except RuntimeError as e:  # another supervisor answers there
+            raise SupervisorStartError(f"{e} (or give this one another --control-socket)") from None
+        except OSError as e:
+            folder = os.path.dirname(control.path)
+            why = f"{folder} is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else e.strerror or e
+            raise SupervisorStartError(f"cannot create the control socket {control.path}: {why}; "
+                                       "choose a writable path (at most 107 bytes) with --control-socket or "
+                                       "$RESIDENT_RUNTIME_DIR") from None
+        try:
+            if port_file := self.config.serve.port_file:
+                try:
+                    Path(port_file).write_text(f"{self.port}\n")
+                except OSError as e:
+                    raise SupervisorStartError(f"cannot write the port to --port-file {port_file}: "
+                                               f"{e.strerror or e}; point --port-file at a writable folder "
+                                               "that exists") from None
+            host = self.config.serve.host
+            shown = host if ":" not in host else f"[{host}]"
+            sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")
+            sys.stdout.flush()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
             if self.config.use_launcher:
                 await self.start_launcher()
             if not await self._start_all():
@@ -356,11 +412,8 @@ class Supervisor:
                 task.cancel()
             if self.launcher is not None:
                 await self.launcher.stop()
-            self.sock.close()
             with contextlib.suppress(OSError):  # the admin sockets' folder, when nothing is left in it
                 os.rmdir(os.path.dirname(admin_socket_path(self.port, 0, self.env)))
-            os.close(self._lifeline_w)
-            os.close(self._lifeline_r)
 
     def _on_sighup(self) -> None:
         from resident.worker.rollout import rollout
@@ -397,5 +450,5 @@ def run_supervisor(config: SupervisorConfig, env: Mapping[str, str] | None = Non
     return asyncio.run(Supervisor(config, env).run())
 
 
-__all__ = ["Supervisor", "SupervisorConfig", "run_supervisor"]
+__all__ = ["Supervisor", "SupervisorConfig", "SupervisorStartError", "run_supervisor"]
 

@@ -1,0 +1,69 @@
+"""`resident rollout` pointed at the wrong thing, or given a timeout that is not a number:
+a clear error naming the problem, exit status non-zero, and no rollout attempted."""
+from __future__ import annotations
+
+import http.server
+import json
+import socketserver
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from resident.cli.rollout import rollout
+
+
+class _ReplicaAdmin(http.server.BaseHTTPRequestHandler):
+    """Answers like a replica's admin socket: its own /status, no /rollout."""
+
+    def do_GET(self) -> None:
+        if self.path == "/status":
+            self._reply(200, {"replica_id": 1, "pid": 4242, "state": "serving"})
+        else:
+            self._reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        self._reply(404, {"error": "not found"})
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def address_string(self) -> str:  # a Unix socket has no (host, port)
+        return "unix"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def replica_admin(short_tmp: Path) -> Iterator[str]:
+    path = str(short_tmp / "replica-1.sock")
+    server = socketserver.ThreadingUnixStreamServer(path, _ReplicaAdmin)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield path
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("extra", [(), ("--status",)])
+def test_a_replica_admin_socket_is_not_taken_for_the_supervisor(replica_admin, extra):
+    r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", replica_admin, *extra])
+    assert r.exit_code == 1, r.output
+    assert "is not a resident supervisor's control socket" in r.output
+    assert '"replica_id"' not in r.output.split("Error:")[0], "a replica's status was printed as the supervisor's"
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "0", "-1"])
+def test_a_ready_timeout_that_is_not_a_positive_number_is_refused(short_tmp, value):
+    r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", str(short_tmp / "none.ctl"),
+                                     "--ready-timeout", value])
+    assert r.exit_code == 2, r.output
+    assert "--ready-timeout" in r.output
+    assert "no resident supervisor" not in r.output, "it went on to look for the supervisor"

@@ -1,0 +1,81 @@
+"""Bad input to `resident serve --data-parallel-size N` that stops it before any replica
+starts: one clear line naming the problem and the fix, exit status 1, nothing left behind
+(a taken port, an unknown --host, a --port-file in a missing folder, a control socket another
+supervisor answers on); and timeouts that are not numbers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from resident.worker.serve_config import ServeConfig
+from resident.worker.supervisor import Supervisor, SupervisorConfig
+
+
+def _run(short_tmp: Path, caplog, **serve: object) -> tuple[int, str]:
+    """Run a supervisor that must fail before it spawns anything; (exit code, its error lines)."""
+    config = SupervisorConfig(serve=ServeConfig(model=str(short_tmp / "no-model"), preload="off", **serve))
+    rt = short_tmp / "rt"
+    before = set(os.listdir(rt)) if rt.exists() else set()
+    sup = Supervisor(config, env={"RESIDENT_RUNTIME_DIR": str(rt)})
+    with caplog.at_level(logging.ERROR, logger="resident.worker.supervisor"):
+        code = asyncio.run(sup.run())
+    assert not sup.replicas, "a replica was started although the supervisor could not"
+    assert (set(os.listdir(rt)) if rt.exists() else set()) == before, "sockets were left behind"
+    return code, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+def test_a_taken_port_names_the_port_and_the_fix(short_tmp, caplog):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, errors = _run(short_tmp, caplog, port=port)
+    assert code == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in errors and "pick another --port" in errors
+
+
+@pytest.mark.parametrize("host", ["256.1.1.1", "no-such-host.invalid"])
+def test_an_unknown_host_names_the_host(short_tmp, caplog, host):
+    code, errors = _run(short_tmp, caplog, host=host, port=0)
+    assert code == 1
+    assert f"--host {host!r} is not an address" in errors
+
+
+def test_a_port_file_in_a_missing_folder_is_named(short_tmp, caplog):
+    port_file = short_tmp / "missing" / "port"
+    code, errors = _run(short_tmp, caplog, port=0, port_file=str(port_file))
+    assert code == 1
+    assert f"cannot write the port to --port-file {port_file}" in errors and "writable folder" in errors
+
+
+def test_a_control_socket_another_supervisor_answers_on_is_refused(short_tmp, caplog):
+    with socket.create_server(("127.0.0.1", 0)) as probe:   # a free port number, released before the run
+        port = probe.getsockname()[1]
+    (short_tmp / "rt").mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
+        other.bind(str(short_tmp / "rt" / f"engine-{port}.ctl"))
+        other.listen()
+        code, errors = _run(short_tmp, caplog, port=port)
+        assert code == 1
+        assert "another resident supervisor answers on" in errors and "--control-socket" in errors
+        os.unlink(other.getsockname())
+
+
+@pytest.mark.parametrize("field, value, flag", [
+    ("ready_timeout_s", math.nan, "--ready-timeout"),
+    ("drain_grace_s", math.nan, "--drain-grace"),
+    ("drain_grace_s", math.inf, "--drain-grace"),
+])
+def test_timeouts_that_are_not_numbers_are_refused(field, value, flag):
+    serve = ServeConfig(model="m", preload="off")
+    with pytest.raises(ValueError, match=flag):
+        SupervisorConfig(serve=serve, **{field: value})
+
+
+def test_a_nan_drain_timeout_is_refused_by_the_supervisor():
+    with pytest.raises(ValueError, match="--drain-timeout"):
+        SupervisorConfig(serve=ServeConfig(model="m", preload="off", drain_timeout_s=math.nan))
