@@ -13,6 +13,7 @@ The dump always leaves the tree running so that a failed check can still resume 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -47,6 +48,9 @@ class CreateConfig:
             raise ValueError(f"pid must be positive, got {self.pid}")
         if not self.output.is_absolute():
             raise ValueError(f"output must be an absolute path, got {self.output}")
+        # Refused here, before the worker is touched; NaN compares false both ways.
+        if not 0 <= self.prepare_timeout_s < math.inf:
+            raise ValueError(f"--prepare-timeout must be a finite number of seconds >= 0, got {self.prepare_timeout_s}")
 
 
 @dataclass
@@ -93,6 +97,11 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
         raise SnapshotError(f"no running process with pid {config.pid}")
     if config.output.exists():
         raise SnapshotError(f"{config.output} already exists; remove it or choose another --output")
+    parent = config.output.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        # Found before the worker quiesces and detaches, not after.
+        raise SnapshotError(f"cannot create {config.output}: {parent} is not a writable folder; create it or "
+                            "choose another --output")
     _refuse_pipes(config.pid)
     host, port = _pick_port(config.pid, config.port)
     admin = find_admin(config.pid)

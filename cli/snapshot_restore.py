@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -39,8 +40,11 @@ class RestoreConfig:
     ready_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.pid_wait_s < 0 or self.ready_timeout_s <= 0:
-            raise ValueError("pid_wait_s must be >= 0 and ready_timeout_s > 0")
+        # Written so that NaN (which compares false both ways) is refused too.
+        if not 0 <= self.pid_wait_s < math.inf:
+            raise ValueError(f"--pid-wait must be a finite number of seconds >= 0, got {self.pid_wait_s}")
+        if not 0 < self.ready_timeout_s < math.inf:
+            raise ValueError(f"--ready-timeout must be a finite number of seconds > 0, got {self.ready_timeout_s}")
 
 
 @dataclass

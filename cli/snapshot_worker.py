@@ -110,6 +110,9 @@ def listening_tcp(pid: int) -> list[tuple[str, int]]:
         conns = psutil.Process(pid).net_connections(kind="tcp")
     except psutil.NoSuchProcess:
         raise WorkerError(f"no process with pid {pid}") from None
+    except psutil.AccessDenied:
+        raise WorkerError(f"cannot read the sockets of pid {pid} (permission denied): run this as the worker's "
+                          "user or as root, and check that --pid names a `resident serve` worker") from None
     return sorted({(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN})
 
 
@@ -139,9 +142,25 @@ def find_admin(pid: int) -> AdminClient:
             continue
         if status == 200:
             return client
+        replicas = _supervised_pids(client)
+        if replicas is not None:
+            raise WorkerError(f"pid {pid} is the supervisor of `resident serve --data-parallel-size`, which holds "
+                              f"no model; a snapshot is of one worker: pass one replica's --pid "
+                              f"({', '.join(map(str, replicas)) or 'none running now'})")
         tried.append(f"{path}: {STATE_PATH} answered {status}")
     raise WorkerError(f"pid {pid} has no admin socket that answers {STATE_PATH} (is it a `resident serve` worker "
                       f"of this version?); tried: {tried or 'no listening Unix socket'}")
+
+
+def _supervised_pids(client: AdminClient) -> list[int] | None:
+    """The replica pids when `client` is a supervisor's control socket (control.py), else None."""
+    try:
+        status, body = client.call("GET", "/status", timeout_s=5.0)
+    except WorkerError:
+        return None
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("replicas"), list):
+        return None
+    return [int(r["pid"]) for r in body["replicas"] if isinstance(r, dict) and isinstance(r.get("pid"), int)]
 
 
 def daemon_socket_of(pid: int) -> str:

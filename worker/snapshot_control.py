@@ -36,6 +36,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -162,8 +163,8 @@ class SnapshotControl:
 
     # --- prepare ---------------------------------------------------------------------------
     async def prepare(self, timeout_s: float) -> dict[str, Any]:
-        if timeout_s < 0:
-            raise SnapshotError(400, f"timeout_s must be >= 0, got {timeout_s}")
+        if not 0 <= timeout_s < math.inf:  # NaN too: it would never time out
+            raise SnapshotError(400, f"timeout_s must be a finite number of seconds >= 0, got {timeout_s}")
         if self._lock.locked():
             raise SnapshotError(409, f"a snapshot step is already running (state {self.state.value})")
         async with self._lock:

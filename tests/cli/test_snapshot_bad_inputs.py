@@ -1,0 +1,92 @@
+"""`resident snapshot` given the wrong process or path, or a timeout that is not a number:
+refused with the problem and the fix named, before the worker is touched. No CRIU needed."""
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import os
+import socketserver
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from resident.cli import snapshot_create
+from resident.cli.snapshot_create import CreateConfig, SnapshotError, create_snapshot
+from resident.cli.snapshot_restore import RestoreConfig
+from resident.cli.snapshot_worker import WorkerError, find_admin, listening_tcp
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_a_prepare_timeout_that_is_not_a_number_of_seconds_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match="--prepare-timeout"):
+        CreateConfig(pid=os.getpid(), output=tmp_path / "snap", prepare_timeout_s=value)
+
+
+@pytest.mark.parametrize("field, flag", [("pid_wait_s", "--pid-wait"), ("ready_timeout_s", "--ready-timeout")])
+def test_restore_timeouts_that_are_not_numbers_name_their_flag(tmp_path, field, flag):
+    with pytest.raises(ValueError, match=flag):
+        RestoreConfig(tmp_path, **{field: math.nan})
+
+
+def test_an_output_in_a_missing_folder_is_refused_before_the_worker_is_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot_create, "usable_criu", lambda purpose: object())
+    output = tmp_path / "missing" / "snap"
+    with pytest.raises(SnapshotError, match="is not a writable folder"):
+        create_snapshot(CreateConfig(pid=os.getpid(), output=output))
+    assert not output.parent.exists()
+
+
+class _SupervisorControl(http.server.BaseHTTPRequestHandler):
+    """Answers like a supervisor's control socket (worker/control.py): /status, no snapshot routes."""
+
+    def do_GET(self) -> None:
+        if self.path == "/status":
+            body, status = json.dumps({"pid": 1, "replicas": [{"replica_id": 3, "pid": 4243}]}).encode(), 200
+        else:
+            body, status = b"404: Not Found", 404
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:
+        return "unix"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def supervisor_control(short_tmp: Path) -> Iterator[str]:
+    """A supervisor-like control socket listening in this very process (find_admin looks at its fds)."""
+    path = str(short_tmp / "engine-8000.ctl")
+    server = socketserver.ThreadingUnixStreamServer(path, _SupervisorControl)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield path
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_supervisor_pid_is_refused_with_its_replicas_named(supervisor_control):
+    with pytest.raises(WorkerError, match="supervisor") as e:
+        find_admin(os.getpid())
+    assert "4243" in str(e.value) and "--pid" in str(e.value)
+
+
+def test_a_process_whose_sockets_cannot_be_read_is_an_error_not_a_traceback(monkeypatch):
+    import psutil
+
+    class Denied:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def net_connections(self, kind: str) -> list:
+            raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil, "Process", Denied)
+    with pytest.raises(WorkerError, match="permission denied"):
+        listening_tcp(1)
