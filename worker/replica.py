@@ -161,6 +161,12 @@ class Replica:
         os.set_blocking(fd, False)
         loop.add_reader(fd, on_readable)
 
+    def _on_sighup(self) -> None:
+        # SIGHUP's default action would kill this replica and cut its requests: a terminal's
+        # hangup reaches the whole process group, and `kill -HUP` meant for a rollout may hit a replica.
+        logger.warning("SIGHUP ignored: a replica does not restart itself; for a rolling restart send SIGHUP "
+                       "to the supervisor or run `resident rollout --port %d`", self.config.port)
+
     async def _accept(self) -> None:
         assert self._runner is not None
         self._site = web.SockSite(self._runner, self.sock)
@@ -177,6 +183,7 @@ class Replica:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_drain, signal.Signals(sig).name)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         if self.options.lifeline_fd is not None:
             self._watch_lifeline(loop, self.options.lifeline_fd)
         try:
@@ -258,6 +265,8 @@ class Replica:
 def run_replica(config: ServeConfig, options: ReplicaOptions, t0: float | None = None) -> int:
     """Run one replica until drained; returns the exit code."""
     t0 = t0 or config.process_start_time or time.time()
+    # Until Replica.run handles it (and logs it), SIGHUP must not kill a starting replica either.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     prepared = prepare_process(config, t0, f"replica {options.replica_id}")
     if prepared is None:
         return 1

@@ -1,20 +1,27 @@
 """Bad input to `resident serve --data-parallel-size N` that stops it before any replica
 starts: one clear line naming the problem and the fix, exit status 1, nothing left behind
 (a taken port, an unknown --host, a --port-file in a missing folder, a control socket another
-supervisor answers on); and timeouts that are not numbers."""
+supervisor answers on); timeouts that are not numbers; a SIGHUP that reaches a replica."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
+from serve_helpers import MODEL_NAME, http, serve_env, servable_tiny_model, start_serve, stop_serve
 
+from resident.worker.control import control_socket_path, get_status
 from resident.worker.serve_config import ServeConfig
 from resident.worker.supervisor import Supervisor, SupervisorConfig
+
+SERVE_ARGS = ("--preload", "off", "--max-model-len", "128", "--kv-cache-memory", "8MiB", "--cpu-threads", "1",
+              "--drain-grace", "0.5")
 
 
 def _run(short_tmp: Path, caplog, **serve: object) -> tuple[int, str]:
@@ -79,3 +86,26 @@ def test_timeouts_that_are_not_numbers_are_refused(field, value, flag):
 def test_a_nan_drain_timeout_is_refused_by_the_supervisor():
     with pytest.raises(ValueError, match="--drain-timeout"):
         SupervisorConfig(serve=ServeConfig(model="m", preload="off", drain_timeout_s=math.nan))
+
+
+def test_sighup_to_a_replica_leaves_it_serving(short_tmp, tmp_path):
+    """A terminal's hangup reaches the whole process group, and `kill -HUP` meant for a rollout
+    can hit a replica: SIGHUP's default action would kill it and cut its requests."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", *SERVE_ARGS, env=env)
+    try:
+        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
+        (replica,) = get_status(ctl)["replicas"]
+        os.kill(replica["pid"], signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "SIGHUP ignored" not in sup.log_path.read_text():
+            assert time.monotonic() < deadline, "the replica did not log the SIGHUP:\n" + sup.log_path.read_text()
+            time.sleep(0.05)
+        assert [r["pid"] for r in get_status(ctl)["replicas"]] == [replica["pid"]]
+        status, body = http(sup.base_url, "POST", "/v1/completions",
+                            {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200, body
+        assert "exited unexpectedly" not in sup.log_path.read_text()
+    finally:
+        stop_serve(sup)
