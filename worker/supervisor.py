@@ -264,6 +264,13 @@ class Supervisor:
                 self.report_status()
                 return
             except ReplicaFailed as e:
+                if handle.leaving:
+                    # A rollout drained this replacement while it was starting (it was among the
+                    # replicas to roll) and started its own in its place: starting yet another one
+                    # would leave more replicas than --data-parallel-size.
+                    logger.info("replacement replica %d was drained by a rollout before it was ready; the "
+                                "rollout's new replica takes its place", handle.replica_id)
+                    return
                 logger.error("%s", e)
                 await handle.stop()
                 self._crashes.append(time.monotonic())

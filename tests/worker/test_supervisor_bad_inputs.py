@@ -109,3 +109,40 @@ def test_sighup_to_a_replica_leaves_it_serving(short_tmp, tmp_path):
         assert "exited unexpectedly" not in sup.log_path.read_text()
     finally:
         stop_serve(sup)
+
+
+class _DrainedWhileStarting:
+    """A replacement replica that a rollout drains before it is ready (it was among the
+    replicas the rollout set out to roll): its wait for /ready ends with its exit."""
+
+    replica_id = 7
+    leaving = False
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        from resident.worker.replica_handle import ReplicaFailed
+
+        self.leaving = True   # ReplicaHandle.drain, called by the rollout
+        raise ReplicaFailed("replica 7 (pid 1) exited with code 0 before it was ready")
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_a_replacement_drained_by_a_rollout_is_not_replaced_again(short_tmp):
+    """Otherwise a rollout during a crash's replacement leaves N+1 serving replicas."""
+    from resident.worker.replica_handle import Role
+
+    config = SupervisorConfig(serve=ServeConfig(model="m", preload="off"), num_replicas=2, restart_backoff_s=0.0)
+    sup = Supervisor(config, env={"RESIDENT_RUNTIME_DIR": str(short_tmp / "rt")})
+    spawned = []
+
+    async def spawn(role: Role) -> _DrainedWhileStarting:
+        if spawned:
+            sup.stopping = True   # ends the loop without the fix; the assertion below names the defect
+        spawned.append(role)
+        return _DrainedWhileStarting()
+
+    sup.spawn = spawn
+    asyncio.run(sup._replace(Role.SERVING))
+    assert spawned == [Role.SERVING], "the supervisor started another replica in place of the drained one"
+    assert not sup._crashes, "a replica the rollout drained was counted as a crash"
