@@ -48,6 +48,13 @@ def rollout(port: int, control_socket: str | None, ready_timeout: float | None, 
             click.echo(event["message"], err=event.get("step") == "error")
     except ControlUnavailable as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        if show_status:
+            raise
+        # Only this client stops: the supervisor finishes the rollout it started (or is starting).
+        click.echo(f"interrupted: the rollout goes on in the supervisor; follow it with `resident rollout --port "
+                   f"{port} --status`", err=True)
+        sys.exit(130)
     except (OSError, ValueError) as e:
         if show_status:
             raise click.ClickException(f"no status from {path}: {e}; is it a running supervisor's control "

@@ -67,3 +67,17 @@ def test_a_ready_timeout_that_is_not_a_positive_number_is_refused(short_tmp, val
     assert r.exit_code == 2, r.output
     assert "--ready-timeout" in r.output
     assert "no resident supervisor" not in r.output, "it went on to look for the supervisor"
+
+
+def test_interrupting_the_client_says_the_rollout_goes_on(short_tmp, monkeypatch):
+    """Ctrl-C stops only the client: the supervisor finishes the rollout, so "Aborted!" would mislead."""
+    from resident.worker import control
+
+    def interrupted(path: str, ready_timeout_s: float | None = None) -> Iterator[dict]:
+        yield {"step": "begin", "message": "rolling restart of 2 replica(s) on port 8000"}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(control, "request_rollout", interrupted)
+    r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", str(short_tmp / "ctl")])
+    assert r.exit_code == 130, r.output
+    assert "the rollout goes on in the supervisor" in r.output and "--status" in r.output
