@@ -177,7 +177,7 @@ class Supervisor:
             env = self._replica_env(encode_payload(config, options))
             fds = (self.sock.fileno(), self._lifeline_r)
             if self.launcher is not None:
-                process = await self.launcher.spawn(env, fds)
+                process = await self._launch(env, fds)
             else:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "resident.worker.replica", env=env, pass_fds=fds,
@@ -193,6 +193,23 @@ class Supervisor:
                     handle.pid, share * 100)
         self.report_status()
         return handle
+
+    async def _launch(self, env: dict[str, str], fds: tuple[int, ...]):
+        """Fork a replica from the launcher, replacing a launcher that is gone first (killed,
+        crashed, or hung up with its terminal's process group): without one no replica could
+        ever start again, and the supervisor would serve nothing."""
+        assert self.launcher is not None
+        process = self.launcher.process
+        if process is None or process.returncode is not None:
+            logger.warning("the launcher is gone (exit code %s); starting a fresh one",
+                           None if process is None else process.returncode)
+            await self.start_launcher()
+        try:
+            return await self.launcher.spawn(env, fds)
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            logger.warning("the launcher did not fork a replica (%r); starting a fresh launcher", e)
+            await self.start_launcher()
+            return await self.launcher.spawn(env, fds)
 
     def ready_standby(self) -> ReplicaHandle | None:
         return next((h for h in self.replicas.values()
@@ -257,7 +274,13 @@ class Supervisor:
                 await asyncio.sleep(delay)
             if self.stopping:
                 return
-            handle = await self.spawn(role)
+            try:
+                handle = await self.spawn(role)
+            except (OSError, RuntimeError, asyncio.TimeoutError) as e:
+                # Counted as a crash (the next try backs off); the task must not die with it.
+                logger.error("could not start a replacement %s replica: %s", role.value, e)
+                self._crashes.append(time.monotonic())
+                continue
             try:
                 await handle.wait_ready(self.config.ready_timeout_s)
                 logger.info("replacement replica %d ready in %.2f s", handle.replica_id, handle.ready_s)

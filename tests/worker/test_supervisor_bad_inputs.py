@@ -88,6 +88,17 @@ def test_a_nan_drain_timeout_is_refused_by_the_supervisor():
         SupervisorConfig(serve=ServeConfig(model="m", preload="off", drain_timeout_s=math.nan))
 
 
+def _wait_one_ready(ctl: str, other_than: int = 0) -> dict:
+    """The supervisor's only replica once it is ready (in the supervisor's eyes), and not pid `other_than`."""
+    deadline = time.monotonic() + 120
+    while True:
+        replicas = get_status(ctl)["replicas"]
+        if [r["phase"] for r in replicas] == ["ready"] and replicas[0]["pid"] != other_than:
+            return replicas[0]
+        assert time.monotonic() < deadline, f"no ready replica (other than pid {other_than}): {replicas}"
+        time.sleep(0.05)
+
+
 def test_sighup_to_a_replica_leaves_it_serving(short_tmp, tmp_path):
     """A terminal's hangup reaches the whole process group, and `kill -HUP` meant for a rollout
     can hit a replica: SIGHUP's default action would kill it and cut its requests."""
@@ -96,7 +107,7 @@ def test_sighup_to_a_replica_leaves_it_serving(short_tmp, tmp_path):
     sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", *SERVE_ARGS, env=env)
     try:
         ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
-        (replica,) = get_status(ctl)["replicas"]
+        replica = _wait_one_ready(ctl)
         os.kill(replica["pid"], signal.SIGHUP)
         deadline = time.monotonic() + 60
         while "SIGHUP ignored" not in sup.log_path.read_text():
@@ -146,3 +157,26 @@ def test_a_replacement_drained_by_a_rollout_is_not_replaced_again(short_tmp):
     asyncio.run(sup._replace(Role.SERVING))
     assert spawned == [Role.SERVING], "the supervisor started another replica in place of the drained one"
     assert not sup._crashes, "a replica the rollout drained was counted as a crash"
+
+
+def test_a_dead_launcher_is_replaced_when_a_replica_must_be_restarted(short_tmp, tmp_path):
+    """With --launcher, a killed launcher (or one hung up with its terminal's process group)
+    left the supervisor unable to start any replica again: after the next crash it served nothing."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--launcher", *SERVE_ARGS, env=env)
+    try:
+        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
+        replica = _wait_one_ready(ctl)
+        with open(f"/proc/{replica['pid']}/stat") as f:
+            launcher = int(f.read().rpartition(")")[2].split()[1])
+        assert launcher != sup.proc.pid
+        os.kill(launcher, signal.SIGKILL)
+        os.kill(replica["pid"], signal.SIGKILL)
+        _wait_one_ready(ctl, other_than=replica["pid"])
+        status, body = http(sup.base_url, "POST", "/v1/completions",
+                            {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200, body
+        assert "supervisor task failed" not in sup.log_path.read_text()
+    finally:
+        stop_serve(sup)
