@@ -47,6 +47,7 @@ from typing import Any
 from aiohttp import web
 
 from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
 from resident.worker.metrics import ServerMetrics
 # Re-exported: the CLI, the supervisor, benchmarks and tests import these from here.
 from resident.worker.serve_config import (  # noqa: F401
@@ -84,6 +85,10 @@ def sd_notify(notify_socket: str | None, state: str) -> bool:
     return notify.notify(state, env={"NOTIFY_SOCKET": notify_socket or ""})
 
 
+class _CannotServe(Exception):
+    """The server cannot start serving (its port file): one line, exit 1."""
+
+
 async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     metrics = ServerMetrics(config.model_name)
     state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
@@ -91,12 +96,24 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     runner = web.AppRunner(ApiServer(state).app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    try:
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        if config.port_file:
+            try:
+                Path(config.port_file).write_text(f"{port}\n")
+            except OSError as e:
+                raise _CannotServe(cannot_write_port_file(config.port_file, e)) from None
+    except OSError as e:
+        logger.error("resident serve could not start: %s", cannot_listen(config.host, config.port, e))
+        await runner.cleanup()
+        return 1
+    except _CannotServe as e:
+        logger.error("resident serve could not start: %s", e)
+        await runner.cleanup()
+        return 1
     sys.stdout.write(f"resident serve listening on http://{config.host if ':' not in config.host else host}:{port}\n")
     sys.stdout.flush()
-    if config.port_file:
-        Path(config.port_file).write_text(f"{port}\n")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ Torch-free: the CLI, the supervisor and the launcher build and pass it around.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,8 @@ class ServeConfig:
                              f"{', '.join(ASYNC_SCHEDULING_MODES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
+        if not 0 <= self.drain_timeout_s < math.inf:   # NaN compares false both ways
+            raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {self.drain_timeout_s}")
         if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
             raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
                              "(107 bytes); choose a shorter path")

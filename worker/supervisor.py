@@ -41,7 +41,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import errno
 import itertools
 import logging
 import math
@@ -59,6 +58,7 @@ import aiohttp
 from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.kv_budget import KvBudget, scaled_kv
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
 from resident.worker.replica import ENV_PAYLOAD, ReplicaOptions, encode_payload
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
 from resident.worker.serve_config import ServeConfig
@@ -97,8 +97,6 @@ class SupervisorConfig:
             raise ValueError(f"--ready-timeout must be a positive number of seconds, got {self.ready_timeout_s}")
         if not 0 <= self.drain_grace_s < math.inf:
             raise ValueError(f"--drain-grace must be a finite number of seconds >= 0, got {self.drain_grace_s}")
-        if math.isnan(self.serve.drain_timeout_s):
-            raise ValueError("--drain-timeout must be a number of seconds >= 0, got nan")
         if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
             raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
         KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
@@ -367,24 +365,10 @@ class Supervisor:
 
     def _bind(self) -> socket.socket:
         """The listening socket, or a SupervisorStartError naming the address and the fix."""
-        host, port = self.config.serve.host, self.config.serve.port
-        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         try:
             return self._listen_socket()
         except OSError as e:
-            # socket.create_server re-raises a failed bind as OSError(errno, "why (while attempting ...)").
-            why = str(e.strerror or e).split(" (while attempting", 1)[0]
-            if isinstance(e, socket.gaierror) or (e.errno or 0) < 0:  # getaddrinfo's EAI_* codes are negative
-                fix = f"--host {host!r} is not an address or name of this machine; use e.g. 127.0.0.1, 0.0.0.0 or ::"
-            elif e.errno == errno.EADDRINUSE:
-                fix = "another process listens there; stop it, or pick another --port (0 picks a free one)"
-            elif e.errno == errno.EADDRNOTAVAIL:
-                fix = f"--host {host!r} is not an address of this machine; use e.g. 127.0.0.1, 0.0.0.0 or ::"
-            elif e.errno == errno.EACCES:
-                fix = "ports below 1024 need root or CAP_NET_BIND_SERVICE; pick a --port of 1024 or more"
-            else:
-                fix = "check --host and --port"
-            raise SupervisorStartError(f"cannot listen on {where}: {why}; {fix}") from None
+            raise SupervisorStartError(cannot_listen(self.config.serve.host, self.config.serve.port, e)) from None
 
     async def _run(self) -> int:
         from resident.worker.rollout import ControlServer
@@ -411,9 +395,7 @@ class Supervisor:
                 try:
                     Path(port_file).write_text(f"{self.port}\n")
                 except OSError as e:
-                    raise SupervisorStartError(f"cannot write the port to --port-file {port_file}: "
-                                               f"{e.strerror or e}; point --port-file at a writable folder "
-                                               "that exists") from None
+                    raise SupervisorStartError(cannot_write_port_file(port_file, e)) from None
             host = self.config.serve.host
             shown = host if ":" not in host else f"[{host}]"
             sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")

@@ -83,9 +83,10 @@ def test_timeouts_that_are_not_numbers_are_refused(field, value, flag):
         SupervisorConfig(serve=serve, **{field: value})
 
 
-def test_a_nan_drain_timeout_is_refused_by_the_supervisor():
-    with pytest.raises(ValueError, match="--drain-timeout"):
-        SupervisorConfig(serve=ServeConfig(model="m", preload="off", drain_timeout_s=math.nan))
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_a_drain_timeout_that_is_not_a_finite_number_is_refused(value):
+    with pytest.raises(ValueError, match="--drain-timeout"):   # a single worker's and a supervisor's
+        ServeConfig(model="m", preload="off", drain_timeout_s=value)
 
 
 def _wait_one_ready(ctl: str, other_than: int = 0) -> dict:
