@@ -21,6 +21,7 @@ supervisor removes $NOTIFY_SOCKET from its environment).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,6 +41,7 @@ from resident.worker.api_server import ApiServer, ServerState
 from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
+from resident.worker.replica_handle import failure_note_path, write_failure_note
 from resident.worker.serve_config import ServeConfig
 from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, explains_itself,
                                      in_thread, process_start_time, start_kv_growth)
@@ -178,6 +180,8 @@ class Replica:
         app.on_response_prepare.append(self.closer.on_response_prepare)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
+        with contextlib.suppress(OSError):   # an earlier replica's of the same id (its supervisor never read it)
+            os.unlink(failure_note_path(self.options.admin_socket))
         admin = AdminServer(self, self.options.admin_socket)
         await admin.start()
         loop = asyncio.get_running_loop()
@@ -207,6 +211,7 @@ class Replica:
             self.server_state.failed = str(e)
             drain.cancel()
             logger.error("replica %d could not start: %s", self.options.replica_id, e, exc_info=not explains_itself(e))
+            write_failure_note(self.options.admin_socket, str(e))
             self.sock.close()
             await self._runner.cleanup()
             return 1

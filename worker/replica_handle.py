@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,32 @@ _POLL_S = 0.05
 
 class ReplicaFailed(RuntimeError):
     """A replica did not become ready (exited, or not ready within the timeout)."""
+
+
+def failure_note_path(admin_socket: str) -> str:
+    """Where a replica that could not start leaves its one-line reason (beside its admin
+    socket), for the supervisor's and `resident rollout`'s error — the replica's own log
+    lines go to the supervisor's log, which a rollout's caller does not see."""
+    return admin_socket + ".failed"
+
+
+def write_failure_note(admin_socket: str, reason: str) -> None:
+    try:
+        with open(failure_note_path(admin_socket), "w", encoding="utf-8") as f:
+            f.write(reason[:4000])
+    except OSError as e:   # the log line says it all the same
+        logger.debug("could not leave the failure note beside %s: %s", admin_socket, e)
+
+
+def _take_failure_note(admin_socket: str) -> str | None:
+    path = failure_note_path(admin_socket)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            reason = f.read().strip()
+        os.unlink(path)
+    except OSError:
+        return None
+    return reason or None
 
 
 class Role(str, enum.Enum):
@@ -77,8 +104,10 @@ class ReplicaHandle:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.exit_task is not None and self.exit_task.done():
+                reason = _take_failure_note(self.admin_socket)
                 raise ReplicaFailed(f"replica {self.replica_id} (pid {self.pid}) exited with code "
-                                    f"{self.exit_task.result()} before it was ready; see its log lines above")
+                                    f"{self.exit_task.result()} before it was ready: "
+                                    + (reason or "see its log lines in the supervisor's log"))
             try:
                 status, _ = await self.admin("GET", "/ready", timeout_s=2.0)
                 if status == 200:

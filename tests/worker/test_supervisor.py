@@ -147,6 +147,8 @@ def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rol
         out = _rollout(port, env, "--ready-timeout", "120")
         assert out.returncode == 1, out.stdout + out.stderr
         assert "rollout FAILED" in out.stderr and "did not become ready" in out.stdout + out.stderr
+        # ... naming why: the replica's reason reaches the rollout's caller (its log does not)
+        assert "before it was ready: " in out.stdout + out.stderr and "tokenizer.json" in out.stdout + out.stderr
         assert "old replicas keep serving" in out.stdout + out.stderr
         assert {r["pid"] for r in _replicas(ctl)} == {r["pid"] for r in after_kill}
         _complete(sup.base_url)
