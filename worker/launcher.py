@@ -111,6 +111,9 @@ class Launcher:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: None)
+        # A terminal's hangup or a `kill -HUP` meant for a rollout must not end the launcher (the
+        # supervisor would start another, but the replicas' next spawn would wait for it).
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         sel.register(server, selectors.EVENT_READ, "accept")
         sel.register(wake_r, selectors.EVENT_READ, "signal")
         if self.lifeline_fd is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -169,7 +170,10 @@ class ControlServer:
         try:
             timeout = float(request.query["ready_timeout"]) if "ready_timeout" in request.query else None
         except ValueError:
-            return web.json_response({"error": "ready_timeout must be a number of seconds"}, status=400)
+            timeout = math.nan
+        if timeout is not None and not 0 < timeout < math.inf:   # NaN compares false both ways
+            return web.json_response({"error": "ready_timeout must be a positive, finite number of seconds, got "
+                                               f"{request.query['ready_timeout']!r}"}, status=400)
         queue: asyncio.Queue = asyncio.Queue()
         # The rollout goes on if the client goes away: it is shielded from the handler.
         task = self.sup.background(rollout(self.sup, queue.put_nowait, timeout))

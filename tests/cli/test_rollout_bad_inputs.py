@@ -81,3 +81,20 @@ def test_interrupting_the_client_says_the_rollout_goes_on(short_tmp, monkeypatch
     r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", str(short_tmp / "ctl")])
     assert r.exit_code == 130, r.output
     assert "the rollout goes on in the supervisor" in r.output and "--status" in r.output
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "0", "soon"])
+def test_the_control_socket_refuses_a_ready_timeout_that_is_not_a_positive_finite_number(value, tmp_path):
+    """The supervisor's endpoint itself (what a hand-written client reaches), not only the CLI."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from resident.worker.rollout import ControlServer
+
+    sup = SimpleNamespace(config=SimpleNamespace(control_socket=str(tmp_path / "c.sock")), port=0, env={})
+    server = ControlServer(sup)
+    resp = asyncio.run(server.rollout(make_mocked_request("POST", f"/rollout?ready_timeout={value}")))
+    assert resp.status == 400
+    assert "ready_timeout must be a positive, finite number of seconds" in json.loads(resp.body)["error"]

@@ -181,3 +181,26 @@ def test_a_dead_launcher_is_replaced_when_a_replica_must_be_restarted(short_tmp,
         assert "supervisor task failed" not in sup.log_path.read_text()
     finally:
         stop_serve(sup)
+
+
+def test_a_hangup_does_not_end_the_launcher(short_tmp, tmp_path):
+    """SIGHUP (a terminal's hangup, a `kill -HUP` meant for a rollout) is ignored by the
+    launcher: the next replica is still forked by it."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--launcher", *SERVE_ARGS, env=env)
+    try:
+        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
+        replica = _wait_one_ready(ctl)
+        launcher = _parent_pid(replica["pid"])
+        os.kill(launcher, signal.SIGHUP)
+        os.kill(replica["pid"], signal.SIGKILL)
+        successor = _wait_one_ready(ctl, other_than=replica["pid"])
+        assert _parent_pid(successor["pid"]) == launcher   # the same launcher forked it: it lived on
+    finally:
+        stop_serve(sup)
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
