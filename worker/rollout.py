@@ -179,12 +179,15 @@ class ControlServer:
         task = self.sup.background(rollout(self.sup, queue.put_nowait, timeout))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        while (event := await queue.get()) is not None:
-            await resp.write(_line(event))
-        ok, summary = task.result()
-        await resp.write(_line({"done": True, "ok": ok, "message": summary}))
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            while (event := await queue.get()) is not None:
+                await resp.write(_line(event))
+            ok, summary = task.result()
+            await resp.write(_line({"done": True, "ok": ok, "message": summary}))
+            await resp.write_eof()
+        except ConnectionResetError:   # the caller went away (Ctrl-C): the rollout goes on, its log says how
+            logger.info("the rollout's caller went away; the rollout goes on (its steps are in this log)")
         return resp
 
 

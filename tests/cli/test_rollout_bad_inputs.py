@@ -98,3 +98,41 @@ def test_the_control_socket_refuses_a_ready_timeout_that_is_not_a_positive_finit
     resp = asyncio.run(server.rollout(make_mocked_request("POST", f"/rollout?ready_timeout={value}")))
     assert resp.status == 400
     assert "ready_timeout must be a positive, finite number of seconds" in json.loads(resp.body)["error"]
+
+
+def test_a_caller_that_goes_away_mid_rollout_costs_no_traceback_and_the_rollout_goes_on(tmp_path, monkeypatch,
+                                                                                          caplog):
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    import resident.worker.rollout as rollout_mod
+
+    finished = []
+
+    async def fake_rollout(sup, emit, timeout):
+        emit({"step": "start"})
+        await asyncio.sleep(0.01)
+        emit({"step": "drain"})
+        finished.append(True)
+        return True, "rolled 1 replica(s)"
+
+    async def gone(self, data):
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    monkeypatch.setattr(rollout_mod, "rollout", fake_rollout)
+    monkeypatch.setattr(web.StreamResponse, "write", gone)
+
+    async def main():
+        tasks = []
+        sup = SimpleNamespace(config=SimpleNamespace(control_socket=str(tmp_path / "c.sock")), port=0, env={},
+                              background=lambda coro: tasks.append(asyncio.ensure_future(coro)) or tasks[-1])
+        await rollout_mod.ControlServer(sup).rollout(make_mocked_request("POST", "/rollout"))
+        await asyncio.gather(*tasks)
+
+    with caplog.at_level("INFO", logger="resident.worker.rollout"):
+        asyncio.run(main())
+    assert finished == [True]
+    assert "the rollout's caller went away; the rollout goes on" in caplog.text
