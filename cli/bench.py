@@ -44,5 +44,9 @@ class _LazyBenches(click.Group):
 
 
 @click.group(cls=_LazyBenches)
-def bench() -> None:
+@click.pass_context
+def bench(ctx: click.Context) -> None:
     """Benchmarks (attach latency, load throughput, restart time). See docs/benchmarks.md."""
+    from resident.cli.common import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm(ctx)   # a `timeout` around a bench leaves no daemon or worker behind

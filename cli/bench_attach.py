@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_common import output_file
 from resident.cli.common import SIZE, format_bytes, format_table, gb_per_s, parse_size
 
 log = logging.getLogger(__name__)
@@ -243,7 +244,8 @@ def _parse_sizes(text: str) -> list[tuple[str, int]]:
               help="Comma-separated checkpoint sizes (bf16), e.g. 1MiB,64MiB,2GiB.")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True,
               help="Attaches per size, each from a fresh client session.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              default=None,
               help="Write the results as JSON to this file.")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where to write the synthetic checkpoints (default: a temporary folder, removed after).")

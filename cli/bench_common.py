@@ -67,6 +67,57 @@ def loaded_variant(model: str, dtype: str, quantization: str, device: str) -> It
         variant.close()
 
 
+def output_file(ctx: click.Context, param: click.Parameter, value: Path | str | None) -> Path | None:
+    """click callback of --json/--plot: refuse, before any work is done, a file that cannot be
+    written (a missing folder, a read-only place), so a run's results are never lost at its end.
+    Opens the file for appending (nothing is truncated) and removes it again if it was not there."""
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.parent.is_dir():
+        raise click.BadParameter(f"folder {path.parent} does not exist; create it or write elsewhere")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {path} ({e.strerror}); pick a writable path") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return path
+
+
+def model_source(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """click callback of a MODEL argument: a model that is no Hugging Face folder (or hub-cache id)
+    is refused before anything starts, with the loader's reason."""
+    if value is None:
+        return None
+    from resident.daemon.source import SourceError, resolve_model
+
+    try:
+        resolve_model(value)
+    except SourceError as e:
+        raise click.BadParameter(f"{e} (`resident bench checkpoint OUT --shape tiny` writes a small one)") from None
+    return value
+
+
+def check_weight_options(quantizations: list[str], dtype: str, device: str) -> None:
+    """Refuse, before anything starts, an unknown --quantization or --dtype, and --device cuda where
+    no CUDA GPU is usable (imports torch)."""
+    import torch
+
+    from resident.daemon.quant import check_dtype, check_quantization
+
+    try:
+        for q in quantizations:
+            check_quantization(q)
+        check_dtype(dtype)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA GPU is usable here; use --device cpu")
+
+
 def finish_run(results: dict[str, Any], json_path: Path | None, ok: bool, failure: str, work: Path) -> None:
     """Write the results (--json); on failure print `failure` with where the logs are and exit 1,
     else remove the work folder."""
@@ -79,4 +130,4 @@ def finish_run(results: dict[str, Any], json_path: Path | None, ok: bool, failur
     shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["LoadedVariant", "finish_run", "load_into_slabs", "loaded_variant"]
+__all__ = ["LoadedVariant", "check_weight_options", "finish_run", "load_into_slabs", "loaded_variant", "model_source", "output_file"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run
+from resident.cli.bench_common import finish_run, model_source, output_file
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +98,24 @@ def _disk_read(sock: str) -> float | None:
 
 
 def _takeover(sock: str, backend: str, old: subprocess.Popen, key: str, num_workers: int, work: Path,
-              env: dict[str, str], timeout_s: float) -> tuple[dict[str, Any], subprocess.Popen]:
+              env: dict[str, str], timeout_s: float, daemons: list[subprocess.Popen]) -> dict[str, Any]:
+    """The new daemon goes into `daemons` as soon as it exists, so the caller stops it however this ends."""
     log_path = work / "daemon-takeover.log"
     t_exec = time.monotonic()
     new = _spawn(_daemon_argv(sock, backend, "--takeover"), log_path, env)
+    daemons.append(new)
     t_serving = _wait("the new daemon taking over", lambda: _serves(sock, new.pid, key), timeout_s, new, log_path)
     old.wait(timeout=timeout_s)
     t_old_exit = time.monotonic()
     t_reattached = _wait("the workers re-attaching", lambda: _reattached(sock, num_workers), timeout_s)
     return {"exec_to_serving_s": t_serving - t_exec, "exec_to_old_exit_s": t_old_exit - t_exec,
             "old_exit_code": old.returncode, "exec_to_workers_reattached_s": t_reattached - t_exec,
-            "disk_read_bytes": _disk_read(sock), "pid": new.pid}, new
+            "disk_read_bytes": _disk_read(sock), "pid": new.pid}
 
 
 def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: Any, key: str, num_workers: int,
-                     work: Path, env: dict[str, str], timeout_s: float) -> tuple[dict[str, Any], subprocess.Popen]:
+                     work: Path, env: dict[str, str], timeout_s: float,
+                     daemons: list[subprocess.Popen]) -> dict[str, Any]:
     stored = store.wait_stored(("slab-", "state"), timeout_s)
     daemon.send_signal(signal.SIGKILL)
     daemon.wait()
@@ -120,16 +123,17 @@ def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: A
     log_path = work / "daemon-fdstore.log"
     t_exec = time.monotonic()
     new = store.exec_with_fds(_daemon_argv(sock, backend), log_path, env)
+    daemons.append(new)
     t_serving = _wait("the restarted daemon serving", lambda: _serves(sock, new.pid, key), timeout_s, new, log_path)
     t_reattached = _wait("the workers re-attaching", lambda: _reattached(sock, num_workers), timeout_s)
     return {"stored_fds": sum(stored.values()), "stored_names": len(stored),
             "kill_to_exec_s": t_exec - t_kill, "exec_to_serving_s": t_serving - t_exec,
             "exec_to_workers_reattached_s": t_reattached - t_exec, "disk_read_bytes": _disk_read(sock),
-            "pid": new.pid}, new
+            "pid": new.pid}
 
 
 @click.command("handover")
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=model_source)
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(min=0),
               help="`resident serve` workers attached (and serving a small load) throughout.")
@@ -140,7 +144,8 @@ def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: A
                    "--cpu-threads 1; cuda: --max-model-len 4096 --num-kv-blocks 2048, a fixed KV cache per worker "
                    "so several fit on one GPU].")
 @click.option("--timeout", "timeout_s", default=600.0, show_default=True, type=click.FloatRange(min=1))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
 def bench_handover(model: str | None, device: str, workers: int, clients: int, serve_args: str | None,
                    timeout_s: float, json_path: Path | None) -> None:
     """Daemon hand-over (--takeover) and fd-store restart: time to serving, disk reads, re-attach."""
@@ -166,15 +171,15 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
     daemon_env = {**env, **store.env()}
     results: dict[str, Any] = {"benchmark": "handover", "model": model, "device": device, "backend": backend,
                                "workers": workers, "clients_per_worker": clients}
-    daemon: subprocess.Popen | None = None
+    daemons: list[subprocess.Popen] = []   # every daemon started; the last one is the live one
     procs: list[Any] = []
     loads: list[Any] = []
     ok = False
     try:
-        daemon = _spawn(_daemon_argv(sock, backend), work / "daemon-first.log", daemon_env)
+        daemons.append(_spawn(_daemon_argv(sock, backend), work / "daemon-first.log", daemon_env))
         from resident.cli.daemon_process import health_serving
 
-        _wait("the first daemon", lambda: os.path.exists(sock) and health_serving(sock), timeout_s, daemon,
+        _wait("the first daemon", lambda: os.path.exists(sock) and health_serving(sock), timeout_s, daemons[0],
               work / "daemon-first.log")
         results["preload"] = preload(sock, model)
         key = results["preload"]["key"]
@@ -189,9 +194,10 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
         for g in loads:
             g.start()
         t0 = time.monotonic()
-        results["takeover"], daemon = _takeover(sock, backend, daemon, key, workers, work, daemon_env, timeout_s)
-        results["fdstore_restart"], daemon = _fdstore_restart(sock, backend, daemon, store, key, workers, work,
-                                                              env, timeout_s)
+        results["takeover"] = _takeover(sock, backend, daemons[-1], key, workers, work, daemon_env, timeout_s,
+                                        daemons)
+        results["fdstore_restart"] = _fdstore_restart(sock, backend, daemons[-1], store, key, workers, work,
+                                                      env, timeout_s, daemons)
         time.sleep(1.0)   # the workers keep serving afterwards too
         for g in loads:
             g.stop()
@@ -210,13 +216,14 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
             g.stop_event.set()
         for w in procs:
             w.kill(signal.SIGTERM, timeout_s=60)
-        if daemon is not None and daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        for daemon in reversed(daemons):
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    daemon.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait()
         store.close()
     _report(results)
     finish_run(results, json_path, ok, f"bench handover FAILED ({results.get('error', '')}; "

@@ -40,6 +40,7 @@ from typing import Any
 
 import click
 
+from resident.cli.bench_common import output_file
 from resident.cli.common import format_table
 
 
@@ -245,7 +246,8 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
               help="Calls per captured graph (or per eager timing loop).")
 @click.option("--iters", default=20, show_default=True, type=click.IntRange(min=1), help="Timed replays.")
 @click.option("--eager", is_flag=True, help="Time eager launches instead of CUDA-graph replays.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
 def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, iters: int, eager: bool,
                   json_path: Path | None) -> None:
     """fp8 activation quantization (reference vs fused), fp8 vs bf16 linears, decode GEMVs at Llama-3-8B shapes."""

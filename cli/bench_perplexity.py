@@ -21,6 +21,7 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_common import check_weight_options, model_source, output_file
 from resident.cli.common import format_table
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def run_variant(model: str, device: str, dtype: str, quantization: str, token_id
 
 
 @click.command("perplexity")
-@click.argument("model")
+@click.argument("model", callback=model_source)
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True, help="Activation dtype of the weights (auto: checkpoint's; "
               "on cuda auto means bfloat16).")
@@ -101,21 +102,25 @@ def run_variant(model: str, device: str, dtype: str, quantization: str, token_id
 @click.option("--max-tokens", default=4096, show_default=True, type=click.IntRange(min=16))
 @click.option("--chunk", default=512, show_default=True, type=click.IntRange(min=1),
               help="Prefill chunk (tokens per forward pass).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), callback=output_file, default=None)
 def bench_perplexity(model: str, device: str, dtype: str, quantizations: str, text_file: str | None,
                      max_tokens: int, chunk: int, json_out: str | None) -> None:
     """Teacher-forced perplexity of MODEL per weight variant (fp8 vs bf16), same text, same tokens."""
     from resident.daemon.source import resolve_model
-    from resident.worker.tokenizer import Tokenizer
+    from resident.worker.tokenizer import Tokenizer, TokenizerError
 
     variants = [q.strip() for q in quantizations.split(",") if q.strip()]
     if not variants:
         raise click.BadParameter("name at least one variant", param_hint="--quantization")
+    check_weight_options(variants, dtype, device)
     if device == "cuda" and dtype == "auto":
         dtype = "bfloat16"
     folder = resolve_model(model).folder
     text = Path(text_file).read_text() if text_file else default_text()
-    token_ids = Tokenizer.from_folder(folder).encode(text)[:max_tokens]
+    try:
+        token_ids = Tokenizer.from_folder(folder).encode(text)[:max_tokens]
+    except TokenizerError as e:
+        raise click.UsageError(str(e)) from None
     if len(token_ids) < 16:
         raise click.UsageError(f"the text has only {len(token_ids)} tokens; give a longer --text")
     results = [run_variant(model, device, dtype, q, token_ids, chunk) for q in variants]

@@ -48,9 +48,13 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_common import check_weight_options, model_source, output_file
+
 log = logging.getLogger(__name__)
 
 VARIANTS = ("hf", "cold", "warm")
+# --plot: svg is drawn without any dependency, the others through matplotlib.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".gif")
 LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon"}
 _ATTACH = re.compile(r"attached \S+ from the preload daemon in ([0-9.]+) s")
 _ATTACH_BREAKDOWN = re.compile(r"attached \S+ from the preload daemon in [0-9.]+ s \(lease \S+; ([^)]+ ms)\)")
@@ -304,7 +308,7 @@ def _gpu_name() -> str:
 
 
 @click.command("restart")
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=model_source)
 @click.option("--runs", default=3, show_default=True, type=click.IntRange(min=1), help="Starts per variant (median).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True)
@@ -314,8 +318,9 @@ def _gpu_name() -> str:
               show_default=True, help="Measure a tensor-parallel group of N ranks (cuda:0..N-1 on cuda).")
 @click.option("--serve-args", default=None,
               help="Extra `resident serve` arguments for cold and warm [default on cuda: --max-model-len 4096].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
               help="Draw the start-up phases as stacked bars (.png needs matplotlib; .svg needs nothing).")
 def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str, variants: str | None,
                   tensor_parallel_size: int, serve_args: str | None, json_path: Path | None,
@@ -331,6 +336,10 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
     if tp > 1 and "hf" in chosen:
         raise click.UsageError(f"--variants hf: HF transformers has no tensor parallelism to compare with "
                                f"--tensor-parallel-size {tp}; use --variants cold,warm")
+    if plot_path is not None and plot_path.suffix.lower() not in PLOT_SUFFIXES:
+        raise click.BadParameter(f"{plot_path.name!r} has no known picture extension; end it in "
+                                 f"{' or '.join(PLOT_SUFFIXES)}", param_hint="--plot")
+    check_weight_options([quantization], dtype, device)
     if model is None:
         from resident.cli.prepare import default_cache_dir, prepare_default_model
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run
+from resident.cli.bench_common import finish_run, model_source, output_file
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def _figures(load: Any, t_roll: float, t_done: float, window_s: float) -> dict[s
 
 
 @click.command("rollout")
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=model_source)
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--standby", default=0, show_default=True, type=click.IntRange(min=0),
@@ -149,7 +149,8 @@ def _figures(load: Any, t_roll: float, t_done: float, window_s: float) -> dict[s
                    "--cpu-threads 1; cuda: --max-model-len 4096].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=click.FloatRange(min=1),
               help="Seconds a replica may take to become ready.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
 def bench_rollout(model: str | None, device: str, replicas: int, standby: int, launcher: bool, clients: int,
                   max_tokens: int, think_s: float, window_s: float, socket: str | None, serve_args: str | None,
                   ready_timeout: float, json_path: Path | None) -> None:

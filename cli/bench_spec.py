@@ -25,6 +25,7 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_common import model_source, output_file
 from resident.cli.common import format_table
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,9 @@ def run_case(mode: str, workload: str, prompts: list[list[int]], batch: int, tar
 
 
 @click.command("speculative")
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=model_source)
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--draft", "draft_model", default=None,
+@click.option("--draft", "draft_model", default=None, callback=model_source,
               help="Draft model folder [default: MODEL's first --draft-layers layers, written to a temp folder].")
 @click.option("--draft-layers", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--num-speculative-tokens", "k", default=4, show_default=True, type=click.IntRange(1, 32))
@@ -135,7 +136,8 @@ def run_case(mode: str, workload: str, prompts: list[list[int]], batch: int, tar
 @click.option("--modes", default=",".join(MODES), show_default=True)
 @click.option("--workloads", default=",".join(WORKLOADS), show_default=True)
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads (CPU).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
 def bench_speculative(model: str | None, device: str, draft_model: str | None, draft_layers: int, k: int,
                       ngram_max: int, batch_sizes: str, max_tokens: int, modes: str, workloads: str,
                       cpu_threads: int | None, json_path: Path | None) -> None:
@@ -152,7 +154,7 @@ def bench_speculative(model: str | None, device: str, draft_model: str | None, d
     import torch
 
     from resident.worker.spec_decode.truncate import write_truncated_checkpoint
-    from resident.worker.tokenizer import Tokenizer
+    from resident.worker.tokenizer import Tokenizer, TokenizerError
 
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
@@ -166,8 +168,14 @@ def bench_speculative(model: str | None, device: str, draft_model: str | None, d
     target = draft = None
     try:
         if "draft" in chosen_modes and draft_model is None:
-            draft_model = str(write_truncated_checkpoint(model, tmp / "draft", draft_layers))
-        tokenizer = Tokenizer.from_folder(model)
+            try:
+                draft_model = str(write_truncated_checkpoint(model, tmp / "draft", draft_layers))
+            except ValueError as e:   # more --draft-layers than MODEL has
+                raise click.BadParameter(f"{e}; lower it or give a --draft model", param_hint="--draft-layers") from None
+        try:
+            tokenizer = Tokenizer.from_folder(model)
+        except TokenizerError as e:
+            raise click.UsageError(str(e)) from None
         target = _load(model, device)
         draft = _load(draft_model, device) if "draft" in chosen_modes else None
         doc = {"benchmark": "speculative", "model": model, "device": device,

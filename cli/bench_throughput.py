@@ -28,6 +28,7 @@ from pathlib import Path
 
 import click
 
+from resident.cli.bench_common import model_source, output_file
 from resident.cli.common import format_table
 
 log = logging.getLogger(__name__)
@@ -207,8 +208,20 @@ def _csv_ints(value: str) -> list[int]:
     return out
 
 
+def _check_positions(model: str, context: int, decode_steps: int) -> None:
+    """Refuse a --context the model cannot hold: its prompt and the decode steps past
+    max_position_embeddings would be timed, but no server would run them."""
+    from resident.daemon.source import resolve_model
+
+    max_pos = resolve_model(model).config.get("max_position_embeddings")
+    if isinstance(max_pos, int) and context + decode_steps > max_pos:
+        raise click.BadParameter(f"{context} prompt tokens + {decode_steps} decode steps (warm-up and timed) exceed "
+                                 f"the model's {max_pos} positions (max_position_embeddings); lower it",
+                                 param_hint="--context")
+
+
 @click.command("throughput")
-@click.argument("model")
+@click.argument("model", callback=model_source)
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--batch-sizes", default="1,64", show_default=True, help="Comma-separated decode batch sizes.")
 @click.option("--context", default=1024, show_default=True, type=click.IntRange(min=1),
@@ -218,7 +231,8 @@ def _csv_ints(value: str) -> list[int]:
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(min=1), help="Timed decode steps.")
 @click.option("--warmup-steps", default=8, show_default=True, type=click.IntRange(min=0))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write results here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
+              help="Write results here.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Measure a TP group of N ranks (cli/bench_tp.py) instead of one device.")
 @click.option("--profile", is_flag=True,
@@ -247,6 +261,7 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
         raise click.UsageError(f"--async-scheduling takes on, off or on,off; got {async_scheduling!r}")
     if profile and tensor_parallel_size > 1:
         raise click.UsageError("--profile profiles one device; drop --tensor-parallel-size or --profile")
+    _check_positions(model, context, warmup_steps + steps)
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -263,7 +278,10 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
         run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size, async_modes=modes)
     doc["tensor_parallel_size"] = tensor_parallel_size
     for q in quants:
-        doc["variants"].append(run(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
+        try:
+            doc["variants"].append(run(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
+        except MemoryError as e:
+            raise click.ClickException(f"{e}; here: lower --context or the largest --batch-sizes") from None
     click.echo(f"{model} on {doc['gpu'] or device}; copy bandwidth {bw / 1e9:.0f} GB/s; context {context}; "
                f"{steps} timed decode steps after {warmup_steps}")
     rows = []

@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -210,6 +212,27 @@ def format_age(since_unix: float) -> str:
     if s < 7200:
         return f"{s / 60:.0f}m ago"
     return f"{s / 3600:.1f}h ago"
+
+
+def exit_cleanly_on_sigterm(ctx: click.Context) -> None:
+    """Make SIGTERM (`timeout`, `kill`, a job runner) end this command as Ctrl-C does: SystemExit(143)
+    is raised where the command is, so its `finally` blocks stop the daemons and workers it started
+    and remove half-written output. Later SIGTERMs are ignored while that cleanup runs (a Python
+    handler, so the processes it spawns still get the default). The previous handler comes back when
+    the command's context closes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def cleaning_up(signum: int, frame: object) -> None:
+        pass
+
+    def exit_now(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, cleaning_up)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_now)
+    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
 
 
 class LoadProgressBar:

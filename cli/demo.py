@@ -36,10 +36,14 @@ def _fmt_phases(phases: dict[str, float]) -> str:
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the prepared model lives [default: $RESIDENT_CACHE or ~/.cache/resident/models].")
 @click.option("--keep", is_flag=True, help="Leave the daemon and the worker running at the end.")
-def demo(cache_dir: Path | None, keep: bool) -> None:
+@click.pass_context
+def demo(ctx: click.Context, cache_dir: Path | None, keep: bool) -> None:
     """Daemon + engine + a real request + a worker restart, on the default model."""
+    from resident.cli.common import exit_cleanly_on_sigterm
     from resident.cli.prepare import default_cache_dir, prepare_default_model
     from resident.cli.serve_process import ServeProcess
+
+    exit_cleanly_on_sigterm(ctx)   # `kill` of the demo stops its daemon and workers, as Ctrl-C does
 
     cache_dir = cache_dir or default_cache_dir(dict(os.environ))
     click.secho(f"1. preparing SmolLM2-135M-Instruct under {cache_dir}", bold=True)

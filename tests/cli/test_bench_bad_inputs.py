@@ -1,0 +1,163 @@
+"""`resident bench ...` with bad inputs: each is refused before any work with one line naming the
+problem and the fix (no traceback, no results lost at the end of a run), and a bench ended with
+SIGTERM (a `timeout` around it) leaves none of its daemons or workers behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from resident.cli import bench_throughput
+from resident.cli.bench import bench
+
+# Every bench with a MODEL argument, with the options that keep a run that slipped through short.
+_MODEL_BENCHES = {
+    "throughput": ["--batch-sizes", "1", "--context", "8", "--steps", "1", "--warmup-steps", "0"],
+    "perplexity": ["--quantization", "none", "--max-tokens", "16"],
+    "speculative": ["--batch-sizes", "1", "--max-tokens", "2", "--modes", "plain", "--workloads", "chat"],
+    "restart": ["--runs", "1", "--variants", "cold"],
+    "rollout": ["--duration", "0.5", "--clients", "1", "--replicas", "1"],
+    "handover": ["--workers", "0"],
+}
+
+
+def _bench(*args: str):
+    return CliRunner().invoke(bench, list(args))
+
+
+def _one_line_error(r, *needles: str) -> str:
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    for n in needles:
+        assert n in r.output, r.output
+    return r.output
+
+
+@pytest.mark.parametrize("name", sorted(_MODEL_BENCHES))
+def test_a_json_path_in_a_missing_folder_is_refused_before_the_run(name, tiny_model, tmp_path):
+    model = tiny_model("llama")
+    out = tmp_path / "no-such-folder" / "r.json"
+    r = _bench(name, str(model), *_MODEL_BENCHES[name], "--json", str(out))
+    _one_line_error(r, "--json", f"folder {out.parent} does not exist")
+
+
+@pytest.mark.parametrize("name", ["attach", "kernels"])
+def test_benches_without_a_model_refuse_a_missing_json_folder_too(name, tmp_path):
+    r = _bench(name, "--json", str(tmp_path / "missing" / "r.json"))
+    _one_line_error(r, "--json", "does not exist")
+
+
+def test_an_existing_json_file_is_kept_until_the_run_writes_it(tiny_model, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("earlier results")
+    r = _bench("throughput", str(tmp_path / "nothing-here"), "--json", str(out))
+    assert r.exit_code == 2
+    assert out.read_text() == "earlier results"
+
+
+@pytest.mark.parametrize("name", sorted(_MODEL_BENCHES))
+def test_a_folder_that_is_not_a_model_is_refused_naming_it(name, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    r = _bench(name, str(tmp_path), *_MODEL_BENCHES[name])
+    _one_line_error(r, "has no config.json", "resident bench checkpoint")
+
+
+def test_a_draft_that_is_not_a_model_is_refused(tiny_model, tmp_path):
+    r = _bench("speculative", str(tiny_model("llama")), "--draft", str(tmp_path))
+    _one_line_error(r, "--draft", "has no config.json")
+
+
+def test_more_draft_layers_than_the_model_has_is_a_usage_error(tiny_model):
+    r = _bench("speculative", str(tiny_model("llama")), "--draft-layers", "99", *_MODEL_BENCHES["speculative"][:-4])
+    _one_line_error(r, "--draft-layers", "layers", "give a --draft model")
+
+
+def test_perplexity_refuses_an_unknown_quantization_and_dtype(tiny_model):
+    model = str(tiny_model("llama"))
+    _one_line_error(_bench("perplexity", model, "--quantization", "none,int3"), "unknown quantization 'int3'",
+                    "fp8_per_tensor")
+    _one_line_error(_bench("perplexity", model, "--dtype", "float7"), "float7")
+
+
+def test_restart_refuses_an_unknown_quantization_before_starting_anything(tiny_model):
+    _one_line_error(_bench("restart", str(tiny_model("llama")), "--quantization", "int3"),
+                    "unknown quantization 'int3'")
+
+
+def test_restart_refuses_a_plot_with_an_unknown_extension(tiny_model, tmp_path):
+    r = _bench("restart", str(tiny_model("llama")), "--plot", str(tmp_path / "phases.xyz"))
+    _one_line_error(r, "--plot", ".png or .svg")
+
+
+def test_restart_on_cuda_without_a_gpu_says_so(tiny_model):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is usable here")
+    _one_line_error(_bench("restart", str(tiny_model("llama")), "--device", "cuda"), "no CUDA GPU", "--device cpu")
+
+
+def test_throughput_refuses_a_context_past_the_models_positions(tiny_model):
+    model = tiny_model("llama")   # max_position_embeddings 512
+    r = _bench("throughput", str(model), "--context", "1000", "--steps", "1", "--warmup-steps", "0")
+    _one_line_error(r, "--context", "512 positions")
+
+
+def test_throughput_out_of_memory_is_one_line_naming_the_flags(tiny_model, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("cannot allocate the KV cache (...)")
+
+    monkeypatch.setattr(bench_throughput, "run_throughput", out_of_memory)
+    r = _bench("throughput", str(tiny_model("llama")), "--batch-sizes", "1", "--context", "8")
+    assert r.exit_code == 1, r.output
+    assert "cannot allocate the KV cache" in r.output and "lower --context or the largest --batch-sizes" in r.output
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_sigterm_to_a_bench_stops_the_daemon_it_started(tiny_model, tmp_path):
+    """`timeout 600 resident bench handover` (tests/h200.sh): the daemon it spawned is stopped."""
+    import psutil
+
+    model = tiny_model("llama")
+    p = subprocess.Popen([sys.executable, "-m", "resident.cli.main", "bench", "handover", str(model),
+                          "--workers", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    daemons: list = []
+    try:
+        deadline = time.monotonic() + 120
+        while not daemons and p.poll() is None and time.monotonic() < deadline:
+            daemons = [c for c in _descendants(p.pid) if "preload" in " ".join(c.cmdline())]
+            time.sleep(0.05)
+        assert daemons, "the bench started no daemon"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(daemons, timeout=30)
+        assert not alive, [a.cmdline() for a in alive]
+    finally:   # without the fix the daemon outlives the bench: stop it here
+        for c in [*_descendants(p.pid), *daemons]:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_the_sigterm_handler_is_given_back_when_the_bench_ends(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    _bench("throughput", str(tmp_path))
+    assert signal.getsignal(signal.SIGTERM) is before
