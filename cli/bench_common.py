@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import shutil
 import sys
 from collections.abc import Iterator
@@ -87,6 +88,14 @@ def output_file(ctx: click.Context, param: click.Parameter, value: Path | str | 
     return path
 
 
+def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """click callback of a FloatRange of seconds: FloatRange lets nan through (it compares false with
+    every bound) and inf; a bench would then wait no time at all, or forever."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number of seconds, not {value}")
+    return value
+
+
 def model_source(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """click callback of a MODEL argument: a model that is no Hugging Face folder (or hub-cache id)
     is refused before anything starts, with the loader's reason."""
@@ -130,4 +139,4 @@ def finish_run(results: dict[str, Any], json_path: Path | None, ok: bool, failur
     shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["LoadedVariant", "check_weight_options", "finish_run", "load_into_slabs", "loaded_variant", "model_source", "output_file"]
+__all__ = ["LoadedVariant", "check_weight_options", "finish_run", "finite_seconds", "load_into_slabs", "loaded_variant", "model_source", "output_file"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run, model_source, output_file
+from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: A
               help="Extra `resident serve` arguments [default: cpu: --max-model-len 256 --kv-cache-memory 64MiB "
                    "--cpu-threads 1; cuda: --max-model-len 4096 --num-kv-blocks 2048, a fixed KV cache per worker "
                    "so several fit on one GPU].")
-@click.option("--timeout", "timeout_s", default=600.0, show_default=True, type=click.FloatRange(min=1))
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              callback=finite_seconds)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
               help="Write results here.")
 def bench_handover(model: str | None, device: str, workers: int, clients: int, serve_args: str | None,

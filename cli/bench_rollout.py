@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run, model_source, output_file
+from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,17 @@ def _figures(load: Any, t_roll: float, t_done: float, window_s: float) -> dict[s
               help="Concurrent streaming keep-alive clients.")
 @click.option("--max-tokens", default=8, show_default=True, type=click.IntRange(min=1), help="Tokens per request.")
 @click.option("--think", "think_s", default=0.1, show_default=True, type=click.FloatRange(min=0),
+              callback=finite_seconds,
               help="Seconds each client pauses between requests (bounds the load).")
 @click.option("--duration", "window_s", default=5.0, show_default=True, type=click.FloatRange(min=0.5),
+              callback=finite_seconds,
               help="Seconds of load measured before and after the rollout.")
 @click.option("--socket", default=None, help="Use this running daemon [default: start a private one].")
 @click.option("--serve-args", default=None,
               help="Extra `resident serve` arguments [default: cpu: --max-model-len 256 --kv-cache-memory 128MiB "
                    "--cpu-threads 1; cuda: --max-model-len 4096].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              callback=finite_seconds,
               help="Seconds a replica may take to become ready.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
               help="Write results here.")

@@ -161,3 +161,11 @@ def test_the_sigterm_handler_is_given_back_when_the_bench_ends(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     _bench("throughput", str(tmp_path))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("name, flag", [("rollout", "--think"), ("rollout", "--duration"),
+                                        ("rollout", "--ready-timeout"), ("handover", "--timeout")])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_nan_or_inf_seconds_are_refused(name, flag, value, tiny_model):
+    r = _bench(name, str(tiny_model("llama")), flag, value)
+    _one_line_error(r, flag, f"finite number of seconds, not {value}")
