@@ -90,6 +90,11 @@ def prepare_default_model(root: Path) -> Path:
         if is_prepared(target):  # another process finished while we waited for the lock
             return target
         gguf = find_gguf()
+        for stale in root.glob(f".{DEFAULT_MODEL_NAME}.build-*"):
+            # Left by a preparation killed with SIGKILL (or a power cut): builds happen under the
+            # lock we hold, so none of these is in progress. Each is the size of the model.
+            logger.info("removing %s, left by an interrupted preparation", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         start = time.monotonic()
         logger.info("preparing %s from %s (%.0f MB) into %s", DEFAULT_MODEL_NAME, gguf,
                     gguf.stat().st_size / 1e6, target)

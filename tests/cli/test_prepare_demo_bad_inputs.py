@@ -86,3 +86,18 @@ def test_a_worker_that_fails_to_start_is_reported_with_its_kept_log(tmp_path, mo
     log = next(line.split("last lines of ")[1].rstrip(":") for line in r.output.splitlines() if "last lines of" in line)
     assert "engine: out of memory" in Path(log).read_text()
     shutil.rmtree(Path(log).parent)
+
+
+def test_a_build_folder_left_by_a_killed_preparation_is_removed(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    cache = tmp_path / "models"
+    stale = cache / f".{prepare.DEFAULT_MODEL_NAME}.build-k1lled"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    monkeypatch.setattr(prepare, "find_gguf", lambda: gguf)
+    monkeypatch.setattr(prepare, "_build", lambda gguf, out: (out / "config.json").write_text("{}"))
+    folder = prepare.prepare_default_model(cache)
+    assert prepare.is_prepared(folder)
+    assert sorted(p.name for p in cache.iterdir()) == [f".{prepare.DEFAULT_MODEL_NAME}.lock",
+                                                        prepare.DEFAULT_MODEL_NAME]
