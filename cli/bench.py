@@ -38,6 +38,14 @@ class _LazyBenches(click.Group):
         module_name, _, attr = _BENCHES[name][0].partition(":")
         return getattr(importlib.import_module(module_name), attr)
 
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in _BENCHES and not args[0].startswith("-"):
+            from resident.cli.common import no_such_command
+
+            no_such_command(ctx, args[0], list(_BENCHES))
+        return super().resolve_command(ctx, args)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):
             formatter.write_dl([(n, _BENCHES[n][1]) for n in self.list_commands(ctx)])

@@ -7,6 +7,7 @@ talk to a daemon, so `--help` stays fast.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import json
 import os
@@ -212,6 +213,14 @@ def format_age(since_unix: float) -> str:
     if s < 7200:
         return f"{s / 60:.0f}m ago"
     return f"{s / 3600:.1f}h ago"
+
+
+def no_such_command(ctx: click.Context, name: str, names: Sequence[str]) -> None:
+    """Fail as click does for an unknown subcommand, naming the close ones (`prepare` ->
+    prepare-model) and the valid ones."""
+    close = [n for n in names if n.startswith(name)] or difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    ctx.fail(f"No such command {name!r}." + (f" Did you mean {' or '.join(close)}?" if close else "")
+             + f" Commands: {', '.join(sorted(names))}.")
 
 
 def exit_cleanly_on_sigterm(ctx: click.Context) -> None:

@@ -39,6 +39,14 @@ class LazyGroup(click.Group):
         module_name, _, attr = target.partition(":")
         return getattr(importlib.import_module(module_name), attr)
 
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in _COMMANDS and not args[0].startswith("-"):
+            from resident.cli.common import no_such_command
+
+            no_such_command(ctx, args[0], list(_COMMANDS))
+        return super().resolve_command(ctx, args)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # List commands from _HELP so --help imports no subcommand module.
         with formatter.section("Commands"):

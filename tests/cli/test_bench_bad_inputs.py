@@ -169,3 +169,15 @@ def test_the_sigterm_handler_is_given_back_when_the_bench_ends(tmp_path):
 def test_nan_or_inf_seconds_are_refused(name, flag, value, tiny_model):
     r = _bench(name, str(tiny_model("llama")), flag, value)
     _one_line_error(r, flag, f"finite number of seconds, not {value}")
+
+
+def test_an_unknown_command_names_the_close_and_the_valid_ones():
+    from resident.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["prepare"])
+    _one_line_error(r, "No such command 'prepare'", "Did you mean prepare-model?", "Commands: bench, demo")
+    r = _bench("spec")
+    _one_line_error(r, "Did you mean speculative?", "attach, checkpoint")
+    r = _bench("tp")
+    assert "Did you mean" not in r.output
+    _one_line_error(r, "No such command 'tp'", "throughput")
