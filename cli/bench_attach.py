@@ -261,6 +261,7 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
     from resident.cli.daemon_process import DaemonStartError, start_detached, wait_exit
     from resident.daemon.client import Client
     from resident.daemon.config import DaemonConfig
+    from resident.daemon.errors import DaemonError
 
     requested = _parse_sizes(sizes)
     sock_dir = Path(tempfile.mkdtemp(prefix="rsb-", dir="/tmp"))   # short: Unix socket path limit
@@ -284,7 +285,10 @@ def bench_attach(sizes: str, repeats: int, json_path: Path | None, work_dir: Pat
         except DaemonStartError as e:
             raise click.ClickException(str(e)) from None
         for size, shape, folder, nbytes in folders:
-            r = _measure(Client, config.socket, folder, folder.name, size, shape, nbytes, repeats, fresh)
+            try:
+                r = _measure(Client, config.socket, folder, folder.name, size, shape, nbytes, repeats, fresh)
+            except DaemonError as e:   # e.g. a --max-bytes below the checkpoint: the message says what to raise
+                raise click.ClickException(f"{folder.name}: {e}") from None
             click.echo(f"{folder.name}: load {r.load_gb_s:.2f} GB/s, attach median "
                        f"{r.attach_ms['median']:.2f} ms", err=True)
             results.append(r)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import shlex
 import shutil
 import sys
 from collections.abc import Iterator
@@ -96,6 +97,16 @@ def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | No
     return value
 
 
+def shell_words(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """click callback of --serve-args: words the bench will split with shlex, checked up front."""
+    if value is not None:
+        try:
+            shlex.split(value)
+        except ValueError as e:   # "No closing quotation" and the like
+            raise click.BadParameter(f"{e} in {value!r}; quote it as a shell would") from None
+    return value
+
+
 def model_source(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """click callback of a MODEL argument: a model that is no Hugging Face folder (or hub-cache id)
     is refused before anything starts, with the loader's reason."""
@@ -139,4 +150,5 @@ def finish_run(results: dict[str, Any], json_path: Path | None, ok: bool, failur
     shutil.rmtree(work, ignore_errors=True)
 
 
-__all__ = ["LoadedVariant", "check_weight_options", "finish_run", "finite_seconds", "load_into_slabs", "loaded_variant", "model_source", "output_file"]
+__all__ = ["LoadedVariant", "check_weight_options", "finish_run", "finite_seconds", "load_into_slabs", "loaded_variant",
+           "model_source", "output_file", "shell_words"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file
+from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file, shell_words
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def _fdstore_restart(sock: str, backend: str, daemon: subprocess.Popen, store: A
               help="`resident serve` workers attached (and serving a small load) throughout.")
 @click.option("--clients", default=2, show_default=True, type=click.IntRange(min=1),
               help="Streaming clients per worker.")
-@click.option("--serve-args", default=None,
+@click.option("--serve-args", default=None, callback=shell_words,
               help="Extra `resident serve` arguments [default: cpu: --max-model-len 256 --kv-cache-memory 64MiB "
                    "--cpu-threads 1; cuda: --max-model-len 4096 --num-kv-blocks 2048, a fixed KV cache per worker "
                    "so several fit on one GPU].")

@@ -116,7 +116,11 @@ def bench_perplexity(model: str, device: str, dtype: str, quantizations: str, te
     if device == "cuda" and dtype == "auto":
         dtype = "bfloat16"
     folder = resolve_model(model).folder
-    text = Path(text_file).read_text() if text_file else default_text()
+    try:
+        text = Path(text_file).read_text() if text_file else default_text()
+    except UnicodeDecodeError as e:
+        raise click.BadParameter(f"{text_file} is not UTF-8 text ({e.reason} at byte {e.start}); give a text file",
+                                 param_hint="--text") from None
     try:
         token_ids = Tokenizer.from_folder(folder).encode(text)[:max_tokens]
     except TokenizerError as e:

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import click
 
-from resident.cli.bench_common import check_weight_options, model_source, output_file
+from resident.cli.bench_common import check_weight_options, model_source, output_file, shell_words
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ def _gpu_name() -> str:
 @click.option("--variants", default=None, help="Which of hf,cold,warm to run [default: all; cold,warm with TP > 1].")
 @click.option("--tensor-parallel-size", "tensor_parallel_size", type=click.IntRange(min=1), default=1,
               show_default=True, help="Measure a tensor-parallel group of N ranks (cuda:0..N-1 on cuda).")
-@click.option("--serve-args", default=None,
+@click.option("--serve-args", default=None, callback=shell_words,
               help="Extra `resident serve` arguments for cold and warm [default on cuda: --max-model-len 4096].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), callback=output_file,
               help="Write results here.")

@@ -27,7 +27,7 @@ from typing import Any
 
 import click
 
-from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file
+from resident.cli.bench_common import finish_run, finite_seconds, model_source, output_file, shell_words
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _figures(load: Any, t_roll: float, t_done: float, window_s: float) -> dict[s
               callback=finite_seconds,
               help="Seconds of load measured before and after the rollout.")
 @click.option("--socket", default=None, help="Use this running daemon [default: start a private one].")
-@click.option("--serve-args", default=None,
+@click.option("--serve-args", default=None, callback=shell_words,
               help="Extra `resident serve` arguments [default: cpu: --max-model-len 256 --kv-cache-memory 128MiB "
                    "--cpu-threads 1; cuda: --max-model-len 4096].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=click.FloatRange(min=1),

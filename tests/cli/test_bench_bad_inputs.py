@@ -181,3 +181,25 @@ def test_an_unknown_command_names_the_close_and_the_valid_ones():
     r = _bench("tp")
     assert "Did you mean" not in r.output
     _one_line_error(r, "No such command 'tp'", "throughput")
+
+
+@pytest.mark.parametrize("name", ["restart", "rollout", "handover"])
+def test_serve_args_with_an_unclosed_quote_are_refused(name, tiny_model):
+    r = _bench(name, str(tiny_model("llama")), "--serve-args", '--served-model-name "unclosed')
+    _one_line_error(r, "--serve-args", "No closing quotation")
+
+
+def test_perplexity_refuses_a_text_that_is_not_utf8(tiny_model, tmp_path):
+    text = tmp_path / "weights.bin"
+    text.write_bytes(b"ok \xff\xfe\xfd")
+    r = _bench("perplexity", str(tiny_model("llama")), "--quantization", "none", "--text", str(text))
+    _one_line_error(r, "--text", "is not UTF-8 text")
+
+
+def test_attach_over_max_bytes_is_one_line_naming_the_fix(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "attach", "--sizes", "1MiB",
+                        "--repeats", "1", "--fresh", "0", "--layers", "1", "--max-bytes", "1KiB",
+                        "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "more than --max-bytes" in r.stderr and "raise --max-bytes" in r.stderr
