@@ -276,12 +276,16 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
         from resident.cli.bench_tp import run_tp_throughput
 
         run = partial(run_tp_throughput, tensor_parallel_size=tensor_parallel_size, async_modes=modes)
+    from resident.worker.config import ModelConfigError
+
     doc["tensor_parallel_size"] = tensor_parallel_size
     for q in quants:
         try:
             doc["variants"].append(run(model, device, dtype, q, sizes, context, warmup_steps, steps, bw))
         except MemoryError as e:
             raise click.ClickException(f"{e}; here: lower --context or the largest --batch-sizes") from None
+        except ModelConfigError as e:   # e.g. a --tensor-parallel-size that does not divide the heads
+            raise click.UsageError(str(e)) from None
     click.echo(f"{model} on {doc['gpu'] or device}; copy bandwidth {bw / 1e9:.0f} GB/s; context {context}; "
                f"{steps} timed decode steps after {warmup_steps}")
     rows = []

@@ -203,3 +203,9 @@ def test_attach_over_max_bytes_is_one_line_naming_the_fix(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "more than --max-bytes" in r.stderr and "raise --max-bytes" in r.stderr
+
+
+def test_throughput_with_a_tp_size_that_does_not_divide_the_heads_is_a_usage_error(tiny_model):
+    r = _bench("throughput", str(tiny_model("llama")), "--tensor-parallel-size", "3", "--batch-sizes", "1",
+               "--context", "8", "--steps", "1", "--warmup-steps", "0")
+    _one_line_error(r, "--tensor-parallel-size 3 does not divide")
