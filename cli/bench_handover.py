@@ -212,6 +212,9 @@ def bench_handover(model: str | None, device: str, workers: int, clients: int, s
     except Exception as e:  # noqa: BLE001 - reported, logs kept
         results["error"] = f"{type(e).__name__}: {e}"
         log.error("bench handover failed: %s", e)
+    except BaseException:   # Ctrl-C, SIGTERM: stopped below; say where the logs of the cut run are
+        click.echo(f"bench handover interrupted; logs in {work}", err=True)
+        raise
     finally:
         for g in loads:
             g.stop_event.set()

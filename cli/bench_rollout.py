@@ -216,6 +216,9 @@ def bench_rollout(model: str | None, device: str, replicas: int, standby: int, l
     except Exception as e:  # noqa: BLE001 - reported, with the logs kept
         results["error"] = f"{type(e).__name__}: {e}"
         log.error("bench rollout failed: %s", e)
+    except BaseException:   # Ctrl-C, SIGTERM: stopped below; say where the logs of the cut run are
+        click.echo(f"bench rollout interrupted; logs in {work}", err=True)
+        raise
     finally:
         if sup is not None:
             sup.kill(signal.SIGTERM, timeout_s=120)

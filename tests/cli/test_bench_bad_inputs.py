@@ -4,6 +4,7 @@ SIGTERM (a `timeout` around it) leaves none of its daemons or workers behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,6 +147,9 @@ def test_sigterm_to_a_bench_stops_the_daemon_it_started(tiny_model, tmp_path):
         assert p.wait(timeout=120) == 128 + signal.SIGTERM
         gone, alive = psutil.wait_procs(daemons, timeout=30)
         assert not alive, [a.cmdline() for a in alive]
+        out = p.stdout.read().decode()
+        assert "bench handover interrupted; logs in " in out, out
+        shutil.rmtree(out.split("bench handover interrupted; logs in ")[1].split()[0])
     finally:   # without the fix the daemon outlives the bench: stop it here
         for c in [*_descendants(p.pid), *daemons]:
             try:
