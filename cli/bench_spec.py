@@ -40,7 +40,7 @@ CODE = ("def total_price(items, x):\n    result = 0\n    for item in items:\n   
 REPETITIVE = [f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
               f"Here is a Python function:\n\n{CODE}\nRewrite the whole function with the parameter `x` "
               "renamed to `quantity`.",
-              f"Copy this list: apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears.",
+              "Copy this list: apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears.",
               f"Repeat this code unchanged:\n\n{CODE}"]
 WORKLOADS = {"chat": CHAT, "repetitive": REPETITIVE}
 MODES = ("plain", "draft", "ngram")
