@@ -28,7 +28,7 @@ from pathlib import Path
 
 import click
 
-from resident.cli.bench_common import model_source, output_file
+from resident.cli.bench_common import check_weight_options, model_source, output_file
 from resident.cli.common import format_table
 
 log = logging.getLogger(__name__)
@@ -246,16 +246,9 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
                      steps: int, warmup_steps: int, json_path: Path | None, tensor_parallel_size: int,
                      profile: bool, async_scheduling: str) -> None:
     """Decode tokens/s per batch size, as a fraction of the memory-bandwidth roofline."""
-    from resident.daemon.quant import check_dtype, check_quantization
-
     sizes = _csv_ints(batch_sizes)
     quants = [q.strip() for q in quantization.split(",") if q.strip()]
-    try:
-        for q in quants:
-            check_quantization(q)
-        check_dtype(dtype)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    check_weight_options(quants, dtype, device)
     modes = tuple(dict.fromkeys(m.strip() for m in async_scheduling.split(",") if m.strip()))
     if not modes or any(m not in ("on", "off") for m in modes):
         raise click.UsageError(f"--async-scheduling takes on, off or on,off; got {async_scheduling!r}")
@@ -264,8 +257,6 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     _check_positions(model, context, warmup_steps + steps)
     import torch
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA GPU is usable here")
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     bw = copy_bandwidth(dev, (2 << 30) if device == "cuda" else (64 << 20), 10 if device == "cuda" else 3)
     doc = {"benchmark": "throughput", "model": model, "device": device,
