@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_helpers import MODEL_NAME, http, serve_env, servable_tiny_model, start_serve, stop_serve
+from serve_helpers import serve_env, servable_tiny_model, start_serve, stop_serve
+from test_supervisor import _complete, _parent
 
 from resident.worker.control import control_socket_path, get_status
 from resident.worker.serve_config import ServeConfig
@@ -115,9 +116,7 @@ def test_sighup_to_a_replica_leaves_it_serving(short_tmp, tmp_path):
             assert time.monotonic() < deadline, "the replica did not log the SIGHUP:\n" + sup.log_path.read_text()
             time.sleep(0.05)
         assert [r["pid"] for r in get_status(ctl)["replicas"]] == [replica["pid"]]
-        status, body = http(sup.base_url, "POST", "/v1/completions",
-                            {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
-        assert status == 200, body
+        _complete(sup.base_url)
         assert "exited unexpectedly" not in sup.log_path.read_text()
     finally:
         stop_serve(sup)
@@ -169,15 +168,12 @@ def test_a_dead_launcher_is_replaced_when_a_replica_must_be_restarted(short_tmp,
     try:
         ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
         replica = _wait_one_ready(ctl)
-        with open(f"/proc/{replica['pid']}/stat") as f:
-            launcher = int(f.read().rpartition(")")[2].split()[1])
+        launcher = _parent(replica["pid"])
         assert launcher != sup.proc.pid
         os.kill(launcher, signal.SIGKILL)
         os.kill(replica["pid"], signal.SIGKILL)
         _wait_one_ready(ctl, other_than=replica["pid"])
-        status, body = http(sup.base_url, "POST", "/v1/completions",
-                            {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
-        assert status == 200, body
+        _complete(sup.base_url)
         assert "supervisor task failed" not in sup.log_path.read_text()
     finally:
         stop_serve(sup)
@@ -192,15 +188,10 @@ def test_a_hangup_does_not_end_the_launcher(short_tmp, tmp_path):
     try:
         ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
         replica = _wait_one_ready(ctl)
-        launcher = _parent_pid(replica["pid"])
+        launcher = _parent(replica["pid"])
         os.kill(launcher, signal.SIGHUP)
         os.kill(replica["pid"], signal.SIGKILL)
         successor = _wait_one_ready(ctl, other_than=replica["pid"])
-        assert _parent_pid(successor["pid"]) == launcher   # the same launcher forked it: it lived on
+        assert _parent(successor["pid"]) == launcher   # the same launcher forked it: it lived on
     finally:
         stop_serve(sup)
-
-
-def _parent_pid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[1])
