@@ -6,14 +6,18 @@ beside it. `start_serve` launches the worker with `--port 0` (through the same l
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
+import socketserver
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +112,32 @@ def daemon_helpers():
     sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
+
+
+class UnixHTTPHandler(BaseHTTPRequestHandler):
+    """A quiet request handler for fake admin/control servers on a Unix socket."""
+
+    def reply(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def address_string(self) -> str:  # a Unix socket has no (host, port)
+        return "unix"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def unix_http_server(path: str, handler: type[UnixHTTPHandler]) -> Iterator[str]:
+    """`handler` answering on the Unix socket `path` from a thread of this process; yields the path."""
+    server = socketserver.ThreadingUnixStreamServer(path, handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        server.shutdown()
+        server.server_close()

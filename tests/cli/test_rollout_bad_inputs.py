@@ -2,20 +2,18 @@
 a clear error naming the problem, exit status non-zero, and no rollout attempted."""
 from __future__ import annotations
 
-import http.server
 import json
-import socketserver
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serve_helpers import UnixHTTPHandler, unix_http_server
 from click.testing import CliRunner
 
 from resident.cli.rollout import rollout
 
 
-class _ReplicaAdmin(http.server.BaseHTTPRequestHandler):
+class _ReplicaAdmin(UnixHTTPHandler):
     """Answers like a replica's admin socket: its own /status, no /rollout."""
 
     def do_GET(self) -> None:
@@ -28,28 +26,13 @@ class _ReplicaAdmin(http.server.BaseHTTPRequestHandler):
         self._reply(404, {"error": "not found"})
 
     def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def address_string(self) -> str:  # a Unix socket has no (host, port)
-        return "unix"
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(status, json.dumps(body).encode())
 
 
 @pytest.fixture
 def replica_admin(short_tmp: Path) -> Iterator[str]:
-    path = str(short_tmp / "replica-1.sock")
-    server = socketserver.ThreadingUnixStreamServer(path, _ReplicaAdmin)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield path
-    server.shutdown()
-    server.server_close()
+    with unix_http_server(str(short_tmp / "replica-1.sock"), _ReplicaAdmin) as path:
+        yield path
 
 
 @pytest.mark.parametrize("extra", [(), ("--status",)])

@@ -2,16 +2,14 @@
 refused with the problem and the fix named, before the worker is touched. No CRIU needed."""
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import os
-import socketserver
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serve_helpers import UnixHTTPHandler, unix_http_server
 
 from resident.cli import snapshot_create
 from resident.cli.snapshot_create import CreateConfig, SnapshotError, create_snapshot
@@ -39,36 +37,21 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_worker_is_asked(tmp
     assert not output.parent.exists()
 
 
-class _SupervisorControl(http.server.BaseHTTPRequestHandler):
+class _SupervisorControl(UnixHTTPHandler):
     """Answers like a supervisor's control socket (worker/control.py): /status, no snapshot routes."""
 
     def do_GET(self) -> None:
         if self.path == "/status":
-            body, status = json.dumps({"pid": 1, "replicas": [{"replica_id": 3, "pid": 4243}]}).encode(), 200
+            self.reply(200, json.dumps({"pid": 1, "replicas": [{"replica_id": 3, "pid": 4243}]}).encode())
         else:
-            body, status = b"404: Not Found", 404
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def address_string(self) -> str:
-        return "unix"
-
-    def log_message(self, *args: object) -> None:
-        pass
+            self.reply(404, b"404: Not Found")
 
 
 @pytest.fixture
 def supervisor_control(short_tmp: Path) -> Iterator[str]:
     """A supervisor-like control socket listening in this very process (find_admin looks at its fds)."""
-    path = str(short_tmp / "engine-8000.ctl")
-    server = socketserver.ThreadingUnixStreamServer(path, _SupervisorControl)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield path
-    server.shutdown()
-    server.server_close()
+    with unix_http_server(str(short_tmp / "engine-8000.ctl"), _SupervisorControl) as path:
+        yield path
 
 
 def test_the_supervisor_pid_is_refused_with_its_replicas_named(supervisor_control):
