@@ -159,39 +159,39 @@ def test_a_replacement_drained_by_a_rollout_is_not_replaced_again(short_tmp):
     assert not sup._crashes, "a replica the rollout drained was counted as a crash"
 
 
-def test_a_dead_launcher_is_replaced_when_a_replica_must_be_restarted(short_tmp, tmp_path):
+@pytest.fixture
+def launcher_supervisor(short_tmp, tmp_path):
+    """A one-replica supervisor with --launcher: (its process, its control socket)."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--launcher", *SERVE_ARGS, env=env)
+    try:
+        yield sup, control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
+    finally:
+        stop_serve(sup)
+
+
+def test_a_dead_launcher_is_replaced_when_a_replica_must_be_restarted(launcher_supervisor):
     """With --launcher, a killed launcher (or one hung up with its terminal's process group)
     left the supervisor unable to start any replica again: after the next crash it served nothing."""
-    model = servable_tiny_model(tmp_path / "llama", "llama")
-    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
-    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--launcher", *SERVE_ARGS, env=env)
-    try:
-        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
-        replica = _wait_one_ready(ctl)
-        launcher = _parent(replica["pid"])
-        assert launcher != sup.proc.pid
-        os.kill(launcher, signal.SIGKILL)
-        os.kill(replica["pid"], signal.SIGKILL)
-        _wait_one_ready(ctl, other_than=replica["pid"])
-        _complete(sup.base_url)
-        assert "supervisor task failed" not in sup.log_path.read_text()
-    finally:
-        stop_serve(sup)
+    sup, ctl = launcher_supervisor
+    replica = _wait_one_ready(ctl)
+    launcher = _parent(replica["pid"])
+    assert launcher != sup.proc.pid
+    os.kill(launcher, signal.SIGKILL)
+    os.kill(replica["pid"], signal.SIGKILL)
+    _wait_one_ready(ctl, other_than=replica["pid"])
+    _complete(sup.base_url)
+    assert "supervisor task failed" not in sup.log_path.read_text()
 
 
-def test_a_hangup_does_not_end_the_launcher(short_tmp, tmp_path):
+def test_a_hangup_does_not_end_the_launcher(launcher_supervisor):
     """SIGHUP (a terminal's hangup, a `kill -HUP` meant for a rollout) is ignored by the
     launcher: the next replica is still forked by it."""
-    model = servable_tiny_model(tmp_path / "llama", "llama")
-    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
-    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--launcher", *SERVE_ARGS, env=env)
-    try:
-        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
-        replica = _wait_one_ready(ctl)
-        launcher = _parent(replica["pid"])
-        os.kill(launcher, signal.SIGHUP)
-        os.kill(replica["pid"], signal.SIGKILL)
-        successor = _wait_one_ready(ctl, other_than=replica["pid"])
-        assert _parent(successor["pid"]) == launcher   # the same launcher forked it: it lived on
-    finally:
-        stop_serve(sup)
+    _, ctl = launcher_supervisor
+    replica = _wait_one_ready(ctl)
+    launcher = _parent(replica["pid"])
+    os.kill(launcher, signal.SIGHUP)
+    os.kill(replica["pid"], signal.SIGKILL)
+    successor = _wait_one_ready(ctl, other_than=replica["pid"])
+    assert _parent(successor["pid"]) == launcher   # the same launcher forked it: it lived on
