@@ -85,8 +85,11 @@ def sd_notify(notify_socket: str | None, state: str) -> bool:
     return notify.notify(state, env={"NOTIFY_SOCKET": notify_socket or ""})
 
 
-class _CannotServe(Exception):
-    """The server cannot start serving (its port file): one line, exit 1."""
+async def _cannot_start(runner: web.AppRunner, why: str) -> int:
+    """One line saying why serving cannot start (no traceback); the exit code."""
+    logger.error("resident serve could not start: %s", why)
+    await runner.cleanup()
+    return 1
 
 
 async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
@@ -98,20 +101,14 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     site = web.TCPSite(runner, config.host, config.port)
     try:
         await site.start()
-        host, port = runner.addresses[0][:2]
-        if config.port_file:
-            try:
-                Path(config.port_file).write_text(f"{port}\n")
-            except OSError as e:
-                raise _CannotServe(cannot_write_port_file(config.port_file, e)) from None
     except OSError as e:
-        logger.error("resident serve could not start: %s", cannot_listen(config.host, config.port, e))
-        await runner.cleanup()
-        return 1
-    except _CannotServe as e:
-        logger.error("resident serve could not start: %s", e)
-        await runner.cleanup()
-        return 1
+        return await _cannot_start(runner, cannot_listen(config.host, config.port, e))
+    host, port = runner.addresses[0][:2]
+    if config.port_file:
+        try:
+            Path(config.port_file).write_text(f"{port}\n")
+        except OSError as e:
+            return await _cannot_start(runner, cannot_write_port_file(config.port_file, e))
     sys.stdout.write(f"resident serve listening on http://{config.host if ':' not in config.host else host}:{port}\n")
     sys.stdout.flush()
 
