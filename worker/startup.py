@@ -275,6 +275,11 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     except BaseException:
         if verify is not None:
             verify.join()   # it reads the weights: done before they are released
+        if startup.gemm_prefetch is not None:
+            # Its later stages may still be launching kernels: a daemon thread inside CUDA code
+            # when the interpreter exits aborts the process ("terminate called without an
+            # active exception", exit -6 on the H200) instead of exiting 1 with the reason.
+            startup.gemm_prefetch.join()
         recording.close()
         store.close()
         if draft is not None and draft.store is not None:

@@ -20,6 +20,15 @@ from resident.worker.layers.linear import fp8_scaled_mm_reference, quantize_fp8_
 LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
+@pytest.fixture
+def fp8_gemv_on(monkeypatch):
+    """The engine's fp8 linear with its decode GEMV (RESIDENT_GEMV=fp8; the default, off, takes
+    _scaled_mm at every size)."""
+    from resident.worker.kernels import gemv
+
+    monkeypatch.setattr(gemv, "GEMV_MODE", "fp8")
+
+
 def _gpu_operands(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     w_q, s_w = _weight(n, k, seed)
     return w_q.cuda(), s_w.cuda(), _activation(m, k, seed + 1, torch.bfloat16)
@@ -28,7 +37,7 @@ def _gpu_operands(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, torc
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 8, 16])
 @pytest.mark.parametrize("shape", LLAMA3_8B)
-def test_gpu_fp8_linear_small_m_matches_cpu_reference(shape: tuple[int, int], tokens: int) -> None:
+def test_gpu_fp8_linear_small_m_matches_cpu_reference(shape: tuple[int, int], tokens: int, fp8_gemv_on) -> None:
     """The engine's fp8 linear at decode sizes (the GEMV, fused quantization where small) against
     the CPU reference, with the tolerance of test_kernels_gpu's fp8 test and a much tighter one:
     this kernel accumulates exact products in float32, unlike _scaled_mm."""
@@ -63,10 +72,9 @@ def test_gpu_fused_quantization_equals_the_quantize_kernel(shape: tuple[int, int
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_linear_dispatches_by_token_count(monkeypatch) -> None:
-    from resident.worker.kernels import fp8, fp8_gemv, gemv
+def test_gpu_fp8_linear_dispatches_by_token_count(monkeypatch, fp8_gemv_on) -> None:
+    from resident.worker.kernels import fp8, fp8_gemv
 
-    monkeypatch.setattr(gemv, "GEMV_MODE", "fp8")   # opt-in (RESIDENT_GEMV=fp8); the default is off
     calls = []
     real = fp8_gemv.fp8_gemv
     monkeypatch.setattr(fp8_gemv, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
@@ -77,7 +85,7 @@ def test_gpu_fp8_linear_dispatches_by_token_count(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_linear_small_m_replays_in_a_cuda_graph() -> None:
+def test_gpu_fp8_linear_small_m_replays_in_a_cuda_graph(fp8_gemv_on) -> None:
     """Split-K (the weight's counters, reset by each launch's last programs), fused and unfused
     quantization: replays with new activations equal eager calls, bit for bit."""
     from resident.worker.kernels.dispatch import get_kernels

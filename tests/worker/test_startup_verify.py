@@ -4,6 +4,7 @@ mismatch still fails the start — after the thread is done with the weights the
 released, not before."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -127,3 +128,27 @@ def test_verify_thread_reports_what_it_checked():
     thread = VerifyThread(Store(), 2).start()
     assert thread.result() == 2
     assert "verified the checksums of 2/3 tensors beside the warm-up" in thread.describe()
+
+
+def test_a_failed_start_waits_for_the_gemm_prefetch_thread(tmp_path):
+    """A start that fails (here: a KV cache too small) joins the GEMM prefetch before the error
+    leaves build_worker: a daemon thread still launching CUDA kernels when the interpreter exits
+    aborts the process (exit -6) instead of its exit 1 with the reason."""
+    from resident.worker.gemm_prefetch import GemmPrefetch
+
+    class Prefetch(GemmPrefetch):
+        def __init__(self):
+            super().__init__(plan=None, device=0)
+            self.release = threading.Event()
+
+        def _run_stages(self):
+            self._memory_done.set()   # its later stages go on beside the KV plan
+            self.release.wait(10)
+
+    config, startup = _prepared(servable_tiny_model(tmp_path / "m"))
+    config = dataclasses.replace(config, kv_cache_memory_bytes=1024)
+    startup.gemm_prefetch = prefetch = Prefetch().start()
+    threading.Timer(0.3, prefetch.release.set).start()
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        build_worker(config, startup, ServerMetrics("tiny"))
+    assert not prefetch._thread.is_alive()

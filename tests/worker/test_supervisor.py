@@ -463,7 +463,7 @@ def test_gated_growth_waits_for_the_draining_replica_then_grows_to_the_target():
 @pytest.mark.gpu
 def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the_outgoing_exited(short_tmp, tmp_path):
     """Two replicas on one GPU (weights attached from a cuda_vmm daemon), --rollout-kv-headroom
-    0.25: every replica's KV target is the same slice; the rollout's first incoming replica
+    0.5: every replica's KV target is the same slice; the rollout's first incoming replica
     maps at most its headroom share before /ready, and completes its growth only after the
     replica it replaced has stopped."""
     import re
@@ -471,15 +471,18 @@ def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the
     from serve_helpers import daemon_helpers
 
     # 16 KiB of KV per token (4 layers x 8 kv heads x 64 x fp32 x k,v): on an H200 a slice is
-    # (0.5 x 141 GB) / 2.25 ~ 31 GB, below the 1024 x 4096-token cap (64 GB), and a quarter of
-    # it (the headroom) is far more than the CUDA contexts the arithmetic leaves out.
+    # (0.5 x 141 GB) / 2.5 ~ 28 GB, below the 1024 x 4096-token cap (64 GB). The headroom is half
+    # a slice: what the arithmetic leaves out (this process's CUDA context and cache, the daemon's,
+    # three replicas' contexts and graphs) used 9.7 GiB of the limit on the H200 in session 7,
+    # more than the quarter slice (7.8 GiB) this test first used, so the incoming replica found
+    # less than one request's KV free under the limit.
     model = servable_tiny_model(tmp_path / "llama", "llama", hidden_size=512, num_attention_heads=8,
                                 num_key_value_heads=8, num_hidden_layers=4, max_position_embeddings=4096)
     d = daemon_helpers().start_daemon(short_tmp, "--backend", "cuda_vmm")
     env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"), CUDA_VISIBLE_DEVICES="0")
     sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "2", "--preload", "require", "--socket",
                       d.socket, "--device", "cuda", "--max-model-len", "4096", "--max-num-seqs", "1024",
-                      "--gpu-memory-utilization", "0.5", "--rollout-kv-headroom", "0.25", "--kv-cache-initial", "0",
+                      "--gpu-memory-utilization", "0.5", "--rollout-kv-headroom", "0.5", "--kv-cache-initial", "0",
                       "--drain-grace", "0.5", wait=True, env=env)
     try:
         port = int(sup.base_url.rsplit(":", 1)[1])
@@ -505,7 +508,7 @@ def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the
         assert len(targets) == 1, sizes                     # one slice each
         (target,) = targets
         assert sizes[1][0] == sizes[2][0] == target         # started with their whole share (--kv-cache-initial 0)
-        assert sizes[3][0] <= target // 4 + 1, sizes        # the incoming replica: the headroom share at most
+        assert sizes[3][0] <= target // 2 + 1, sizes        # the incoming replica: the headroom share at most
         m = grown.search(text)
         assert m is not None and int(m.group(1)) == target, text[-3000:]
         assert text.index("replica 1 stopped") < m.start(), "replica 3 grew before the replica it replaced exited"
