@@ -504,10 +504,12 @@ def test_gpu_replicas_split_the_kv_and_the_incoming_replica_grows_only_after_the
         sizes = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
             r"replica-(\d+) \S+: kv_alloc breakdown: .*; (\d+) blocks \([0-9.]+ GiB\) mapped at start of (\d+)", text)}
         assert set(sizes) >= {1, 2, 3, 4}, text[-3000:]
-        targets = {t for _, t in sizes.values()}
-        assert len(targets) == 1, sizes                     # one slice each
-        (target,) = targets
-        assert sizes[1][0] == sizes[2][0] == target         # started with their whole share (--kv-cache-initial 0)
+        # One slice each, less each replica's own activation/graph headroom: replicas that
+        # profile it at the same start measure it a few MiB apart (on the H200: 32 MiB, 128 blocks).
+        targets = [t for _, t in sizes.values()]
+        assert max(targets) <= min(targets) * 1.005, sizes
+        assert all(sizes[r][0] == sizes[r][1] for r in (1, 2)), sizes   # their whole share (--kv-cache-initial 0)
+        target = sizes[3][1]
         assert sizes[3][0] <= target // 2 + 1, sizes        # the incoming replica: the headroom share at most
         m = grown.search(text)
         assert m is not None and int(m.group(1)) == target, text[-3000:]
