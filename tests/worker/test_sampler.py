@@ -148,3 +148,19 @@ def test_plain_greedy_fast_path_matches_the_full_sampler() -> None:
     for other in ({"temperature": 0.5}, {"logprobs": 0}, {"repetition_penalty": 1.1},
                   {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}):
         assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **other})), other
+
+
+def test_extreme_repetition_penalties_keep_the_distribution_finite() -> None:
+    """repetition_penalty is only bounded by > 0 (as in vLLM): 1e-40 divides positive logits
+    into inf (two infs made the probabilities NaN and token 0 was sampled), 1e38 and 1e40
+    multiply negative ones to -inf or by inf. Penalized logits are clamped to a finite range."""
+    logits = torch.tensor([[2.0, 1.5, -1.0, 0.5, -3.0]])
+    boosted = apply_penalties(logits, [row(prompt=[0, 1], repetition_penalty=1e-40)])
+    assert torch.isfinite(boosted).all() and boosted[0, 0] >= boosted[0, 1] > 1e20
+    out = Sampler(seed=0)(logits.expand(8, -1), [row(prompt=[1, 3], repetition_penalty=1e-40)] * 8)
+    assert set(out.token_ids) <= {1, 3}
+    for penalty in (1e38, 1e40):
+        sunk = apply_penalties(logits, [row(prompt=[2, 4], repetition_penalty=penalty)])
+        assert torch.isfinite(sunk).all() and sunk[0, 4] <= sunk[0, 2] < -1e20, (penalty, sunk)
+        sampled = Sampler(seed=0)(logits.expand(8, -1), [row(prompt=[0, 1, 3, 4], repetition_penalty=penalty)] * 8)
+        assert 4 not in sampled.token_ids, penalty    # its -3 x penalty: never; the others: near 0 or -1

@@ -66,6 +66,11 @@ def _to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+#: |logit| bound after a repetition penalty: finite after scaling by 1 / temperature (at most
+#: 1e5, temperatures below 1e-5 being greedy) in float32 and bfloat16.
+PENALIZED_LOGIT_LIMIT = 1e30
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition, presence and frequency penalties (returns a new tensor when any apply)."""
     n, vocab = logits.shape
@@ -83,7 +88,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], dtype=logits.dtype, device=dev)[:, None]
         idx = torch.tensor(rep, device=dev)
         sub = logits[idx]
-        penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        # Clamped: a penalty is only bounded by > 0, and 2 / 1e-40 is inf in float32 (two infs
+        # make the probabilities NaN); the bound leaves room for 1 / temperature (<= 1e5).
+        penalized = torch.where(sub < 0, sub * penalty, sub / penalty).clamp_(-PENALIZED_LOGIT_LIMIT,
+                                                                                PENALIZED_LOGIT_LIMIT)
         logits[idx] = torch.where(seen, penalized, sub)
     if pf:
         out_ids = _padded([rows[i].output_token_ids for i in pf], vocab, dev)
