@@ -116,6 +116,15 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
     try:
         with profiled("build"):
             return _build_worker(config, startup, metrics)
+    except BaseException:
+        # A failed start ends the process: a start-up thread still inside CUDA code (loading
+        # Triton kernels, the GEMM prefetch's launches) when the interpreter exits aborts it
+        # ("terminate called without an active exception", exit -6 on the H200) instead of
+        # the exit 1 with the reason. Joined at once when the build already joined them.
+        for thread in (startup.triton_prefetch, startup.gemm_prefetch):
+            if thread is not None:
+                thread.join()
+        raise
     finally:
         if startup.switch_interval is not None:
             startup.switch_interval.restore()
@@ -275,11 +284,6 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     except BaseException:
         if verify is not None:
             verify.join()   # it reads the weights: done before they are released
-        if startup.gemm_prefetch is not None:
-            # Its later stages may still be launching kernels: a daemon thread inside CUDA code
-            # when the interpreter exits aborts the process ("terminate called without an
-            # active exception", exit -6 on the H200) instead of exiting 1 with the reason.
-            startup.gemm_prefetch.join()
         recording.close()
         store.close()
         if draft is not None and draft.store is not None:

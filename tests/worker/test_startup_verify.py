@@ -130,25 +130,41 @@ def test_verify_thread_reports_what_it_checked():
     assert "verified the checksums of 2/3 tensors beside the warm-up" in thread.describe()
 
 
-def test_a_failed_start_waits_for_the_gemm_prefetch_thread(tmp_path):
-    """A start that fails (here: a KV cache too small) joins the GEMM prefetch before the error
-    leaves build_worker: a daemon thread still launching CUDA kernels when the interpreter exits
-    aborts the process (exit -6) instead of its exit 1 with the reason."""
+@pytest.mark.parametrize("failure", ["kv cache too small", "weights missing"])
+def test_a_failed_start_waits_for_the_startup_threads(tmp_path, failure):
+    """A start that fails — in the KV plan, or before (the weights cannot be opened) — joins the
+    Triton and GEMM prefetch threads before the error leaves build_worker: a daemon thread still
+    inside CUDA code when the interpreter exits aborts the process (exit -6) instead of its
+    exit 1 with the reason."""
     from resident.worker.gemm_prefetch import GemmPrefetch
+    from resident.worker.startup_thread import StartupThread
 
-    class Prefetch(GemmPrefetch):
-        def __init__(self):
-            super().__init__(plan=None, device=0)
-            self.release = threading.Event()
+    release = threading.Event()
 
+    class Gemm(GemmPrefetch):
         def _run_stages(self):
             self._memory_done.set()   # its later stages go on beside the KV plan
-            self.release.wait(10)
+            release.wait(10)
 
-    config, startup = _prepared(servable_tiny_model(tmp_path / "m"))
-    config = dataclasses.replace(config, kv_cache_memory_bytes=1024)
-    startup.gemm_prefetch = prefetch = Prefetch().start()
-    threading.Timer(0.3, prefetch.release.set).start()
-    with pytest.raises(ValueError, match="--kv-cache-memory"):
+    class Triton(StartupThread):
+        def _run(self):
+            release.wait(10)
+
+        def describe(self):
+            return "held"
+
+    model = servable_tiny_model(tmp_path / "m")
+    config, startup = _prepared(model)
+    if failure == "kv cache too small":
+        config, match = dataclasses.replace(config, kv_cache_memory_bytes=1024), "--kv-cache-memory"
+    else:
+        for f in model.glob("*.safetensors"):
+            f.unlink()
+        match = "safetensors"
+        startup.triton_prefetch = Triton().start()   # joined by the build only after the weights
+    startup.gemm_prefetch = Gemm(plan=None, device=0).start()
+    threading.Timer(0.3, release.set).start()
+    with pytest.raises(Exception, match=match):
         build_worker(config, startup, ServerMetrics("tiny"))
-    assert not prefetch._thread.is_alive()
+    for thread in (startup.triton_prefetch, startup.gemm_prefetch):
+        assert thread is None or not thread._thread.is_alive()
