@@ -116,6 +116,10 @@ logger = logging.getLogger(__name__)
               help="This worker's admin Unix socket (/ready, /drain, snapshot prepare/resume) [default: "
                    "$RESIDENT_RUNTIME_DIR or /run/resident or $XDG_RUNTIME_DIR/resident or /tmp/resident-UID, "
                    "then worker-PID.sock]. Replicas of a supervisor keep their own.")
+@click.option("--frontend", type=click.Choice(("inline", "process")), default="inline", show_default=True,
+              help="process: HTTP, the tokenizer and detokenization in a front-end process of their own, "
+                   "started at exec beside the engine process (the tokenizer's load leaves the restart's "
+                   "path; the engine thread no longer shares its GIL with HTTP and text). A single worker only.")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
@@ -126,7 +130,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
           tensor_parallel_size: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
-          admin_socket: str | None) -> None:
+          admin_socket: str | None, frontend: str) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
 
@@ -149,11 +153,14 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
             ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),
-            admin_socket=os.path.abspath(admin_socket) if admin_socket else None)
+            admin_socket=os.path.abspath(admin_socket) if admin_socket else None, frontend=frontend)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if data_parallel_size is None and not standby_replicas and not launcher:
         sys.exit(run_server(config))
+    if frontend == "process":
+        raise click.UsageError("--frontend process serves a single worker; the supervisor's replicas "
+                               "(--data-parallel-size, --standby-replicas, --launcher) serve inline: drop one")
 
     from resident.worker.supervisor import SupervisorConfig, run_supervisor
 

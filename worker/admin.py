@@ -97,12 +97,14 @@ class ServeControl:
 
 class AdminServer:
     """Serves `control` on the Unix socket `path` (mode 0600, replaced if stale); the snapshot
-    routes once `snapshot` (a snapshot_control.SnapshotControl) is set."""
+    routes once `snapshot` (a snapshot_control.SnapshotControl) is set; with
+    `snapshot_unavailable` (why this worker cannot be snapshotted) they answer 409 with it."""
 
     def __init__(self, control: ReplicaControl, path: str, snapshot: Any = None) -> None:
         self.control = control
         self.path = path
         self.snapshot = snapshot
+        self.snapshot_unavailable: str | None = None
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -168,6 +170,8 @@ class AdminServer:
 
     # --- snapshot (snapshot_control.py) ---------------------------------------------------
     async def snapshot_state(self, request: web.Request) -> web.Response:
+        if self.snapshot_unavailable is not None:
+            return web.json_response({"state": "unavailable", "error": self.snapshot_unavailable})
         if self.snapshot is None:
             return web.json_response({"state": "starting", "error": "the worker is still starting"})
         return web.json_response(self.snapshot.status())
@@ -184,6 +188,9 @@ class AdminServer:
                              call: Callable[[Any], Any]) -> web.Response:
         from resident.worker.snapshot_control import SnapshotError
 
+        if self.snapshot_unavailable is not None:
+            return web.json_response({"error": self.snapshot_unavailable, "state": self.control.state.value},
+                                     status=409)
         if self.snapshot is None:
             return web.json_response({"error": "the worker is still starting (or failed to start); retry once "
                                                "/ready answers 200", "state": self.control.state.value}, status=409)

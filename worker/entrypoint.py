@@ -301,6 +301,10 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
 
 def run_server(config: ServeConfig) -> int:
     """Serve until SIGTERM; returns the process exit code (0 after a clean drain)."""
+    if config.frontend == "process":
+        from resident.worker import frontend_server
+
+        return frontend_server.run(config)
     prepared = prepare_process(config, config.process_start_time or time.time(), "resident serve")
     if prepared is None:
         return 1

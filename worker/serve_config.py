@@ -15,6 +15,9 @@ QUANTIZATIONS = ("none", "fp8_per_tensor")
 PRELOAD_MODES = ("auto", "require", "off")
 CUDA_GRAPH_MODES = ("eager", "lazy", "off")    # = cuda_graphs.GRAPH_MODES (kept torch-free here)
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
+#: inline: HTTP, tokenizer and text in the engine's process; process: in a front-end process of
+#: their own, started at exec beside the engine process (worker/frontend.py).
+FRONTEND_MODES = ("inline", "process")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 2**20
 #: GPU KV cache mapped before /ready (see the module doc); 0 maps the whole budget at start.
 DEFAULT_KV_CACHE_INITIAL_BYTES = 4 * 2**30
@@ -64,6 +67,7 @@ class ServeConfig:
     kv_pool_units: float | None = None        # supervised replica: KV slices of the shared GPU (kv_budget.py)
     kv_start_share: float = 1.0               # supervised replica: share of its KV slice mapped before /ready
     admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
+    frontend: str = "inline"                  # inline | process (FRONTEND_MODES)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -103,6 +107,8 @@ class ServeConfig:
         if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
             raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
                              "(107 bytes); choose a shorter path")
+        if self.frontend not in FRONTEND_MODES:
+            raise ValueError(f"unknown --frontend {self.frontend!r}; valid: {', '.join(FRONTEND_MODES)}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
@@ -123,4 +129,4 @@ class ServeConfig:
 
 
 __all__ = ["CPU_MAX_MODEL_LEN", "CUDA_GRAPH_MODES", "DEFAULT_KV_CACHE_INITIAL_BYTES", "DEFAULT_KV_CACHE_MEMORY_BYTES",
-           "DTYPES", "PRELOAD_MODES", "QUANTIZATIONS", "ServeConfig"]
+           "DTYPES", "FRONTEND_MODES", "PRELOAD_MODES", "QUANTIZATIONS", "ServeConfig"]

@@ -177,9 +177,11 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         logger.info("weights breakdown: %s%s; %.3f s in all", ", ".join(f"{k} {v:.3f}" for k, v in weights_s.items()),
                     f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",
                     time.monotonic() - t_weights)
-        template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
-        tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
-        startup.end("tokenizer")
+        tokenizer = None   # --frontend process: the front-end process loads it (frontend.py)
+        if config.frontend == "inline":
+            template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
+            tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
+            startup.end("tokenizer")
 
         model_config = ModelConfig.from_hf(store.config).for_tp(config.tensor_parallel_size)
         weights = weights_on(store.tensors, device)

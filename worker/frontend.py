@@ -1,0 +1,295 @@
+"""The front-end process of `resident serve --frontend process`: HTTP, the tokenizer, chat
+templates and detokenization, beside the engine process (vLLM V1 splits its API server from
+its engine core the same way).
+
+Why: the tokenizer's parse (0.3-0.6 s for a Llama-3-size vocabulary) holds the GIL, as does
+every other step of a worker's start, so in one process it adds to the restart. Started at
+the engine process's exec, before it imports torch, this process imports no torch and has
+loaded the tokenizer long before the engine is built; afterwards the engine thread never
+spends its GIL on HTTP, JSON or text.
+
+Started by the engine process (`frontend_server.spawn_frontend`) as
+`python -m resident.worker.frontend --link-fd L --http-fd H`: L is its end of the link
+(frontend_link.py; the start message is already in it), H the listening HTTP socket the
+engine process bound. It answers /health at once, /ready 200 once the engine says ready,
+`/metrics` from both processes (the request-level families counted here, the rest asked of
+the engine). SIGTERM or the engine's "drain": stop accepting, let in-flight requests finish
+within the drain timeout (abort the rest), say "drained", exit 0. The engine process gone
+(the link closed): /health 500, every request fails, exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from resident.worker.frontend_link import EngineReady, FrontendHello, FrontendStart, Link, LinkClosed, \
+    merge_expositions
+
+logger = logging.getLogger("resident.worker.frontend")
+
+#: Metric families counted in the front-end (where the requests are); the rest come from the engine.
+FRONTEND_FAMILIES = {"resident_request_ttft_seconds", "resident_request_inter_token_latency_seconds",
+                     "resident_request_e2e_latency_seconds", "resident_request_success",
+                     "resident_prompt_tokens", "resident_generation_tokens"}
+ENGINE_METRICS_TIMEOUT_S = 5.0
+
+
+def _read_start(sock: socket.socket) -> FrontendStart:
+    import pickle
+    import struct
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise LinkClosed("the engine process closed the link before it sent the start message")
+            data += chunk
+        return data
+
+    (size,) = struct.unpack("!I", exactly(4))
+    message = pickle.loads(exactly(size))
+    if message[0] != "start":
+        raise LinkClosed(f"the engine process sent {message[0]!r} before its start message")
+    return message[1]
+
+
+class Frontend:
+    """The front-end's state between the link reader and the HTTP handlers."""
+
+    def __init__(self, start: FrontendStart, link: Link, t0: float) -> None:
+        from resident.worker.api_server import ServerState
+        from resident.worker.metrics import ServerMetrics
+
+        self.start = start
+        self.link = link
+        self.t0 = t0
+        name = start.served_model_name or start.model
+        self.metrics = ServerMetrics(name)
+        self.state = ServerState(served_model_names=(name,), metrics=self.metrics, api_key=start.api_key,
+                                 model_root=start.model)
+        self.stop = asyncio.Event()
+        self.engine_ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
+        self.engine: Any = None           # the RemoteEngine, once the tokenizer is loaded
+        self.engine_gone: str | None = None
+        self._metric_waiters: dict[int, asyncio.Future[bytes]] = {}
+        self._tokens = itertools.count()
+
+    # --- link ----------------------------------------------------------------------------
+    async def read_link(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self.link.read())
+        except LinkClosed:
+            reason = "the engine process exited"
+        except Exception as e:  # noqa: BLE001 - a broken link is the engine's end to this process
+            logger.exception("reading from the engine process failed")
+            reason = f"the link to the engine process failed: {e}"
+        self.engine_gone = reason
+        if not self.state.draining:
+            logger.error("%s; the front-end stops (its requests fail)", reason)
+            self.state.failed = self.state.failed or reason
+        if self.engine is not None:
+            self.engine.fail_all(reason)
+        if not self.engine_ready.done():
+            self.engine_ready.set_exception(LinkClosed(reason))
+        for waiter in self._metric_waiters.values():
+            if not waiter.done():
+                waiter.set_result(b"")
+        self.stop.set()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            self.engine.deliver(message[1])
+        elif kind == "refused":
+            self.engine.refused(*message[1:])
+        elif kind == "metrics":
+            waiter = self._metric_waiters.pop(message[1], None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message[2])
+        elif kind == "ready":
+            if not self.engine_ready.done():
+                self.engine_ready.set_result(message[1])
+        elif kind == "drain":
+            self.stop.set()
+        elif kind == "failed":
+            logger.error("the engine process failed: %s", message[1])
+            self.state.failed = message[1]
+            if self.engine is not None:
+                self.engine.fail_all(message[1])
+        else:
+            logger.warning("ignoring an unknown message %r from the engine process", kind)
+
+    async def engine_metrics(self) -> bytes:
+        """The engine process's exposition (empty when it does not answer in time)."""
+        if self.engine_gone is not None:
+            return b""
+        token = next(self._tokens)
+        waiter = asyncio.get_running_loop().create_future()
+        self._metric_waiters[token] = waiter
+        self.link.send(("metrics", token))
+        try:
+            return await asyncio.wait_for(waiter, ENGINE_METRICS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            logger.warning("the engine process did not answer /metrics within %.0f s", ENGINE_METRICS_TIMEOUT_S)
+            return b""
+        finally:
+            self._metric_waiters.pop(token, None)
+
+    # --- start-up ------------------------------------------------------------------------
+    def load_tokenizer(self) -> Any:
+        from pathlib import Path
+
+        from resident.daemon.source import resolve_model
+        from resident.worker.tokenizer import Tokenizer
+
+        start = self.start
+        folder = resolve_model(start.model, start.revision, start.hub_cache).folder
+        template = Path(start.chat_template_file).read_text() if start.chat_template_file else None
+        return Tokenizer.from_folder(folder, chat_template=template)
+
+    async def become_ready(self, tokenizer: Any, ready: EngineReady) -> None:
+        from resident.worker.openai_serving import OpenAIServing
+        from resident.worker.protocol import ServingOptions
+
+        opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
+                              trust_request_chat_template=self.start.trust_request_chat_template)
+        self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size)
+        self.metrics.set_weights_source(ready.weights_source)
+        self.state.ready = True
+
+
+def _api_app(fe: Frontend) -> Any:
+    from aiohttp import web
+
+    from resident.worker.api_server import ApiServer
+    from resident.worker.metrics import ServerMetrics
+
+    class FrontendApi(ApiServer):
+        async def metrics(self, request: web.Request) -> web.Response:
+            body = merge_expositions(fe.metrics.render(), await fe.engine_metrics(), FRONTEND_FAMILIES)
+            return web.Response(body=body, headers={"Content-Type": ServerMetrics.content_type})
+
+    return FrontendApi(fe.state).app()
+
+
+async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socket.socket, t0: float) -> int:
+    from aiohttp import web
+
+    loop = asyncio.get_running_loop()
+    link = await Link.open(link_sock)
+    fe = Frontend(start, link, t0)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, fe.stop.set)
+    reader = asyncio.create_task(fe.read_link())
+    runner = web.AppRunner(_api_app(fe), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, http_sock)
+    await site.start()
+
+    code = await _start(fe)
+    if code == 0:
+        await fe.stop.wait()
+    await _drain(fe, runner, site)
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await link.close()
+    return code if fe.engine_gone is None or fe.state.draining else 1
+
+
+async def _start(fe: Frontend) -> int:
+    """Load the tokenizer, say hello, wait for the engine's ready; 0 when serving, else 1."""
+    from resident.worker.remote_engine import RemoteEngine
+
+    t_load = time.monotonic()
+    try:
+        tokenizer = await asyncio.to_thread(fe.load_tokenizer)
+    except Exception as e:  # noqa: BLE001 - reported to the engine, which exits with it
+        why = f"the tokenizer of {fe.start.model} could not be loaded: {e}"
+        logger.error("%s", why)
+        fe.state.failed = why
+        fe.link.send(("failed", why))
+        await fe.stop.wait()   # the engine exits on it; its link closing sets stop
+        return 1
+    loaded = time.monotonic()
+    fe.engine = RemoteEngine(fe.link, tokenizer, frozenset(tokenizer.eos_token_ids))
+    hello = FrontendHello(frozenset(tokenizer.eos_token_ids), loaded - t_load, time.time() - fe.t0)
+    fe.link.send(("hello", hello))
+    logger.info("front-end: tokenizer loaded in %.2f s (%.2f s after exec); waiting for the engine",
+                hello.tokenizer_s, hello.started_s)
+    _compile_chat_template(tokenizer)
+    waiter = asyncio.ensure_future(fe.stop.wait())
+    await asyncio.wait([fe.engine_ready, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not fe.engine_ready.done() or fe.engine_ready.exception() is not None:
+        return 0 if fe.engine_gone is None else 1   # stopped during start-up, or the engine is gone
+    await fe.become_ready(tokenizer, fe.engine_ready.result())
+    return 0
+
+
+def _compile_chat_template(tokenizer: Any) -> None:
+    """The default chat template, compiled beside the engine's start (jinja2's import too)."""
+    import threading
+
+    if "default" not in getattr(tokenizer, "chat_templates", {}):
+        return
+
+    def compile_default() -> None:
+        try:
+            tokenizer.get_chat_template()
+        except Exception as e:  # noqa: BLE001 - the first chat request reports it with its own status
+            logger.warning("the model's chat template does not compile: %s", e)
+
+    threading.Thread(target=compile_default, name="resident-chat-template", daemon=True).start()
+
+
+async def _drain(fe: Frontend, runner: Any, site: Any) -> None:
+    state = fe.state
+    if fe.engine_gone is None:
+        logger.info("front-end stopping: draining in-flight requests (up to %.0f s)", fe.start.drain_timeout_s)
+    state.draining = True
+    await site.stop()   # stop accepting; open connections keep going
+    deadline = time.monotonic() + fe.start.drain_timeout_s
+    if fe.engine is not None and fe.engine_gone is None:
+        await fe.engine.drain(fe.start.drain_timeout_s)
+    while state.num_http_in_flight and time.monotonic() < deadline + 5.0:
+        await asyncio.sleep(0.02)   # handlers write their final chunks
+    await runner.cleanup()
+    fe.link.send(("drained",))
+    try:
+        await asyncio.wait_for(fe.link.writer.drain(), 5.0)
+    except (ConnectionError, OSError, asyncio.TimeoutError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.time()
+    parser = argparse.ArgumentParser(prog="python -m resident.worker.frontend",
+                                      description="The front-end process of `resident serve --frontend process` "
+                                                  "(started by the engine process, not by hand).")
+    parser.add_argument("--link-fd", type=int, required=True)
+    parser.add_argument("--http-fd", type=int, required=True)
+    parser.add_argument("--start-time", type=float, default=None, help="the engine process's start (unix time)")
+    args = parser.parse_args(argv)
+    try:
+        link_sock = socket.socket(fileno=args.link_fd)
+        http_sock = socket.socket(fileno=args.http_fd)
+        start = _read_start(link_sock)
+    except (OSError, LinkClosed) as e:
+        print(f"resident front-end: {e}; this process is started by `resident serve --frontend process`",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=start.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(start, link_sock, http_sock, args.start_time or t0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

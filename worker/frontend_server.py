@@ -1,0 +1,354 @@
+"""The engine process of `resident serve --frontend process`: it spawns the front-end process
+(frontend.py) at exec, before importing torch, builds the worker without a tokenizer, and
+serves the front-end's requests over the link (frontend_link.py) with its AsyncEngine.
+
+Order: `bind_and_spawn` (before the heavy imports) binds the HTTP socket, prints the
+"listening on" line, writes --port-file, and starts the front-end with that socket and its
+end of the link; the engine process then imports torch, attaches the weights and builds
+the model while the front-end loads the tokenizer. `serve` waits for both the build and the
+front-end's hello (its EOS ids), then says ready over the link, on the admin socket and to
+systemd (READY=1: the HTTP API answers). The startup phases have no "tokenizer": it is not
+on this process's path (the front-end logs its own load time).
+
+Stopping: SIGTERM/SIGINT or the admin socket's /drain -> "drain" to the front-end, which
+stops accepting, finishes its requests within --drain-timeout and says "drained"; then the
+engine shuts down and the process exits 0. The front-end gone without draining (killed,
+crashed): its requests are aborted, and this process exits 1, so a service manager
+restarts the pair. A front-end that cannot start (bad tokenizer files) ends the start-up
+with its reason and exit 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resident.worker.frontend_link import EngineReady, FrontendStart, Link, LinkClosed, send_blocking
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
+
+logger = logging.getLogger(__name__)
+
+#: How long after the drain timeout the engine waits for the front-end's "drained".
+DRAIN_SLACK_S = 15.0
+
+
+SNAPSHOT_UNAVAILABLE = ("a worker served with --frontend process cannot be snapshotted yet (CRIU would have "
+                        "to dump both of its processes); serve it with --frontend inline to snapshot it")
+
+
+class FrontendStartError(RuntimeError):
+    """The HTTP socket, the port file or the front-end process could not be set up."""
+
+
+@dataclass
+class FrontendProcess:
+    proc: subprocess.Popen
+    link_sock: socket.socket
+
+    def reap(self, timeout_s: float) -> int | None:
+        """Wait for the front-end's exit; killed after timeout_s. Its exit code."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("the front-end process (pid %d) did not exit within %.0f s: killing it",
+                           self.proc.pid, timeout_s)
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def bind_and_spawn(config: Any, log_level: str) -> FrontendProcess:
+    """Bind the HTTP socket, announce it, and start the front-end process with it."""
+    try:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        http = socket.create_server((config.host, config.port), family=family, backlog=2048)
+    except OSError as e:
+        raise FrontendStartError(cannot_listen(config.host, config.port, e)) from None
+    try:
+        port = http.getsockname()[1]
+        if config.port_file:
+            try:
+                Path(config.port_file).write_text(f"{port}\n")
+            except OSError as e:
+                raise FrontendStartError(cannot_write_port_file(config.port_file, e)) from None
+        sys.stdout.write(f"resident serve listening on http://{config.host}:{port}\n")
+        sys.stdout.flush()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        start = FrontendStart(
+            model=config.model, revision=config.revision, hub_cache=config.hub_cache,
+            served_model_name=config.model_name, api_key=config.api_key,
+            chat_template_file=config.chat_template_file,
+            trust_request_chat_template=config.trust_request_chat_template,
+            drain_timeout_s=config.drain_timeout_s, log_level=log_level)
+        send_blocking(ours, ("start", start))
+        t0 = config.process_start_time or time.time()
+        cmd = [sys.executable, "-m", "resident.worker.frontend", "--link-fd", str(theirs.fileno()),
+               "--http-fd", str(http.fileno()), "--start-time", repr(t0)]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), http.fileno()), stdin=subprocess.DEVNULL)
+        except OSError as e:
+            ours.close()
+            raise FrontendStartError(f"cannot start the front-end process ({e}); serve with --frontend inline") \
+                from None
+        finally:
+            theirs.close()
+    finally:
+        http.close()   # the front-end holds it now
+    logger.info("front-end process started (pid %d)", proc.pid)
+    return FrontendProcess(proc, ours)
+
+
+class EngineSide:
+    """Requests from the front-end, run on the AsyncEngine; their outputs batched back."""
+
+    def __init__(self, link: Link, metrics: Any) -> None:
+        self.link = link
+        self.metrics = metrics
+        self.engine: Any = None          # the AsyncEngine, once started
+        self.hello: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.gone = asyncio.Event()      # the front-end failed, drained or closed the link
+        self.failed: str | None = None
+        self.drained = False
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._outputs: list[Any] = []
+
+    async def read_link(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self.link.read())
+        except LinkClosed:
+            if not self.drained and self.failed is None:
+                self.failed = "the front-end process exited"
+        except Exception as e:  # noqa: BLE001 - a broken link ends the pair
+            logger.exception("reading from the front-end process failed")
+            self.failed = f"the link to the front-end process failed: {e}"
+        for task in list(self._tasks.values()):
+            task.cancel()   # closing each request's stream aborts it in the engine
+        if not self.hello.done():
+            self.hello.set_exception(LinkClosed(self.failed or "the front-end process exited"))
+        self.gone.set()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "add":
+            _, request_id, prompt, params = message
+            if self.engine is None:
+                self.link.send(("refused", request_id, "invalid", "the engine is not ready yet"))
+                return
+            self._tasks[request_id] = asyncio.create_task(self._run(request_id, prompt, params))
+        elif kind == "abort":
+            task = self._tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "metrics":
+            self.link.send(("metrics", message[1], self.metrics.render()))
+        elif kind == "hello":
+            if not self.hello.done():
+                self.hello.set_result(message[1])
+        elif kind == "failed":
+            self.failed = message[1]
+            self.gone.set()
+            if not self.hello.done():
+                self.hello.set_exception(LinkClosed(message[1]))
+        elif kind == "drained":
+            self.drained = True
+        else:
+            logger.warning("ignoring an unknown message %r from the front-end process", kind)
+
+    async def _run(self, request_id: str, prompt: list[int], params: Any) -> None:
+        from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+
+        try:
+            async for out in self.engine.generate(request_id, prompt, params):
+                self._send_output(out)
+        except asyncio.CancelledError:
+            pass
+        except ValueError as e:
+            self.link.send(("refused", request_id, "invalid", str(e)))
+        except EngineDraining as e:
+            self.link.send(("refused", request_id, "draining", str(e)))
+        except RequestAborted as e:
+            self.link.send(("refused", request_id, "aborted", str(e)))
+        except EngineDead as e:
+            self.link.send(("refused", request_id, "dead", str(e)))
+            self.link.send(("failed", str(e)))
+        finally:
+            self._tasks.pop(request_id, None)
+
+    def _send_output(self, out: Any) -> None:
+        """Outputs delivered in one loop iteration (one engine step) go out as one message."""
+        if not self._outputs:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outputs.append(out)
+
+    def _flush(self) -> None:
+        outputs, self._outputs = self._outputs, []
+        if outputs:
+            self.link.send(("outputs", outputs))
+
+
+async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
+    """Build the worker, serve the front-end's requests until told to stop; the exit code."""
+    from resident.worker.api_server import ServerState
+    from resident.worker.entrypoint import _start_admin, _stop_admin, sd_notify
+    from resident.worker.metrics import ServerMetrics
+    from resident.worker.startup import build_worker, explains_itself, in_thread, start_kv_growth
+
+    metrics = ServerMetrics(config.model_name)
+    state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
+                        model_root=config.model)
+    link = await Link.open(frontend.link_sock)
+    side = EngineSide(link, metrics)
+    reader = asyncio.create_task(side.read_link())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    admin = None
+    try:
+        admin = await _start_admin(config, state, stop)
+        if admin is not None:
+            admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
+        worker = await _build(config, startup, metrics, state, side, stop, build_worker, in_thread, explains_itself)
+        if worker is None:
+            link.send(("failed", state.failed or "stopped during start-up"))
+            return 1 if state.failed else 0
+        try:
+            hello = await _await_hello(side, stop)
+        except LinkClosed as e:
+            logger.error("resident serve could not start: %s", e)
+            _release(worker)
+            return 1
+        if hello is None:
+            _release(worker)
+            return 0
+        worker.llm_engine.eos_token_ids = frozenset(hello.eos_token_ids)
+        worker.engine.start()
+        side.engine = worker.engine
+        state.serving = worker.serving
+        startup.phases["total"] = time.time() - startup.t0
+        metrics.set_startup_phases(startup.phases)
+        state.ready = True
+        link.send(("ready", EngineReady(worker.serving.opts.max_model_len, worker.serving.vocab_size, worker.store.source,
+                                        dict(startup.phases))))
+        logger.info("%s; weights from %s; tokenizer in the front-end process (%.2f s, loaded %.2f s after exec)",
+                    startup.summary(), worker.store.source, hello.tokenizer_s, hello.started_s)
+        logger.info("%s", startup.cpu_summary())
+        sd_notify(config.notify_socket, "READY=1")
+        growth = worker.kv_growth = start_kv_growth(worker, metrics, config.gpu_memory_utilization)
+        code = await _serve_until_stopped(config, state, side, stop)
+        worker.engine.shutdown()
+        if growth is not None:
+            growth.join(10.0)
+        _release(worker)
+        logger.info("stopped")
+        return code
+    finally:
+        await _stop_admin(admin)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await link.close()
+        frontend.reap(DRAIN_SLACK_S)
+
+
+async def _build(config: Any, startup: Any, metrics: Any, state: Any, side: EngineSide, stop: asyncio.Event,
+                 build_worker: Any, in_thread: Any, explains_itself: Any) -> Any:
+    """The worker, or None after logging why not (a failed build, a failed front-end, a stop)."""
+    build = in_thread(build_worker, config, startup, metrics)
+    stopper = asyncio.ensure_future(stop.wait())
+    gone = asyncio.ensure_future(side.gone.wait())
+    await asyncio.wait([build, stopper, gone], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    gone.cancel()
+    if not build.done():
+        if side.failed is not None:
+            state.failed = side.failed
+            logger.error("resident serve could not start: %s", side.failed)
+        else:
+            logger.info("stopped during start-up")
+        # The build's threads launch GPU work: exiting under them aborts the process.
+        with contextlib.suppress(BaseException):
+            _release(await build)
+        return None
+    try:
+        return build.result()
+    except Exception as e:  # noqa: BLE001 - reported as one clear line, the process exits 1
+        state.failed = str(e)
+        logger.error("resident serve could not start: %s", e, exc_info=not explains_itself(e))
+        return None
+
+
+async def _await_hello(side: EngineSide, stop: asyncio.Event) -> Any:
+    """The front-end's hello (usually long there: it loads the tokenizer while torch imports);
+    None when stopped meanwhile; LinkClosed when the front-end failed."""
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([side.hello, stopper], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if side.hello.done():
+        return side.hello.result()
+    logger.info("stopped during start-up")
+    return None
+
+
+async def _serve_until_stopped(config: Any, state: Any, side: EngineSide, stop: asyncio.Event) -> int:
+    stopper = asyncio.ensure_future(stop.wait())
+    gone = asyncio.ensure_future(side.gone.wait())
+    await asyncio.wait([stopper, gone], return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if side.gone.is_set() and not side.drained:
+        gone.cancel()
+        logger.error("%s without draining; stopping the worker (exit 1) so that it is restarted",
+                     side.failed or "the front-end process exited")
+        state.failed = side.failed
+        return 1
+    logger.info("stopping: the front-end drains in-flight requests (up to %.0f s)", config.drain_timeout_s)
+    from resident.worker.entrypoint import sd_notify
+
+    sd_notify(config.notify_socket, "STOPPING=1")
+    state.draining = True
+    side.link.send(("drain",))   # (a front-end told by a signal of its own may have drained already)
+    try:
+        await asyncio.wait_for(gone, config.drain_timeout_s + DRAIN_SLACK_S)
+    except asyncio.TimeoutError:
+        logger.warning("the front-end did not finish draining within %.0f s", config.drain_timeout_s + DRAIN_SLACK_S)
+    return 0
+
+
+def _release(worker: Any) -> None:
+    if worker is None:
+        return
+    worker.store.close()
+    if worker.draft_store is not None:
+        worker.draft_store.close()
+    if worker.tp is not None:
+        worker.tp.close()
+
+
+def run(config: Any) -> int:
+    """`resident serve --frontend process`: the engine process's whole life; its exit code."""
+    from resident.worker.entrypoint import prepare_process
+
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    try:
+        frontend = bind_and_spawn(config, level if isinstance(level, str) else "INFO")
+    except FrontendStartError as e:
+        logger.error("resident serve could not start: %s", e)
+        return 1
+    prepared = prepare_process(config, config.process_start_time or time.time(), "resident serve")
+    if prepared is None:
+        frontend.proc.send_signal(signal.SIGTERM)
+        frontend.reap(DRAIN_SLACK_S)
+        return 1
+    config, startup = prepared
+    return asyncio.run(serve(config, startup, frontend))
+
+
+__all__ = ["DRAIN_SLACK_S", "EngineSide", "FrontendProcess", "FrontendStartError", "bind_and_spawn", "run",
+           "serve"]

@@ -1,0 +1,181 @@
+"""The front-end process's engine: `AsyncEngine`'s request interface over the link to the
+engine process (frontend_link.py), with the text made here.
+
+The engine process runs without a tokenizer and reports token ids; this side detokenizes
+them and matches stop strings (`TextStream`, the same `OutputState` the in-process engine
+keeps), so the engine's GIL never spends time on text. A stop string found here ends the
+request at the token that completed it, exactly as the in-process engine ends it, and the
+engine is told to abort it: the tokens it computed meanwhile are dropped unseen.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+from resident.worker.detokenizer import IncrementalDetokenizer
+from resident.worker.frontend_link import Link
+from resident.worker.output_processor import OutputState
+from resident.worker.request import Request, RequestOutput, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+           "abort": RequestStatus.FINISHED_ABORTED}
+_REFUSALS = {"invalid": ValueError, "draining": EngineDraining, "aborted": RequestAborted, "dead": EngineDead}
+#: The engine cannot end a request past this many tokens (its context); the mirror never does.
+_NO_LIMIT = 1 << 62
+
+
+class TextStream:
+    """One request's text: the engine's token ids in, the RequestOutputs the in-process
+    engine would have made out (text, held-back stop-string prefixes, stop strings)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any, tokenizer: Any,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.request = Request(request_id, prompt_token_ids, params, 0, _NO_LIMIT)
+        self.state = OutputState(self.request, IncrementalDetokenizer(tokenizer, prompt_token_ids))
+        self.eos_token_ids = eos_token_ids
+        self.stopped_here = False     # a stop string ended it on this side: the engine must abort
+
+    @property
+    def finished(self) -> bool:
+        return self.request.is_finished
+
+    def apply(self, out: RequestOutput) -> RequestOutput:
+        """The engine's output for this request -> the client's. Call until `finished`."""
+        request, state = self.request, self.state
+        params = request.sampling_params
+        logprobs = out.logprobs or []
+        request.num_cached_tokens = out.num_cached_tokens
+        for i, token in enumerate(out.new_token_ids):
+            request.append_output_token(token)
+            if i < len(logprobs):
+                state.pending_logprobs.append(logprobs[i])
+            stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+            if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output):
+                request.finish(RequestStatus.FINISHED_STOPPED)
+                self.stopped_here = not out.finished
+                break
+        else:
+            if out.finished:
+                status = _STATUS.get(out.finish_reason or "", RequestStatus.FINISHED_STOPPED)
+                # As the engine: what the detokenizer held back is released at a stop or the
+                # length limit (not at an abort) and may complete a stop string.
+                if status is not RequestStatus.FINISHED_ABORTED and state.flush():
+                    status = RequestStatus.FINISHED_STOPPED
+                request.finish(status)
+        result = state.make_output()
+        result.spec_decode = out.spec_decode
+        return result
+
+
+class RemoteEngine:
+    """What OpenAIServing needs of an engine (`generate`, `error`), plus `drain`, over the link.
+    `start()` after the engine's hello; `dispatch()` is fed every message the link reads."""
+
+    def __init__(self, link: Link, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        self._link = link
+        self._tokenizer = tokenizer
+        self._eos = eos_token_ids
+        self._streams: dict[str, tuple[asyncio.Queue, TextStream]] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self.error: BaseException | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    # --- requests ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """As `AsyncEngine.generate`: the request's outputs until one is finished; leaving
+        early aborts it in the engine."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed earlier: {self.error}; restart the server")
+        if self._draining:
+            raise EngineDraining("the server is shutting down and accepts no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        text = TextStream(request_id, list(prompt_token_ids), params, self._tokenizer, self._eos)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (queue, text)
+        self._idle.clear()
+        # Stop strings are matched here; the engine (no tokenizer) would refuse them.
+        self._link.send(("add", request_id, text.request.prompt_token_ids,
+                         replace(params, stop=[]) if params.stop else params))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                logger.info("request %s left before finishing: aborting it", request_id)
+                self._link.send(("abort", request_id))
+            self._drop(request_id)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests, wait up to timeout_s for the in-flight ones, abort the rest."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            ids = list(self._streams)
+            logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", timeout_s, len(ids))
+            for rid in ids:
+                self._fail(rid, RequestAborted(f"request {rid} aborted: the server is shutting down"))
+                self._link.send(("abort", rid))
+            return False
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[0].put_nowait(exc)
+
+    # --- from the link -------------------------------------------------------------------
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue   # it left, or a stop string ended it here: the engine's extra tokens
+            queue, text = entry
+            if text.finished:
+                continue
+            result = text.apply(out)
+            if text.stopped_here:
+                self._link.send(("abort", out.request_id))
+            queue.put_nowait(result)
+
+    def refused(self, request_id: str, kind: str, message: str) -> None:
+        self._fail(request_id, _REFUSALS.get(kind, EngineDead)(message))
+
+    def fail_all(self, reason: str) -> None:
+        """The engine died or the link closed: every waiting request fails, new ones too."""
+        if self.error is None:
+            self.error = EngineDead(reason)
+        for rid in list(self._streams):
+            self._fail(rid, EngineDead(f"engine failed: {reason}"))
+
+
+__all__ = ["RemoteEngine", "TextStream"]
