@@ -11,7 +11,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident, --preload off", "warm": "(c) resident + daemon"}
+LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident, --preload off", "warm": "(c) resident + daemon",
+          "warm-fe": "(d) (c) + --frontend process"}
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac"]
 

@@ -7,6 +7,8 @@ token, side by side on one checkpoint:
 - `cold`: `resident serve --preload off` (the worker reads and converts the checkpoint
   itself; the page cache is warmed first);
 - `warm`: `resident serve` attaching to a daemon that holds the model;
+- `warm-fe`: the same with `--frontend process` (HTTP and the tokenizer in a front-end
+  process started at exec: the tokenizer's load leaves the engine's start-up path);
 
 with the workers' start-up phases from /metrics (and, per run, the worker log's kv_alloc
 breakdown — whether the activation headroom was measured or read from the KV profile cache,
@@ -52,10 +54,11 @@ from resident.cli.bench_common import check_weight_options, model_source, output
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("hf", "cold", "warm")
+VARIANTS = ("hf", "cold", "warm", "warm-fe")
 # --plot: svg is drawn without any dependency, the others through matplotlib.
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".gif")
-LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon"}
+LABELS = {"hf": "(a) HF transformers", "cold": "(b) resident --preload off", "warm": "(c) resident + daemon",
+          "warm-fe": "(d) (c) + --frontend process"}
 _ATTACH = re.compile(r"attached \S+ from the preload daemon in ([0-9.]+) s")
 _ATTACH_BREAKDOWN = re.compile(r"attached \S+ from the preload daemon in [0-9.]+ s \(lease \S+; ([^)]+ ms)\)")
 _STAGED = re.compile(r"staged load: .*")
@@ -313,7 +316,8 @@ def _gpu_name() -> str:
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--quantization", default="none", show_default=True)
-@click.option("--variants", default=None, help="Which of hf,cold,warm to run [default: all; cold,warm with TP > 1].")
+@click.option("--variants", default=None, help="Which of hf,cold,warm,warm-fe to run (warm-fe: warm with --frontend process) "
+                   "[default: all; all but hf with TP > 1].")
 @click.option("--tensor-parallel-size", "tensor_parallel_size", type=click.IntRange(min=1), default=1,
               show_default=True, help="Measure a tensor-parallel group of N ranks (cuda:0..N-1 on cuda).")
 @click.option("--serve-args", default=None, callback=shell_words,
@@ -325,7 +329,7 @@ def _gpu_name() -> str:
 def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantization: str, variants: str | None,
                   tensor_parallel_size: int, serve_args: str | None, json_path: Path | None,
                   plot_path: Path | None) -> None:
-    """Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon."""
+    """Exec -> /ready and -> first token: HF transformers, cold, attached to a daemon (and with a front-end process)."""
     tp = tensor_parallel_size
     if variants is None:
         variants = ",".join(v for v in VARIANTS if tp == 1 or v != "hf")
@@ -368,7 +372,7 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
                 [sys.executable, "-c", "import torch; torch.cuda.init(); torch.zeros(1, device='cuda')"], runs, env)
         floor.update(_in_process_floor(device, runs, env))
         results["floor"] = floor
-        if "warm" in chosen:
+        if "warm" in chosen or "warm-fe" in chosen:
             backend = "host_shm" if device == "cpu" else "cuda_vmm"
             subprocess.run([*cli, "preload", "start", "--socket", sock, "--http", "127.0.0.1:0",
                             "--backend", backend], env=env, check=True, stdout=subprocess.DEVNULL)
@@ -388,20 +392,25 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
                     _serve_run(model, [*base, "--preload", "require", "--socket", sock], work, env, "prime", 0)
                 except Exception as e:  # noqa: BLE001 - the timed runs will show the problem
                     log.warning("priming start failed: %s", e)
-            before = _daemon_attach_s(sock)
-            results["warm"] = _variant("warm", runs, _paired(device, env, lambda i: _serve_run(
-                model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i)))
-            after = _daemon_attach_s(sock)
-            if before is not None and after is not None and after[1] > before[1]:
-                # The daemon's share of the workers' attach time (the RPC handler only).
-                results["warm"]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
+            if "warm" in chosen:
+                before = _daemon_attach_s(sock)
+                results["warm"] = _variant("warm", runs, _paired(device, env, lambda i: _serve_run(
+                    model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i)))
+                after = _daemon_attach_s(sock)
+                if before is not None and after is not None and after[1] > before[1]:
+                    # The daemon's share of the workers' attach time (the RPC handler only).
+                    results["warm"]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
+            if "warm-fe" in chosen:   # HTTP and the tokenizer in a front-end process (worker/frontend.py)
+                results["warm-fe"] = _variant("warm-fe", runs, _paired(device, env, lambda i: _serve_run(
+                    model, [*base, "--preload", "require", "--socket", sock, "--frontend", "process"], work, env,
+                    "warm-fe", i)))
         if "cold" in chosen:
             results["cold"] = _variant("cold", runs, _paired(device, env, lambda i: _serve_run(
                 model, [*base, "--preload", "off"], work, env, "cold", i)))
         if "hf" in chosen:
             results["hf"] = _variant("hf", runs, lambda i: _hf_run(model, device, dtype, work, env, i))
     finally:
-        if "warm" in chosen:
+        if "warm" in chosen or "warm-fe" in chosen:
             subprocess.run([*cli, "preload", "stop", "--socket", sock], env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _report(results, [v for v in VARIANTS if v in chosen])

@@ -54,7 +54,7 @@ for s in $steps; do
     restart)
       # a fresh host spends ~85 s on the floor, the page-cache read and the priming start; then ~40 s a run
       timeout "${RESTART_TIMEOUT:-$((150 + 40 * ${RUNS:-1}))}" $B restart $M --device cuda --runs "${RUNS:-1}" \
-        --variants "${RESTART_VARIANTS:-hf,cold,warm}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
+        --variants "${RESTART_VARIANTS:-hf,cold,warm,warm-fe}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
     restart-profile)   # one attached start under Python's profiler, per thread (worker/startup_profile.py) -> logs.tgz
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-240}" $B restart $M --device cuda \
