@@ -243,14 +243,29 @@ def _paired(device: str, env: dict[str, str], once):
 
 
 def _variant(name: str, runs: int, once) -> dict:
-    rows = []
+    return _interleaved(runs, {name: once})[name]
+
+
+def _interleaved(runs: int, onces: dict) -> dict[str, dict]:
+    """Run i of every variant, then run i + 1 of each: variants compared on one host see the
+    same drift (the H200 hosts' start-up times drift by tenths of a second within a call).
+    A variant that fails keeps its rows so far and its error; the others go on."""
+    rows: dict[str, list[dict]] = {name: [] for name in onces}
+    errors: dict[str, str] = {}
     for i in range(runs):
-        try:
-            rows.append(once(i))
-        except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
-            log.error("variant %s, run %d failed: %s", name, i, e)
-            return {"error": f"{type(e).__name__}: {e}", **(_summary(rows) if rows else {})}
-    return _summary(rows)
+        for name, once in onces.items():
+            if name in errors:
+                continue
+            try:
+                rows[name].append(once(i))
+            except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+                log.error("variant %s, run %d failed: %s", name, i, e)
+                errors[name] = f"{type(e).__name__}: {e}"
+    out = {}
+    for name in onces:
+        summary = _summary(rows[name]) if rows[name] else {}
+        out[name] = {"error": errors[name], **summary} if name in errors else summary
+    return out
 
 
 def _warm_page_cache(folder: Path) -> float:
@@ -392,18 +407,20 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
                     _serve_run(model, [*base, "--preload", "require", "--socket", sock], work, env, "prime", 0)
                 except Exception as e:  # noqa: BLE001 - the timed runs will show the problem
                     log.warning("priming start failed: %s", e)
+            attached = {}
             if "warm" in chosen:
-                before = _daemon_attach_s(sock)
-                results["warm"] = _variant("warm", runs, _paired(device, env, lambda i: _serve_run(
-                    model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i)))
-                after = _daemon_attach_s(sock)
-                if before is not None and after is not None and after[1] > before[1]:
-                    # The daemon's share of the workers' attach time (the RPC handler only).
-                    results["warm"]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
+                attached["warm"] = _paired(device, env, lambda i: _serve_run(
+                    model, [*base, "--preload", "require", "--socket", sock], work, env, "warm", i))
             if "warm-fe" in chosen:   # HTTP and the tokenizer in a front-end process (worker/frontend.py)
-                results["warm-fe"] = _variant("warm-fe", runs, _paired(device, env, lambda i: _serve_run(
+                attached["warm-fe"] = _paired(device, env, lambda i: _serve_run(
                     model, [*base, "--preload", "require", "--socket", sock, "--frontend", "process"], work, env,
-                    "warm-fe", i)))
+                    "warm-fe", i))
+            before = _daemon_attach_s(sock)
+            results.update(_interleaved(runs, attached))
+            after = _daemon_attach_s(sock)
+            if before is not None and after is not None and after[1] > before[1]:
+                # The daemon's share of the workers' attach time (the RPC handler only), over all attaches.
+                results[next(iter(attached))]["daemon_attach_s"] = (after[0] - before[0]) / (after[1] - before[1])
         if "cold" in chosen:
             results["cold"] = _variant("cold", runs, _paired(device, env, lambda i: _serve_run(
                 model, [*base, "--preload", "off"], work, env, "cold", i)))

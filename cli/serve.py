@@ -132,7 +132,10 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
           admin_socket: str | None, frontend: str) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
-    from resident.worker.entrypoint import ServeConfig, process_start_time, run_server
+    # Not entrypoint yet: with --frontend process this process never imports the HTTP server
+    # before torch (its front-end process serves HTTP).
+    from resident.worker.proc_time import process_start_time
+    from resident.worker.serve_config import ServeConfig
 
     try:
         sock = None if preload == "off" else resolve_socket(socket)
@@ -157,6 +160,12 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if data_parallel_size is None and not standby_replicas and not launcher:
+        if frontend == "process":
+            from resident.worker.frontend_server import run
+
+            sys.exit(run(config))
+        from resident.worker.entrypoint import run_server
+
         sys.exit(run_server(config))
     if frontend == "process":
         raise click.UsageError("--frontend process serves a single worker; the supervisor's replicas "

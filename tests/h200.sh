@@ -8,7 +8,8 @@
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
-#   restart-profile (not in the default; ~150 s on a fresh host): one attached start with RESIDENT_STARTUP_PROFILE:
+#   restart-profile (not in the default; ~150 s on a fresh host): one attached start (PROFILE_VARIANTS: warm, or
+#      warm-fe for --frontend process) with RESIDENT_STARTUP_PROFILE:
 #      pstats and text summaries per thread (imports, build, Triton/GEMM prefetch, verify) in logs.tgz
 #   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
 #   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
@@ -58,7 +59,7 @@ for s in $steps; do
     restart-profile)   # one attached start under Python's profiler, per thread (worker/startup_profile.py) -> logs.tgz
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-240}" $B restart $M --device cuda \
-        --runs 1 --variants warm --json "$OUT/restart-profile.json" >> "$LOG" 2>&1 ;;
+        --runs 1 --variants "${PROFILE_VARIANTS:-warm}" --json "$OUT/restart-profile.json" >> "$LOG" 2>&1 ;;
     throughput)
       timeout "${THROUGHPUT_TIMEOUT:-180}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
         --quantization "${QUANTS:-none,fp8_per_tensor}" --async-scheduling "${ASYNC_MODES:-on,off}" \

@@ -196,14 +196,11 @@ class EngineSide:
 
 async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
     """Build the worker, serve the front-end's requests until told to stop; the exit code."""
-    from resident.worker.api_server import ServerState
-    from resident.worker.entrypoint import _start_admin, _stop_admin, sd_notify
     from resident.worker.metrics import ServerMetrics
     from resident.worker.startup import build_worker, explains_itself, in_thread, start_kv_growth
 
     metrics = ServerMetrics(config.model_name)
-    state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
-                        model_root=config.model)
+    state = EngineState()
     link = await Link.open(frontend.link_sock)
     side = EngineSide(link, metrics)
     reader = asyncio.create_task(side.read_link())
@@ -213,9 +210,6 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         loop.add_signal_handler(sig, stop.set)
     admin = None
     try:
-        admin = await _start_admin(config, state, stop)
-        if admin is not None:
-            admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
         worker = await _build(config, startup, metrics, state, side, stop, build_worker, in_thread, explains_itself)
         if worker is None:
             link.send(("failed", state.failed or "stopped during start-up"))
@@ -232,7 +226,7 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         worker.llm_engine.eos_token_ids = frozenset(hello.eos_token_ids)
         worker.engine.start()
         side.engine = worker.engine
-        state.serving = worker.serving
+        state.engine = worker.engine
         startup.phases["total"] = time.time() - startup.t0
         metrics.set_startup_phases(startup.phases)
         state.ready = True
@@ -241,8 +235,9 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         logger.info("%s; weights from %s; tokenizer in the front-end process (%.2f s, loaded %.2f s after exec)",
                     startup.summary(), worker.store.source, hello.tokenizer_s, hello.started_s)
         logger.info("%s", startup.cpu_summary())
-        sd_notify(config.notify_socket, "READY=1")
+        _sd_notify(config, "READY=1")
         growth = worker.kv_growth = start_kv_growth(worker, metrics, config.gpu_memory_utilization)
+        admin = await _start_admin(config, state, stop)
         code = await _serve_until_stopped(config, state, side, stop)
         worker.engine.shutdown()
         if growth is not None:
@@ -251,11 +246,50 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         logger.info("stopped")
         return code
     finally:
-        await _stop_admin(admin)
+        if admin is not None:
+            await admin.stop()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await link.close()
         frontend.reap(DRAIN_SLACK_S)
+
+
+@dataclass
+class EngineState:
+    """What the admin socket's ServeControl reads of this process (admin.py): ready, draining,
+    failed, paused (never: no snapshots here), alive (the engine thread)."""
+
+    ready: bool = False
+    draining: bool = False
+    failed: str | None = None
+    paused: str | None = None
+    engine: Any = None
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and (self.engine is None or self.engine.error is None)
+
+    @property
+    def num_http_in_flight(self) -> int:
+        """The front-end's requests in this engine (its HTTP requests are the front-end's)."""
+        return self.engine.num_in_flight if self.engine is not None else 0
+
+
+async def _start_admin(config: Any, state: EngineState, stop: asyncio.Event) -> Any:
+    """The admin socket, once ready (/ready, /drain; snapshots refused with the reason): it
+    imports the HTTP server, which nothing before ready needs in this process."""
+    from resident.worker.entrypoint import _start_admin as start
+
+    admin = await start(config, state, stop)
+    if admin is not None:
+        admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
+    return admin
+
+
+def _sd_notify(config: Any, state: str) -> None:
+    from resident.daemon import sd_notify
+
+    sd_notify.notify(state, env={"NOTIFY_SOCKET": config.notify_socket or ""})
 
 
 async def _build(config: Any, startup: Any, metrics: Any, state: Any, side: EngineSide, stop: asyncio.Event,
@@ -309,9 +343,7 @@ async def _serve_until_stopped(config: Any, state: Any, side: EngineSide, stop: 
         state.failed = side.failed
         return 1
     logger.info("stopping: the front-end drains in-flight requests (up to %.0f s)", config.drain_timeout_s)
-    from resident.worker.entrypoint import sd_notify
-
-    sd_notify(config.notify_socket, "STOPPING=1")
+    _sd_notify(config, "STOPPING=1")
     state.draining = True
     side.link.send(("drain",))   # (a front-end told by a signal of its own may have drained already)
     try:
@@ -333,7 +365,7 @@ def _release(worker: Any) -> None:
 
 def run(config: Any) -> int:
     """`resident serve --frontend process`: the engine process's whole life; its exit code."""
-    from resident.worker.entrypoint import prepare_process
+    from resident.worker.process_prep import prepare_process
 
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     try:
