@@ -132,7 +132,7 @@ class EngineSide:
         for task in list(self._tasks.values()):
             task.cancel()   # closing each request's stream aborts it in the engine
         if not self.hello.done():
-            self.hello.set_exception(LinkClosed(self.failed or "the front-end process exited"))
+            self.hello.set_result(None)   # never comes
         self.gone.set()
 
     def _dispatch(self, message: tuple) -> None:
@@ -156,7 +156,7 @@ class EngineSide:
             self.failed = message[1]
             self.gone.set()
             if not self.hello.done():
-                self.hello.set_exception(LinkClosed(message[1]))
+                self.hello.set_result(None)
         elif kind == "drained":
             self.drained = True
         else:
@@ -197,7 +197,7 @@ class EngineSide:
 async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
     """Build the worker, serve the front-end's requests until told to stop; the exit code."""
     from resident.worker.metrics import ServerMetrics
-    from resident.worker.startup import build_worker, explains_itself, in_thread, start_kv_growth
+    from resident.worker.startup import build_worker, explains_itself, in_thread, join_startup_threads, start_kv_growth
 
     metrics = ServerMetrics(config.model_name)
     state = EngineState()
@@ -210,9 +210,17 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         loop.add_signal_handler(sig, stop.set)
     admin = None
     try:
+        await asyncio.sleep(0)   # what the front-end said while this process imported torch
+        if side.failed is not None:
+            logger.error("resident serve could not start: %s", side.failed)
+            join_startup_threads(startup)
+            if startup.switch_interval is not None:
+                startup.switch_interval.restore()
+            return 1
         worker = await _build(config, startup, metrics, state, side, stop, build_worker, in_thread, explains_itself)
         if worker is None:
-            link.send(("failed", state.failed or "stopped during start-up"))
+            if side.failed is None:   # the front-end knows its own failure
+                link.send(("failed", state.failed or "stopped during start-up"))
             return 1 if state.failed else 0
         try:
             hello = await _await_hello(side, stop)
@@ -326,6 +334,8 @@ async def _await_hello(side: EngineSide, stop: asyncio.Event) -> Any:
     await asyncio.wait([side.hello, stopper], return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
     if side.hello.done():
+        if side.hello.result() is None:
+            raise LinkClosed(side.failed or "the front-end process exited")
         return side.hello.result()
     logger.info("stopped during start-up")
     return None

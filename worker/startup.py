@@ -117,17 +117,21 @@ def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetr
         with profiled("build"):
             return _build_worker(config, startup, metrics)
     except BaseException:
-        # A failed start ends the process: a start-up thread still inside CUDA code (loading
-        # Triton kernels, the GEMM prefetch's launches) when the interpreter exits aborts it
-        # ("terminate called without an active exception", exit -6 on the H200) instead of
-        # the exit 1 with the reason. Joined at once when the build already joined them.
-        for thread in (startup.triton_prefetch, startup.gemm_prefetch):
-            if thread is not None:
-                thread.join()
+        join_startup_threads(startup)
         raise
     finally:
         if startup.switch_interval is not None:
             startup.switch_interval.restore()
+
+
+def join_startup_threads(startup: StartupTimer) -> None:
+    """Before a failed start ends the process: a start-up thread still inside CUDA code
+    (loading Triton kernels, the GEMM prefetch's launches) when the interpreter exits aborts
+    it ("terminate called without an active exception", exit -6 on the H200) instead of the
+    exit 1 with the reason. At once when the build already joined them."""
+    for thread in (startup.triton_prefetch, startup.gemm_prefetch):
+        if thread is not None:
+            thread.join()
 
 
 def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
@@ -430,4 +434,4 @@ def in_thread(fn: Any, *args: Any) -> asyncio.Future:
 
 
 __all__ = ["KV_GROWTH_CHUNK_BYTES", "StartupTimer", "Worker", "build_worker", "compile_chat_template_after_ready",
-           "in_thread", "log_kv_alloc", "process_start_time", "start_kv_growth"]
+           "in_thread", "join_startup_threads", "log_kv_alloc", "process_start_time", "start_kv_growth"]
