@@ -39,6 +39,8 @@ FRONTEND_FAMILIES = {"resident_request_ttft_seconds", "resident_request_inter_to
                      "resident_request_e2e_latency_seconds", "resident_request_success",
                      "resident_prompt_tokens", "resident_generation_tokens"}
 ENGINE_METRICS_TIMEOUT_S = 5.0
+SNAPSHOT_UNAVAILABLE = ("a worker served with --frontend process cannot be snapshotted yet (CRIU would have "
+                        "to dump both of its processes); serve it with --frontend inline to snapshot it")
 
 
 def _read_start(sock: socket.socket) -> FrontendStart:
@@ -76,7 +78,7 @@ class Frontend:
         self.state = ServerState(served_model_names=(name,), metrics=self.metrics, api_key=start.api_key,
                                  model_root=start.model)
         self.stop = asyncio.Event()
-        self.engine_ready: asyncio.Future[EngineReady] = asyncio.get_running_loop().create_future()
+        self.engine_ready: asyncio.Future[EngineReady | None] = asyncio.get_running_loop().create_future()
         self.engine: Any = None           # the RemoteEngine, once the tokenizer is loaded
         self.engine_gone: str | None = None
         self._metric_waiters: dict[int, asyncio.Future[bytes]] = {}
@@ -93,13 +95,14 @@ class Frontend:
             logger.exception("reading from the engine process failed")
             reason = f"the link to the engine process failed: {e}"
         self.engine_gone = reason
-        if not self.state.draining:
+        if not self.state.draining and self.state.failed is None:   # (a failure already said is not repeated)
             logger.error("%s; the front-end stops (its requests fail)", reason)
-            self.state.failed = self.state.failed or reason
+            self.state.failed = reason
         if self.engine is not None:
             self.engine.fail_all(reason)
         if not self.engine_ready.done():
-            self.engine_ready.set_exception(LinkClosed(reason))
+            self.engine_ready.set_result(None)   # never ready
+            self.engine_ready.exception()   # retrieved: _start no longer waits for it after a failed tokenizer
         for waiter in self._metric_waiters.values():
             if not waiter.done():
                 waiter.set_result(b"")
@@ -121,8 +124,9 @@ class Frontend:
         elif kind == "drain":
             self.stop.set()
         elif kind == "failed":
-            logger.error("the engine process failed: %s", message[1])
-            self.state.failed = message[1]
+            if self.state.failed is None:
+                logger.error("the engine process failed: %s", message[1])
+                self.state.failed = message[1]
             if self.engine is not None:
                 self.engine.fail_all(message[1])
         else:
@@ -195,14 +199,51 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
     site = web.SockSite(runner, http_sock)
     await site.start()
 
-    code = await _start(fe)
+    admin = None
+    try:
+        admin = await _start_admin(fe)
+    except OSError as e:
+        why = str(e)
+        logger.error("%s", why)
+        fe.state.failed = why
+        fe.link.send(("failed", why))
+        code = 1
+    else:
+        code = await _start(fe)
     if code == 0:
         await fe.stop.wait()
+    # Before _drain, which sets draining: the engine process gone while serving is an exit 1.
+    lost = fe.engine_gone is not None and not fe.state.draining
     await _drain(fe, runner, site)
+    if admin is not None:
+        await admin.stop()
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
     await link.close()
-    return code if fe.engine_gone is None or fe.state.draining else 1
+    return 1 if lost else code
+
+
+async def _start_admin(fe: Frontend) -> Any:
+    """The worker's admin socket (admin.py: /ready, /drain, /status; the snapshot routes answer
+    409 with SNAPSHOT_UNAVAILABLE), served here, where the HTTP server is loaded anyway. None,
+    with a warning, when the default path cannot be bound; OSError for a given one."""
+    from resident.worker.admin import AdminServer, ServeControl
+
+    path = fe.start.admin_socket
+    if path is None:
+        return None
+    admin = AdminServer(ServeControl(fe.state, fe.stop.set), path)
+    admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
+    try:
+        await admin.start()
+    except OSError as e:
+        if fe.start.admin_socket_given:
+            raise OSError(e.errno, f"cannot bind the admin socket --admin-socket {path}: {e.strerror}; choose "
+                                   "a writable path") from None
+        logger.warning("no admin socket: cannot bind %s: %s; set $RESIDENT_RUNTIME_DIR or --admin-socket", path, e)
+        return None
+    logger.info("admin socket: %s", path)
+    return admin
 
 
 async def _start(fe: Frontend) -> int:
@@ -229,7 +270,7 @@ async def _start(fe: Frontend) -> int:
     waiter = asyncio.ensure_future(fe.stop.wait())
     await asyncio.wait([fe.engine_ready, waiter], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
-    if not fe.engine_ready.done() or fe.engine_ready.exception() is not None:
+    if not fe.engine_ready.done() or fe.engine_ready.result() is None:
         return 0 if fe.engine_gone is None else 1   # stopped during start-up, or the engine is gone
     await fe.become_ready(tokenizer, fe.engine_ready.result())
     return 0

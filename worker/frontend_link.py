@@ -55,6 +55,8 @@ class FrontendStart:
     trust_request_chat_template: bool
     drain_timeout_s: float
     log_level: str = "INFO"
+    admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
+    admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,11 @@ async def read(reader: asyncio.StreamReader) -> tuple:
         if size > MAX_FRAME_BYTES:
             raise LinkClosed(f"a link frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
         body = await reader.readexactly(size)
-    except (asyncio.IncompleteReadError, ConnectionResetError) as e:
+    except LinkClosed:
+        raise
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        # ConnectionError: a write into a link the other process closed fails the transport,
+        # and its reader raises that error (BrokenPipeError, ConnectionResetError).
         raise LinkClosed("the other process closed the link") from e
     return pickle.loads(body)
 
@@ -146,8 +152,13 @@ def merge_expositions(frontend: bytes, engine: bytes, frontend_names: set[str]) 
 
 
 def _family(name: str) -> str:
-    """A counter's exposed name without its `_total` suffix (the name it was declared with)."""
-    return name[: -len("_total")] if name.endswith("_total") else name
+    """The name a metric was declared with: a counter is exposed as `NAME_total`, and
+    prometheus_client exposes the `NAME_created` samples of counters and histograms as a
+    family of their own (which belongs with NAME)."""
+    for suffix in ("_total", "_created"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 __all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "encode",

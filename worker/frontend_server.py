@@ -6,12 +6,13 @@ Order: `bind_and_spawn` (before the heavy imports) binds the HTTP socket, prints
 "listening on" line, writes --port-file, and starts the front-end with that socket and its
 end of the link; the engine process then imports torch, attaches the weights and builds
 the model while the front-end loads the tokenizer. `serve` waits for both the build and the
-front-end's hello (its EOS ids), then says ready over the link, on the admin socket and to
-systemd (READY=1: the HTTP API answers). The startup phases have no "tokenizer": it is not
+front-end's hello (its EOS ids), then says ready over the link and to systemd (READY=1:
+the HTTP API answers). The worker's admin socket (/ready, /drain, /status; snapshots refused)
+is the front-end's: this process never imports the HTTP server. The startup phases have no "tokenizer": it is not
 on this process's path (the front-end logs its own load time).
 
-Stopping: SIGTERM/SIGINT or the admin socket's /drain -> "drain" to the front-end, which
-stops accepting, finishes its requests within --drain-timeout and says "drained"; then the
+Stopping: SIGTERM/SIGINT -> "drain" to the front-end (which also drains on a signal of its
+own or the admin socket's /drain): it stops accepting, finishes its requests within --drain-timeout and says "drained"; then the
 engine shuts down and the process exits 0. The front-end gone without draining (killed,
 crashed): its requests are aborted, and this process exits 1, so a service manager
 restarts the pair. A front-end that cannot start (bad tokenizer files) ends the start-up
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -33,15 +35,12 @@ from typing import Any
 
 from resident.worker.frontend_link import EngineReady, FrontendStart, Link, LinkClosed, send_blocking
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
+from resident.worker.snapshot_control import admin_socket_for_pid
 
 logger = logging.getLogger(__name__)
 
 #: How long after the drain timeout the engine waits for the front-end's "drained".
 DRAIN_SLACK_S = 15.0
-
-
-SNAPSHOT_UNAVAILABLE = ("a worker served with --frontend process cannot be snapshotted yet (CRIU would have "
-                        "to dump both of its processes); serve it with --frontend inline to snapshot it")
 
 
 class FrontendStartError(RuntimeError):
@@ -86,7 +85,9 @@ def bind_and_spawn(config: Any, log_level: str) -> FrontendProcess:
             served_model_name=config.model_name, api_key=config.api_key,
             chat_template_file=config.chat_template_file,
             trust_request_chat_template=config.trust_request_chat_template,
-            drain_timeout_s=config.drain_timeout_s, log_level=log_level)
+            drain_timeout_s=config.drain_timeout_s, log_level=log_level,
+            admin_socket=os.path.abspath(config.admin_socket or admin_socket_for_pid(os.getpid())),
+            admin_socket_given=config.admin_socket is not None)
         send_blocking(ours, ("start", start))
         t0 = config.process_start_time or time.time()
         cmd = [sys.executable, "-m", "resident.worker.frontend", "--link-fd", str(theirs.fileno()),
@@ -208,7 +209,6 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    admin = None
     try:
         await asyncio.sleep(0)   # what the front-end said while this process imported torch
         if side.failed is not None:
@@ -234,7 +234,6 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         worker.llm_engine.eos_token_ids = frozenset(hello.eos_token_ids)
         worker.engine.start()
         side.engine = worker.engine
-        state.engine = worker.engine
         startup.phases["total"] = time.time() - startup.t0
         metrics.set_startup_phases(startup.phases)
         state.ready = True
@@ -245,7 +244,6 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         logger.info("%s", startup.cpu_summary())
         _sd_notify(config, "READY=1")
         growth = worker.kv_growth = start_kv_growth(worker, metrics, config.gpu_memory_utilization)
-        admin = await _start_admin(config, state, stop)
         code = await _serve_until_stopped(config, state, side, stop)
         worker.engine.shutdown()
         if growth is not None:
@@ -254,8 +252,6 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         logger.info("stopped")
         return code
     finally:
-        if admin is not None:
-            await admin.stop()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await link.close()
@@ -264,34 +260,11 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
 
 @dataclass
 class EngineState:
-    """What the admin socket's ServeControl reads of this process (admin.py): ready, draining,
-    failed, paused (never: no snapshots here), alive (the engine thread)."""
+    """The engine process's start-up and stop (its HTTP and admin state are the front-end's)."""
 
     ready: bool = False
     draining: bool = False
     failed: str | None = None
-    paused: str | None = None
-    engine: Any = None
-
-    @property
-    def alive(self) -> bool:
-        return self.failed is None and (self.engine is None or self.engine.error is None)
-
-    @property
-    def num_http_in_flight(self) -> int:
-        """The front-end's requests in this engine (its HTTP requests are the front-end's)."""
-        return self.engine.num_in_flight if self.engine is not None else 0
-
-
-async def _start_admin(config: Any, state: EngineState, stop: asyncio.Event) -> Any:
-    """The admin socket, once ready (/ready, /drain; snapshots refused with the reason): it
-    imports the HTTP server, which nothing before ready needs in this process."""
-    from resident.worker.entrypoint import _start_admin as start
-
-    admin = await start(config, state, stop)
-    if admin is not None:
-        admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
-    return admin
 
 
 def _sd_notify(config: Any, state: str) -> None:
