@@ -267,6 +267,8 @@ async def _start(fe: Frontend) -> int:
     logger.info("front-end: tokenizer loaded in %.2f s (%.2f s after exec); waiting for the engine",
                 hello.tokenizer_s, hello.started_s)
     _compile_chat_template(tokenizer)
+    # The text path's first calls while the engine still imports (not on the first request's time).
+    tokenizer.decode(tokenizer.encode("Hello, world", add_special_tokens=True), skip_special_tokens=True)
     waiter = asyncio.ensure_future(fe.stop.wait())
     await asyncio.wait([fe.engine_ready, waiter], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
