@@ -65,9 +65,10 @@ class ServeControl:
     """`ReplicaControl` for a single `resident serve` process (no supervisor, never standby):
     its state follows the HTTP server's; /drain stops it as SIGTERM does."""
 
-    def __init__(self, server_state: Any, stop: Callable[[], None]) -> None:
+    def __init__(self, server_state: Any, stop: Callable[[], None], pid: int | None = None) -> None:
         self.server_state = server_state
         self._stop = stop
+        self.pid = pid or os.getpid()   # --frontend process: the engine process's (its front-end serves this)
 
     @property
     def state(self) -> ReplicaState:
@@ -91,7 +92,7 @@ class ServeControl:
 
     def status(self) -> dict[str, Any]:
         s = self.server_state
-        return {"pid": os.getpid(), "state": self.state.value, "num_http_in_flight": s.num_http_in_flight,
+        return {"pid": self.pid, "state": self.state.value, "num_http_in_flight": s.num_http_in_flight,
                 "paused": s.paused}
 
 

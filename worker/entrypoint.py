@@ -116,7 +116,10 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    admin = await _start_admin(config, state, stop)
+    try:
+        admin = await _start_admin(config, state, stop)
+    except OSError as e:   # an --admin-socket that cannot be bound: one line, no traceback
+        return await _cannot_start(runner, e.strerror or str(e))
 
     build = in_thread(build_worker, config, startup, metrics)
     stopper = asyncio.ensure_future(stop.wait())

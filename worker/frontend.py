@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -203,7 +204,7 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
     try:
         admin = await _start_admin(fe)
     except OSError as e:
-        why = str(e)
+        why = e.strerror or str(e)   # (str() would lead with "[Errno N]")
         logger.error("%s", why)
         fe.state.failed = why
         fe.link.send(("failed", why))
@@ -232,7 +233,7 @@ async def _start_admin(fe: Frontend) -> Any:
     path = fe.start.admin_socket
     if path is None:
         return None
-    admin = AdminServer(ServeControl(fe.state, fe.stop.set), path)
+    admin = AdminServer(ServeControl(fe.state, fe.stop.set, pid=os.getppid()), path)   # the worker's pid: the engine's
     admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
     try:
         await admin.start()
