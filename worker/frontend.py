@@ -103,7 +103,6 @@ class Frontend:
             self.engine.fail_all(reason)
         if not self.engine_ready.done():
             self.engine_ready.set_result(None)   # never ready
-            self.engine_ready.exception()   # retrieved: _start no longer waits for it after a failed tokenizer
         for waiter in self._metric_waiters.values():
             if not waiter.done():
                 waiter.set_result(b"")
