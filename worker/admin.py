@@ -129,6 +129,22 @@ class AdminServer:
         await web.UnixSite(self._runner, self.path).start()
         os.chmod(self.path, 0o600)
 
+    async def start_or_warn(self, given: bool) -> AdminServer | None:
+        """`start`, for a serving process: self once bound; None, with a warning, when the
+        default path cannot be bound; OSError naming the flag for a path given by
+        --admin-socket, which must work."""
+        try:
+            await self.start()
+        except OSError as e:
+            if given:
+                raise OSError(e.errno, f"cannot bind the admin socket --admin-socket {self.path}: {e.strerror}; "
+                                       "choose a writable path") from None
+            logger.warning("no admin socket (snapshots unavailable): cannot bind %s: %s; set $RESIDENT_RUNTIME_DIR "
+                           "or --admin-socket", self.path, e)
+            return None
+        logger.info("admin socket: %s", self.path)
+        return self
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()

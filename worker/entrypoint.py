@@ -184,18 +184,7 @@ async def _start_admin(config: ServeConfig, state: ServerState, stop: asyncio.Ev
     from resident.worker.snapshot_control import admin_socket_for_pid
 
     path = os.path.abspath(config.admin_socket or admin_socket_for_pid(os.getpid()))
-    admin = AdminServer(ServeControl(state, stop.set), path)
-    try:
-        await admin.start()
-    except OSError as e:
-        if config.admin_socket:
-            raise OSError(e.errno, f"cannot bind the admin socket --admin-socket {path}: {e.strerror}; choose "
-                                   "a writable path") from None
-        logger.warning("no admin socket (snapshots unavailable): cannot bind %s: %s; set $RESIDENT_RUNTIME_DIR "
-                       "or --admin-socket", path, e)
-        return None
-    logger.info("admin socket: %s", path)
-    return admin
+    return await AdminServer(ServeControl(state, stop.set), path).start_or_warn(bool(config.admin_socket))
 
 
 async def _stop_admin(admin: Any) -> None:

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from resident.worker.frontend_link import EngineReady, FrontendHello, FrontendStart, Link, LinkClosed, \
-    merge_expositions
+    merge_expositions, read_blocking
 
 logger = logging.getLogger("resident.worker.frontend")
 
@@ -45,20 +45,7 @@ SNAPSHOT_UNAVAILABLE = ("a worker served with --frontend process cannot be snaps
 
 
 def _read_start(sock: socket.socket) -> FrontendStart:
-    import pickle
-    import struct
-
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise LinkClosed("the engine process closed the link before it sent the start message")
-            data += chunk
-        return data
-
-    (size,) = struct.unpack("!I", exactly(4))
-    message = pickle.loads(exactly(size))
+    message = read_blocking(sock)
     if message[0] != "start":
         raise LinkClosed(f"the engine process sent {message[0]!r} before its start message")
     return message[1]
@@ -234,21 +221,13 @@ async def _start_admin(fe: Frontend) -> Any:
         return None
     admin = AdminServer(ServeControl(fe.state, fe.stop.set, pid=os.getppid()), path)   # the worker's pid: the engine's
     admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
-    try:
-        await admin.start()
-    except OSError as e:
-        if fe.start.admin_socket_given:
-            raise OSError(e.errno, f"cannot bind the admin socket --admin-socket {path}: {e.strerror}; choose "
-                                   "a writable path") from None
-        logger.warning("no admin socket: cannot bind %s: %s; set $RESIDENT_RUNTIME_DIR or --admin-socket", path, e)
-        return None
-    logger.info("admin socket: %s", path)
-    return admin
+    return await admin.start_or_warn(fe.start.admin_socket_given)
 
 
 async def _start(fe: Frontend) -> int:
     """Load the tokenizer, say hello, wait for the engine's ready; 0 when serving, else 1."""
     from resident.worker.remote_engine import RemoteEngine
+    from resident.worker.tokenizer import compile_default_chat_template_in_background
 
     t_load = time.monotonic()
     try:
@@ -266,7 +245,7 @@ async def _start(fe: Frontend) -> int:
     fe.link.send(("hello", hello))
     logger.info("front-end: tokenizer loaded in %.2f s (%.2f s after exec); waiting for the engine",
                 hello.tokenizer_s, hello.started_s)
-    _compile_chat_template(tokenizer)
+    compile_default_chat_template_in_background(tokenizer)   # beside the engine's start (jinja2's import too)
     # The text path's first calls while the engine still imports (not on the first request's time).
     tokenizer.decode(tokenizer.encode("Hello, world", add_special_tokens=True), skip_special_tokens=True)
     waiter = asyncio.ensure_future(fe.stop.wait())
@@ -276,22 +255,6 @@ async def _start(fe: Frontend) -> int:
         return 0 if fe.engine_gone is None else 1   # stopped during start-up, or the engine is gone
     await fe.become_ready(tokenizer, fe.engine_ready.result())
     return 0
-
-
-def _compile_chat_template(tokenizer: Any) -> None:
-    """The default chat template, compiled beside the engine's start (jinja2's import too)."""
-    import threading
-
-    if "default" not in getattr(tokenizer, "chat_templates", {}):
-        return
-
-    def compile_default() -> None:
-        try:
-            tokenizer.get_chat_template()
-        except Exception as e:  # noqa: BLE001 - the first chat request reports it with its own status
-            logger.warning("the model's chat template does not compile: %s", e)
-
-    threading.Thread(target=compile_default, name="resident-chat-template", daemon=True).start()
 
 
 async def _drain(fe: Frontend, runner: Any, site: Any) -> None:

@@ -84,6 +84,23 @@ def send_blocking(sock: socket.socket, message: tuple) -> None:
     sock.sendall(encode(message))
 
 
+def read_blocking(sock: socket.socket) -> tuple:
+    """Before an event loop runs (the start message); LinkClosed at the end of the stream."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise LinkClosed("the other process closed the link")
+            data += chunk
+        return data
+
+    (size,) = _HEADER.unpack(exactly(_HEADER.size))
+    if size > MAX_FRAME_BYTES:
+        raise LinkClosed(f"a link frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return pickle.loads(exactly(size))
+
+
 async def read(reader: asyncio.StreamReader) -> tuple:
     """The next message; LinkClosed at the end of the stream."""
     try:
@@ -162,4 +179,4 @@ def _family(name: str) -> str:
 
 
 __all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "encode",
-           "merge_expositions", "read", "send_blocking"]
+           "merge_expositions", "read", "read_blocking", "send_blocking"]

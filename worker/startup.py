@@ -383,19 +383,9 @@ def compile_chat_template_after_ready(worker: Worker) -> threading.Thread | None
     """Compile the model's default chat template (importing jinja2) in a thread once the
     worker is ready: neither is needed before the first chat request, which then finds the
     template compiled. None when the model has no default template."""
-    tokenizer = worker.tokenizer
-    if tokenizer is None or "default" not in getattr(tokenizer, "chat_templates", {}):
-        return None
+    from resident.worker.tokenizer import compile_default_chat_template_in_background
 
-    def compile_default() -> None:
-        try:
-            tokenizer.get_chat_template()
-        except Exception as e:  # noqa: BLE001 - the first chat request reports it with its own status
-            logger.warning("the model's chat template does not compile: %s", e)
-
-    thread = threading.Thread(target=compile_default, name="resident-chat-template", daemon=True)
-    thread.start()
-    return thread
+    return compile_default_chat_template_in_background(worker.tokenizer)
 
 
 def explains_itself(e: BaseException) -> bool:

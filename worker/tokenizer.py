@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -247,3 +248,21 @@ class Tokenizer:
         template = self.get_chat_template(chat_template, tools)
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                special_tokens=self.special_tokens, **template_kwargs)
+
+
+def compile_default_chat_template_in_background(tokenizer: Any) -> threading.Thread | None:
+    """Compile the model's default chat template (importing jinja2) in a daemon thread, so the
+    first chat request finds it compiled; None when the model has no default template. A
+    template that does not compile is logged here and reported by the first chat request."""
+    if tokenizer is None or "default" not in getattr(tokenizer, "chat_templates", {}):
+        return None
+
+    def compile_default() -> None:
+        try:
+            tokenizer.get_chat_template()
+        except Exception as e:  # noqa: BLE001 - the first chat request reports it with its own status
+            logger.warning("the model's chat template does not compile: %s", e)
+
+    thread = threading.Thread(target=compile_default, name="resident-chat-template", daemon=True)
+    thread.start()
+    return thread
