@@ -10,7 +10,7 @@
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
 #   restart-profile (not in the default; ~150 s on a fresh host): one attached start (PROFILE_VARIANTS: warm, or
 #      warm-fe for --frontend process) with RESIDENT_STARTUP_PROFILE:
-#      pstats and text summaries per thread (imports, build, Triton/GEMM prefetch, verify) in logs.tgz
+#      a stack sampler's report (wall time per function, per thread and section) and flame-graph stacks in logs.tgz
 #   ASYNC_MODES: the throughput/profile steps' --async-scheduling (default on,off: each row in both modes)
 #   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
@@ -56,7 +56,7 @@ for s in $steps; do
       # a fresh host spends ~85 s on the floor, the page-cache read and the priming start; then ~40 s a run
       timeout "${RESTART_TIMEOUT:-$((150 + 40 * ${RUNS:-1}))}" $B restart $M --device cuda --runs "${RUNS:-1}" \
         --variants "${RESTART_VARIANTS:-hf,cold,warm,warm-fe}" --json "$OUT/restart.json" --plot "$OUT/restart.png" >> "$LOG" 2>&1 ;;
-    restart-profile)   # one attached start under Python's profiler, per thread (worker/startup_profile.py) -> logs.tgz
+    restart-profile)   # one attached start under the stack sampler (worker/startup_profile.py) -> logs.tgz
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       RESIDENT_STARTUP_PROFILE=/tmp/bench-logs/profiles timeout "${RESTART_TIMEOUT:-240}" $B restart $M --device cuda \
         --runs 1 --variants "${PROFILE_VARIANTS:-warm}" --json "$OUT/restart-profile.json" >> "$LOG" 2>&1 ;;

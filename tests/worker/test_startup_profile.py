@@ -1,16 +1,17 @@
 """Start-up profiles (worker/startup_profile.py): off unless $RESIDENT_STARTUP_PROFILE names a
-directory; then the imports, the build and each start-up thread write a pstats file and a
-text summary each, and a profile that cannot be written never fails the start."""
+directory; then a stack sampler charges wall time to every thread's stacks, the imports, the
+build and each start-up thread are marked sections of its report, and a profile that cannot
+be written never fails the start."""
 from __future__ import annotations
 
 import logging
 import os
-import pstats
+import threading
 import time
 
 from serve_helpers import servable_tiny_model
 
-from resident.worker.startup_profile import ENV, profile_dir, profiled
+from resident.worker.startup_profile import ENV, StackSampler, profile_dir, profiled
 
 
 def _work() -> int:
@@ -25,15 +26,45 @@ def test_off_unless_the_variable_names_a_directory(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_a_profiled_block_writes_stats_and_a_summary(tmp_path):
+def _busy(seconds: float) -> int:
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        n += _work()
+    return n
+
+
+def _sleepy(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_the_sampler_charges_wall_time_to_each_threads_functions(tmp_path):
+    sampler = StackSampler(tmp_path).start()
+    other = threading.Thread(target=_sleepy, args=(0.3,), name="sleeper")
+    other.start()
+    section = sampler.open("build")
+    _busy(0.3)
+    sampler.close(section)   # the final section: stops the sampler and writes the report
+    other.join()
+    assert sampler.finished
+    text = (tmp_path / f"{os.getpid()}-samples.txt").read_text()
+    build, others = text.split("== thread ", 1)
+    assert "== section build on thread MainThread" in build and "_busy (" in build and "_work (" in build
+    # the busy loop's wall time, not its share of samples: most of the 0.3 s is charged to it
+    charged = float(next(line for line in build.splitlines() if "_busy (" in line).split()[0])
+    assert 0.2 < charged < 0.45, text
+    assert "sleeper during build" in others and "_sleepy (" in others   # a sleeping thread is charged too
+    folded = (tmp_path / f"{os.getpid()}-MainThread.folded").read_text()
+    assert any(line.rsplit(" ", 1)[0].endswith(")") and "_busy (" in line for line in folded.splitlines())
+
+
+def test_a_profiled_block_is_a_section_of_the_processs_sampler(tmp_path):
     folder = tmp_path / "profiles"   # created on demand
-    with profiled("block", {ENV: str(folder)}):
-        _work()
-    prof, txt = folder / f"{os.getpid()}-block.prof", folder / f"{os.getpid()}-block.txt"
-    names = {func[2] for func in pstats.Stats(str(prof)).stats}
-    assert "_work" in names
-    text = txt.read_text()
-    assert "_work" in text and text.count("Ordered by") == 2   # by own time, then cumulative
+    with profiled("prepare", {ENV: str(folder)}):
+        _busy(0.05)
+    with profiled("build", {ENV: str(folder)}):   # ends the sampler and writes
+        _busy(0.05)
+    text = (folder / f"{os.getpid()}-samples.txt").read_text()
+    assert "== section prepare" in text and "== section build" in text and "_busy (" in text
 
 
 def test_an_unwritable_directory_is_logged_and_the_block_still_runs(tmp_path, caplog):
@@ -41,9 +72,9 @@ def test_an_unwritable_directory_is_logged_and_the_block_still_runs(tmp_path, ca
     blocker.write_text("")
     ran = []
     with caplog.at_level(logging.WARNING, logger="resident.worker.startup_profile"):
-        with profiled("block", {ENV: str(blocker / "sub")}):
+        with profiled("build", {ENV: str(blocker / "sub")}):
             ran.append(_work())
-    assert ran and "could not write the start-up profile block" in caplog.text
+    assert ran and "could not write the start-up profile" in caplog.text
 
 
 def test_a_worker_start_writes_the_imports_the_build_and_each_startup_thread(tmp_path, monkeypatch):
@@ -61,7 +92,8 @@ def test_a_worker_start_writes_the_imports_the_build_and_each_startup_thread(tmp
     assert prepared is not None
     worker = build_worker(*prepared, ServerMetrics("tiny"))
     worker.store.close()
-    written = {p.name.split("-", 1)[1] for p in folder.glob("*.prof")}
-    assert {"prepare.prof", "build.prof", "resident-verify.prof"} <= written, written
-    build = pstats.Stats(str(folder / f"{os.getpid()}-build.prof"))
-    assert any(func[2] == "warmup" for func in build.stats)   # the warm-up ran under the build's profile
+    text = (folder / f"{os.getpid()}-samples.txt").read_text()
+    for section in ("prepare", "build", "resident-verify"):
+        assert f"== section {section} on thread" in text, text
+    build = text.split("== section build", 1)[1].split("== section", 1)[0]
+    assert "warmup (" in build   # the warm-up ran on the build's thread, inside its section
