@@ -251,14 +251,24 @@ class AsyncEngine:
         assert self._loop is not None
         engine, loop = self._engine, self._loop
         has_work = False
+        # The runner's start-up work left for after ready (engine.idle_work: decode graphs),
+        # one unit at a time while there is nothing else to do.
+        idle_pending = hasattr(engine, "idle_work")
         try:
             while True:
                 with self._cond:
-                    while not self._commands and not has_work and not self._stopping:
+                    while not self._commands and not has_work and not self._stopping and not idle_pending:
                         self._cond.wait()
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, []
+                if idle_pending and not commands and not has_work:
+                    try:
+                        idle_pending = engine.idle_work()
+                    except Exception:  # noqa: BLE001 - what it did not capture is captured on first use
+                        logger.warning("start-up work after ready failed; it is left to first use", exc_info=True)
+                        idle_pending = False
+                    continue
                 for cmd in commands:
                     if isinstance(cmd, _Grow):
                         try:

@@ -10,13 +10,24 @@ max_blocks_per_seq] spanning max_model_len; each step copies the staged inputs i
 padding block, which no request owns, with a context of one token.
 
 Capture policy (`--cuda-graphs`): `eager` captures every size at start; `lazy` captures the
-small sizes at start (they serve the latency-sensitive low-concurrency case) and each larger
-one on first use; `off` never captures. Graphs share one memory pool, captured largest
-first when captured together. Per-size capture times are kept in `capture_s`.
+small sizes (EAGER_SIZES: they serve the latency-sensitive low-concurrency case) before the
+first requests and each larger one on first use; `off` never captures. In lazy mode only
+batch size 1 (READY_SIZES) is captured before ready; the other small sizes are captured
+right after, one at a time while no request runs (`capture_idle`, called by the engine
+thread between steps), or on first use if a batch needs one sooner. Each capture costs
+30-40 ms of Python on the build thread on the H200 (8B shape), time that sat between exec
+and ready for sizes no request had asked for yet. Graphs share one memory pool, captured
+largest first when captured together. Per-size capture times are kept in `capture_s`.
+
+A capture runs in CUDA's global capture mode, where another thread's device-wide call
+(a synchronize, a memory mapping) invalidates it. CAPTURE_LOCK is held around each capture
+and by the KV cache's growth thread while it maps and zeroes memory
+(`KVCache.map_blocks`), the only other thread that touches the device once the worker serves.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,8 +39,12 @@ from resident.worker.layers.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 GRAPH_MODES = ("eager", "lazy", "off")
-#: Sizes captured at start in lazy mode.
+#: Sizes captured at start in lazy mode (before the first requests).
 EAGER_SIZES = (1, 2, 4, 8)
+#: Of those, the ones captured before ready in lazy mode; the rest right after (`capture_idle`).
+READY_SIZES = (1,)
+#: Held around every capture, and by other threads' device-wide work (module doc).
+CAPTURE_LOCK = threading.Lock()
 #: Buckets step by this above 8.
 BUCKET_STEP = 8
 
@@ -83,16 +98,17 @@ def record_graph(device: torch.device, forward: Callable[[], torch.Tensor],
                  pool: Any = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`forward` captured into a CUDA graph (its memory in `pool`, when given) and the
     graph's output tensor. It runs once on a side stream first: lazy initialisation (kernel
-    loads, workspaces) must not happen inside a capture."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
-    torch.cuda.synchronize(device)
+    loads, workspaces) must not happen inside a capture. Under CAPTURE_LOCK (module doc)."""
+    with CAPTURE_LOCK:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        torch.cuda.synchronize(device)
     return graph, out
 
 
@@ -113,6 +129,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._after_ready: list[int] = []   # start-up sizes left for capture_idle, largest first
         self.capture_s: dict[int, float] = {}
         self.num_replays = 0
 
@@ -137,8 +154,29 @@ class DecodeGraphs:
         return self._forward(self.vec[0, :size], self.vec[1, :size], self.metadata(size))
 
     def capture_startup(self) -> float:
-        """Capture the sizes this mode wants at start (largest first); returns the seconds spent."""
-        return capture_at_start(self.capture, self.sizes, self.mode)
+        """Capture the sizes this mode wants before ready (largest first; in lazy mode
+        READY_SIZES) and leave the other start-up sizes to `capture_idle`; returns the seconds
+        spent."""
+        wanted = startup_sizes(self.sizes, self.mode)
+        now = wanted if self.mode == "eager" else tuple(s for s in wanted if s in READY_SIZES)
+        self._after_ready = sorted(set(wanted) - set(now), reverse=True)
+        return capture_at_start(self.capture, now, "eager")
+
+    @property
+    def idle_pending(self) -> tuple[int, ...]:
+        """The start-up sizes `capture_idle` has yet to capture."""
+        return tuple(s for s in self._after_ready if s not in self._graphs)
+
+    def capture_idle(self) -> bool:
+        """Capture the largest start-up size left for after ready (module doc; one a call, so
+        a request that arrives meanwhile waits for one capture at most); returns whether any
+        remain."""
+        pending = self.idle_pending
+        if pending:
+            self.capture(pending[0])
+            logger.info("(batch size %d captured after ready, while no request ran)", pending[0])
+        self._after_ready = list(pending[1:])
+        return bool(self._after_ready)
 
     def capture(self, size: int) -> None:
         if size in self._graphs:
@@ -180,4 +218,5 @@ class DecodeGraphs:
 
     def close(self) -> None:
         self._graphs.clear()
+        self._after_ready = []
         self._pool = None

@@ -153,6 +153,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._in_flight is not None
 
+    def idle_work(self) -> bool:
+        """One unit of the runner's start-up work left for after ready (its `idle_work`: a
+        decode graph) while no request runs; returns whether more remains. Engine thread only."""
+        work = getattr(self.runner, "idle_work", None)
+        return not self.has_unfinished_requests() and work is not None and bool(work())
+
     # -- KV cache growth -------------------------------------------------------------------
 
     @property

@@ -237,7 +237,7 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         startup.phases["total"] = time.time() - startup.t0
         metrics.set_startup_phases(startup.phases)
         state.ready = True
-        link.send(("ready", EngineReady(worker.serving.opts.max_model_len, worker.serving.vocab_size, worker.store.source,
+        link.send(("ready", EngineReady(worker.max_model_len, worker.vocab_size, worker.store.source,
                                         dict(startup.phases))))
         logger.info("%s; weights from %s; tokenizer in the front-end process (%.2f s, loaded %.2f s after exec)",
                     startup.summary(), worker.store.source, hello.tokenizer_s, hello.started_s)

@@ -131,12 +131,15 @@ class KVCache:
         """
         if self.memory is None or num_blocks <= self.mapped_num_blocks:
             return
+        from resident.worker.cuda_graphs import CAPTURE_LOCK
+
         memory, layout = self._vmm()
         old, new = layout.mapped_segment_bytes(self.mapped_num_blocks), layout.mapped_segment_bytes(num_blocks)
         if new > old:
-            for s in range(layout.num_segments):
-                memory.map(s * layout.segment_bytes + old, new - old)
-            torch.cuda.synchronize(memory.device)
+            with CAPTURE_LOCK:   # a graph captured meanwhile on the engine thread would be invalidated
+                for s in range(layout.num_segments):
+                    memory.map(s * layout.segment_bytes + old, new - old)
+                torch.cuda.synchronize(memory.device)
         self.mapped_num_blocks = num_blocks
 
     def grow(self, num_blocks: int) -> None:

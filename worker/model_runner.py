@@ -152,6 +152,15 @@ class ModelRunner:
                     len(self.graphs.capture_s), len(self.graphs.sizes), spent, times)
         return spent
 
+    def idle_work(self) -> bool:
+        """One unit of start-up work left for after ready: a decode graph of a small batch size
+        (cuda_graphs.DecodeGraphs.capture_idle). The engine thread calls it between steps while
+        no request runs; returns whether more remains."""
+        if self.graphs is None or not self.graphs.idle_pending:
+            return False
+        with torch.inference_mode(), self._device_guard():
+            return self.graphs.capture_idle()
+
     def close(self) -> None:
         """Free the GPU KV cache and graphs now (the runner must not be used afterwards)."""
         if self.graphs is not None:

@@ -81,7 +81,7 @@ class StartupTimer:
 class Worker:
     store: Any
     engine: Any
-    serving: Any
+    serving: Any                  # the OpenAI API over `engine`; None under --frontend process
     runner: Any = None
     tp: Any = None                # rank 0's TPGroup (tensor parallel), closed after the store
     kv_target_blocks: int = 0     # > the engine's blocks: grow to it after /ready (GPU)
@@ -90,6 +90,8 @@ class Worker:
     llm_engine: Any = None        # the LLMEngine under `engine` (snapshot: prefix cache reset)
     kv_growth: Any = None         # the background KV growth thread, while it runs (GPU)
     tokenizer: Any = None         # its chat template is compiled after ready (`compile_chat_template_after_ready`)
+    max_model_len: int = 0
+    vocab_size: int = 0
 
 
 def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
@@ -146,9 +148,6 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     from resident.worker.kv_cache import bytes_per_block
     from resident.worker.kv_profile_cache import KvProfileCache, resolve_cache_path
     from resident.worker.model_runner import ModelRunner
-    from resident.worker.openai_serving import OpenAIServing
-    from resident.worker.protocol import ServingOptions
-    from resident.worker.tokenizer import Tokenizer
     from resident.worker.tp_spawn import spec_fields
     from resident.worker.weight_store import open_store
 
@@ -182,7 +181,9 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
                     f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",
                     time.monotonic() - t_weights)
         tokenizer = None   # --frontend process: the front-end process loads it (frontend.py)
-        if config.frontend == "inline":
+        if config.frontend == "inline":   # (the tokenizer's and the HTTP side's modules too)
+            from resident.worker.tokenizer import Tokenizer
+
             template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
             tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
             startup.end("tokenizer")
@@ -306,12 +307,18 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         if spec_cfg is not None:
             metrics.observe_spec(stats.spec_num_drafts, stats.spec_num_proposed, stats.spec_num_accepted)
 
-    opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
-                          trust_request_chat_template=config.trust_request_chat_template)
     async_engine = AsyncEngine(engine, on_step=on_step)
-    serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
+    serving = None   # --frontend process: the front-end process serves the API
+    if config.frontend == "inline":
+        from resident.worker.openai_serving import OpenAIServing
+        from resident.worker.protocol import ServingOptions
+
+        opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
+                              trust_request_chat_template=config.trust_request_chat_template)
+        serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
     worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
-                     draft_store=draft.store if draft is not None else None)
+                     draft_store=draft.store if draft is not None else None, max_model_len=max_model_len,
+                     vocab_size=model_config.vocab_size)
     worker.llm_engine = engine
     worker.tokenizer = tokenizer
     return worker

@@ -218,6 +218,11 @@ class TPRunner:
     def capture_graphs(self) -> float:
         return self._all("capture_graphs")
 
+    def idle_work(self) -> bool:
+        """Every rank captures the same graph (they captured the same sizes at start); the
+        captures' collectives need all of them."""
+        return self._all("idle_work")
+
     def profile_peak_bytes(self) -> int:
         return self._all("profile_peak_bytes")
 

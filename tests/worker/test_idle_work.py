@@ -1,0 +1,123 @@
+"""Start-up work left for after ready: in lazy mode the decode graphs of batch sizes 2, 4
+and 8 are captured by the engine thread while no request runs (DecodeGraphs.capture_idle,
+LLMEngine.idle_work, AsyncEngine's loop), one at a time, so a request waits for one capture
+at most; a failing unit is logged and serving goes on."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import torch
+from test_kv_growth import GrowableRunner, expected, prompt
+
+from resident.worker.async_engine import AsyncEngine
+from resident.worker.cuda_graphs import DecodeGraphs
+from resident.worker.engine import LLMEngine
+from resident.worker.engine_config import EngineConfig
+from resident.worker.sampling_params import SamplingParams
+
+
+def _graphs(mode: str, max_num_seqs: int = 24) -> tuple[DecodeGraphs, list[int]]:
+    graphs = DecodeGraphs(lambda *a: torch.zeros(1), max_num_seqs=max_num_seqs, max_blocks_per_seq=4, pad_slot=0,
+                          pad_block=0, device=torch.device("cpu"), mode=mode)
+    captured: list[int] = []
+
+    def capture(size: int) -> None:   # a CPU stand-in for the CUDA capture
+        captured.append(size)
+        graphs._graphs[size] = (None, None)
+
+    graphs.capture = capture
+    return graphs, captured
+
+
+def test_lazy_mode_captures_batch_1_before_ready_and_the_small_sizes_after() -> None:
+    graphs, captured = _graphs("lazy")
+    graphs.capture_startup()
+    assert captured == [1] and graphs.idle_pending == (8, 4, 2)
+    graphs.capture(4)   # a batch of 3-4 came first: captured on first use (DecodeGraphs.run)
+    assert graphs.idle_pending == (8, 2)
+    assert graphs.capture_idle() is True and captured[-1] == 8
+    assert graphs.capture_idle() is False and captured[-1] == 2
+    assert graphs.capture_idle() is False and captured == [1, 4, 8, 2]   # nothing left: no capture
+
+
+def test_eager_mode_captures_everything_before_ready_and_off_nothing() -> None:
+    graphs, captured = _graphs("eager")
+    graphs.capture_startup()
+    assert captured == [24, 16, 8, 4, 2, 1] and graphs.idle_pending == ()
+    graphs, captured = _graphs("off")
+    graphs.capture_startup()
+    assert captured == [] and graphs.idle_pending == () and graphs.capture_idle() is False
+
+
+class IdleRunner(GrowableRunner):
+    """GrowableRunner with `units` of idle work, recording the thread and whether a request ran."""
+
+    def __init__(self, config: EngineConfig, units: int, fail: bool = False) -> None:
+        super().__init__(config)
+        self.units, self.fail = units, fail
+        self.idle_calls: list[str] = []
+        self.executing = False
+
+    def execute(self, out):
+        self.executing = True
+        try:
+            return super().execute(out)
+        finally:
+            self.executing = False
+
+    def idle_work(self) -> bool:
+        assert not self.executing
+        self.idle_calls.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("capture failed: operation not permitted when stream is capturing")
+        self.units -= 1
+        return self.units > 0
+
+
+async def _generate(ae: AsyncEngine, rid: str, p: list[int]) -> list[int]:
+    got: list[int] = []
+    async for out in ae.generate(rid, p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)):
+        got += out.new_token_ids
+    return got
+
+
+CONFIG = EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=32, max_num_batched_tokens=64)
+
+
+def _serve(runner: IdleRunner) -> list[int]:
+    engine = LLMEngine(CONFIG, runner)
+
+    async def main() -> list[int]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        got = await _generate(ae, "r", prompt(3, 10))
+        for _ in range(200):   # the rest of the idle work, after the request
+            if runner.units <= 0 or runner.fail:
+                break
+            await asyncio.sleep(0.01)
+        ae.shutdown()
+        return got
+
+    return asyncio.run(main())
+
+
+def test_the_engine_thread_runs_idle_work_while_no_request_runs() -> None:
+    runner = IdleRunner(CONFIG, units=3)
+    assert _serve(runner) == expected(prompt(3, 10), 6)
+    assert runner.idle_calls == ["resident-engine"] * 3 and runner.units == 0   # then no more calls
+
+
+def test_failing_idle_work_is_logged_and_serving_goes_on(caplog) -> None:
+    runner = IdleRunner(CONFIG, units=3, fail=True)
+    with caplog.at_level(logging.WARNING, logger="resident.worker.async_engine"):
+        assert _serve(runner) == expected(prompt(3, 10), 6)
+    assert len(runner.idle_calls) == 1 and "start-up work after ready failed" in caplog.text
+
+
+def test_the_engine_has_no_idle_work_while_a_request_is_unfinished() -> None:
+    runner = IdleRunner(CONFIG, units=3)
+    engine = LLMEngine(CONFIG, runner)
+    engine.add_request("r", prompt(1, 5), SamplingParams(temperature=0.0, max_tokens=2))
+    assert engine.idle_work() is False and runner.idle_calls == []
