@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 
+import pytest
 import torch
 from test_kv_growth import GrowableRunner, expected, prompt
 
@@ -121,3 +122,56 @@ def test_the_engine_has_no_idle_work_while_a_request_is_unfinished() -> None:
     engine = LLMEngine(CONFIG, runner)
     engine.add_request("r", prompt(1, 5), SamplingParams(temperature=0.0, max_tokens=2))
     assert engine.idle_work() is False and runner.idle_calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graphs_captured_after_ready_beside_kv_growth_give_the_eager_tokens(tiny_model) -> None:
+    """A lazy runner captures batch 1 at start; behind a served request the engine thread
+    captures 8, 4 and 2 while the growth thread maps the rest of the KV cache (CAPTURE_LOCK
+    keeps the two apart), and batches of 2-4 then replay those graphs with the tokens of a
+    runner that captured every size at start."""
+    import json
+
+    from resident.worker.async_engine import KVGrowth
+    from resident.worker.config import ModelConfig
+    from resident.worker.model_runner import ModelRunner
+    from weights_util import fused_weights_from_hf_folder
+
+    path = tiny_model("llama3")
+    mc = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    weights = {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
+    small = EngineConfig(block_size=8, num_kv_blocks=16, max_model_len=64, max_num_seqs=8)
+    full = EngineConfig(block_size=8, num_kv_blocks=256, max_model_len=64, max_num_seqs=8)
+    prompts = [[(i * 7 + k) % 256 for i in range(12 + k)] for k in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    async def serve(runner: ModelRunner, config: EngineConfig, grow_to: int | None) -> list[list[int]]:
+        ae = AsyncEngine(LLMEngine(config, runner))
+        ae.start()
+        growth = ae.start_kv_growth(KVGrowth(grow_to, 16)) if grow_to else None
+        first = [t async for out in ae.generate("first", prompts[0], params) for t in out.new_token_ids]
+        if growth is not None:
+            growth.join(60)
+        for _ in range(500):   # the idle captures, once the first request is done
+            if not runner.graphs.idle_pending:
+                break
+            await asyncio.sleep(0.01)
+
+        async def one(i: int) -> list[int]:
+            return [t async for out in ae.generate(f"r{i}", prompts[i], params) for t in out.new_token_ids]
+
+        rest = await asyncio.gather(*[one(i) for i in range(1, 4)])
+        ae.shutdown()
+        return [first, *rest]
+
+    runner = ModelRunner(mc, small, weights, device="cuda", cuda_graphs="lazy", max_num_kv_blocks=256)
+    runner.capture_graphs()
+    assert set(runner.graphs.capture_s) == {1} and runner.graphs.idle_pending == (8, 4, 2)
+    got = asyncio.run(serve(runner, small, grow_to=256))
+    assert set(runner.graphs.capture_s) == {1, 2, 4, 8} and runner.graphs.num_replays > 0
+    assert runner.num_blocks == 256
+    reference = ModelRunner(mc, full, weights, device="cuda", cuda_graphs="eager")   # every size at start
+    reference.capture_graphs()
+    want = asyncio.run(serve(reference, full, grow_to=None))
+    assert got == want and all(len(t) == 16 for t in got)
