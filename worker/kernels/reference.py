@@ -15,6 +15,10 @@ from resident.worker.layers.linear import fp8_scaled_mm_reference, quantize_fp8_
 from resident.worker.layers.rotary import rotate_half
 
 
+#: Below this many elements torch runs a CPU op on the calling thread (at::internal::GRAIN_SIZE).
+_PARALLEL_GRAIN = 32768
+
+
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, dtype: torch.dtype) -> torch.Tensor:
     """[max_position, head_dim] = [cos | sin] of each position's angles, in `dtype`.
 
@@ -24,9 +28,21 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_position: int, dtype: torch.
     """
     if max_position <= 0:
         raise ValueError(f"max_position must be > 0, got {max_position}")
-    positions = torch.arange(max_position, device=inv_freq.device, dtype=torch.int64).to(torch.float32)
-    freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
-    return torch.cat((freqs.cos().to(dtype), freqs.sin().to(dtype)), dim=-1).contiguous()
+    inv_freq = inv_freq.to(torch.float32)
+    half = inv_freq.numel()
+    table = torch.empty(max_position, 2 * half, dtype=dtype, device=inv_freq.device)
+    # In slices of fewer elements than torch's parallel grain (32768): on the CPU each op then
+    # runs on this thread instead of starting the OpenMP pool: 40-47 ms for the 8B shape's
+    # table on the 2-core box against 2 ms this way (0.057 s in an H200 start-up's profile).
+    # Elementwise ops: the values are those of one whole-table op, bit for bit.
+    rows = max(1, _PARALLEL_GRAIN // (2 * half))
+    for start in range(0, max_position, rows):
+        stop = min(start + rows, max_position)
+        positions = torch.arange(start, stop, device=inv_freq.device, dtype=torch.int64).to(torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        table[start:stop, :half] = freqs.cos().to(dtype)
+        table[start:stop, half:] = freqs.sin().to(dtype)
+    return table
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
