@@ -1,5 +1,5 @@
 """First-use work of the warm-up's kernels, done in a background thread: cuBLAS's for the
-model's GEMM shapes, then the sampler's and the forward's other torch kernels.
+model's GEMM shapes, then the forward's other torch kernels.
 
 The warm-up's first prefill and decode (0.35-0.5 s on the H200 for the 8B shape) mostly pay
 for work that has nothing to do with the model's numbers: creating a cuBLAS handle and its
@@ -9,22 +9,20 @@ from config.json before a weight is attached, so a thread started right after `i
 (once the CUDA context pre-creation, cuda_preinit.py, is done) launches the same kernels on
 throwaway tensors of those shapes while the main thread imports the worker's modules and
 attaches the weights. torch releases the GIL while an op runs, so this overlaps the main
-thread's Python work instead of adding to it. Three stages, one after the other:
+thread's Python work instead of adding to it. Two stages, one after the other:
 
 1. GEMMs: every M the warm-up and the start-up graph captures use (the warm-up's prefill
    chunk, 1, and the captured decode batch sizes) against each linear's [N, K] — q/k/v, o,
    gate/up, down (as `torch._scaled_mm` on fp8 for fp8_per_tensor) — and the LM head, on
    uninitialized tensors.
-2. sampler: the engine's own Sampler with the warm-up's sampling params, at the warm-up's
-   one row (op_prefetch.warm_sampler): its sort/topk/softmax/cumsum/exponential/scatter...
-   kernels, which the warm-up's first decode loads otherwise. Only one row: nothing samples
-   more rows before ready (the graphs end at the logits); other row counts load their
-   kernels at first use, as without this thread. (On the H200 the four start-up graph sizes'
-   rows, 8 calls, took 0.42-0.48 s; one row, 2 calls, still 0.33-0.47 s in the GPU tests'
-   replicas: the stage's cost is its first launches, not the row count.)
-3. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
+2. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
    lookup, the sampled rows' selection, the logits' cast, the KV blocks' zeroing:
    op_prefetch.warm_forward_ops).
+
+The sampler's kernels (sort/topk/softmax/cumsum/exponential/scatter... of a sampled row) were
+a stage here until session 9; the warm-up now decodes greedily and they are loaded after
+ready (ModelRunner._warm_sampler), off the start-up path: on the H200 their first launches
+took 0.26-0.66 s beside the KV plan and the warm-up, which a greedy first request never needs.
 
 What it leaves behind is what the main thread's first launches would have created anyway:
 the kernels loaded in the context and a cuBLAS handle that torch's handle pool hands to the
@@ -68,8 +66,6 @@ from resident.worker.startup_thread import StartupThread
 logger = logging.getLogger(__name__)
 
 ENV = "RESIDENT_GEMM_PREFETCH"
-#: The sampler stage's row counts: the warm-up's (module doc).
-SAMPLER_ROWS = (1,)
 #: A tensor set (a weight, a sampler call's memory) is prefetched only if it takes at most
 #: this share of the free memory.
 MAX_FREE_SHARE = 0.25
@@ -97,8 +93,9 @@ def warmup_prefill_tokens(block_size: int, max_num_batched_tokens: int, max_mode
 
 
 def warmup_sampling_params() -> tuple[SamplingParams, SamplingParams]:
-    """(the prefill's, the decode's) sampling params of ModelRunner.warmup: greedy, then a
-    seeded row with every per-row option the sampler has a kernel path for. Fresh instances
+    """(greedy, seeded): the GPU warm-up's (ModelRunner.warmup), and the seeded row with every
+    per-row option the sampler has a kernel path for, which the sampler's warm-up after ready
+    (op_prefetch.warm_sampler) and the CPU's short warm-up sample. Fresh instances
     (SamplingParams is mutable)."""
     return (SamplingParams(temperature=0.0, max_tokens=1),
             SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=0, logprobs=1,
@@ -176,7 +173,8 @@ def _as_device(device: Any) -> Any:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
-def _free_bytes_of(device: Any) -> Callable[[], int]:
+def free_bytes_of(device: Any) -> Callable[[], int]:
+    """Free bytes of a torch.device now: the GPU's, or the host's available memory."""
     import torch
 
     if device.type == "cuda":
@@ -198,7 +196,7 @@ def run_stage(stage: Stage, plan: GemmPlan, device: Any, free_bytes: Callable[[]
     cuda = dev.type == "cuda"
     try:
         with torch.inference_mode(), torch.cuda.device(dev) if cuda else nullcontext():
-            count = stage(plan, dev, free_bytes or _free_bytes_of(dev))
+            count = stage(plan, dev, free_bytes or free_bytes_of(dev))
             if cuda:
                 torch.cuda.synchronize(dev)
             return count
@@ -233,13 +231,6 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
     return count
 
 
-def sampler_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
-    """The sampler stage (op_prefetch.warm_sampler at the warm-up's one row: module doc)."""
-    from resident.worker.op_prefetch import warm_sampler
-
-    return warm_sampler(dev, plan.vocab_size, SAMPLER_ROWS, plan.prefill_tokens, free)
-
-
 def other_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
     """The other-ops stage (op_prefetch.warm_forward_ops)."""
     import torch
@@ -252,8 +243,7 @@ def other_ops(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
 
 
 #: The thread's stages in order: (name in the log line, stage, what it counts).
-STAGES: tuple[tuple[str, Stage, str], ...] = (("GEMMs", gemms, "GEMMs"), ("sampler", sampler_ops, "calls"),
-                                              ("other ops", other_ops, "ops"))
+STAGES: tuple[tuple[str, Stage, str], ...] = (("GEMMs", gemms, "GEMMs"), ("other ops", other_ops, "ops"))
 
 
 def run(plan: GemmPlan, device: Any, free_bytes: Callable[[], int] | None = None) -> int:
@@ -373,5 +363,5 @@ def start_for_serve(config: Any, context_ready: Callable[[], bool] | None,
 
 
 __all__ = ["ENV", "MEMORY_STAGES", "STAGES", "enabled", "GemmPlan", "GemmPrefetch", "gemms", "other_ops", "plan_for",
-           "plan_for_serve", "run", "run_stage", "sampler_ops", "StageOutcome", "start_for_serve",
+           "plan_for_serve", "run", "run_stage", "StageOutcome", "start_for_serve",
            "warmup_prefill_tokens", "warmup_sampling_params"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,6 +131,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._readback: list[tuple[torch.Tensor, Any]] = []
         self._readback_turn = 0
+        self._sampler_warm_pending = False   # set by a GPU warm-up: idle_work loads the sampler's kernels
+        self._sampler_thread: threading.Thread | None = None
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs != "off":
             self.graphs = DecodeGraphs(self._forward_logits, max_num_seqs=engine_config.max_num_seqs,
@@ -154,15 +157,48 @@ class ModelRunner:
 
     def idle_work(self) -> bool:
         """One unit of start-up work left for after ready: a decode graph of a small batch size
-        (cuda_graphs.DecodeGraphs.capture_idle). The engine thread calls it between steps while
-        no request runs; returns whether more remains."""
-        if self.graphs is None or not self.graphs.idle_pending:
-            return False
-        with torch.inference_mode(), self._device_guard():
-            return self.graphs.capture_idle()
+        (cuda_graphs.DecodeGraphs.capture_idle). After the last one it starts the sampler's
+        first launches in a thread (`_warm_sampler`: the GPU warm-up decodes greedily). The
+        engine thread calls it between steps while no request runs; returns whether more
+        remains."""
+        if self.graphs is not None and self.graphs.idle_pending:
+            with torch.inference_mode(), self._device_guard():
+                if self.graphs.capture_idle():
+                    return True
+        if self._sampler_warm_pending:
+            self._sampler_warm_pending = False
+            self._sampler_thread = threading.Thread(target=self._warm_sampler, name="resident-sampler-warmup",
+                                                    daemon=True)
+            self._sampler_thread.start()
+        return False
+
+    def _warm_sampler(self) -> None:
+        """The kernels of a sampled row (sort, top-k/top-p, penalties, the draws: op_prefetch.
+        warm_sampler, its own sampler and tensors) loaded after ready: 0.26-0.66 s of first
+        launches on the H200 that a greedy request never needs. A thread, not the engine's:
+        a request arriving meanwhile is served beside it. Under CAPTURE_LOCK: its allocations
+        would invalidate a graph captured meanwhile (a first use of a larger batch size)."""
+        from resident.worker.cuda_graphs import CAPTURE_LOCK
+        from resident.worker.gemm_prefetch import free_bytes_of
+        from resident.worker.op_prefetch import warm_sampler
+
+        t0 = time.monotonic()
+        try:
+            with CAPTURE_LOCK, torch.inference_mode(), self._device_guard():
+                warm_sampler(self.device, self.model_config.vocab_size, (1,), self._warmup_tokens(),
+                             free_bytes_of(self.device))
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - the first sampled request loads what is missing
+            logger.warning("loading the sampler's kernels after ready failed; a sampled request loads them on "
+                           "first use", exc_info=True)
+            return
+        logger.info("the sampler's kernels loaded in the background after ready in %.2f s", time.monotonic() - t0)
 
     def close(self) -> None:
         """Free the GPU KV cache and graphs now (the runner must not be used afterwards)."""
+        if self._sampler_thread is not None:
+            self._sampler_thread.join()   # still launching kernels at interpreter exit, it would abort the process
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -482,8 +518,10 @@ class ModelRunner:
         specializations, cuBLAS, the sampler's kernels) that the first request would pay.
 
         Full (on a GPU; `full=True` elsewhere, as the tests that trace it do): a prefill of
-        `warmup_prefill_tokens` (greedy), then a decode step with the seeded all-options
-        sampling row. Short (on CPU): one prefill of 2 tokens with that sampling row — there
+        `warmup_prefill_tokens`, then a decode step, both greedy; on a GPU the sampler's other
+        kernels (a sampled row's) are loaded right after ready (`idle_work`), not before: 0.26-0.66
+        s of first launches on the H200 that a greedy first request does not need. Short (on
+        CPU): one prefill of 2 tokens with the seeded all-options sampling row — there
         is nothing to load lazily, and every forward streams all the weights from memory (on
         the 2-core box 0.1 s per pass for SmolLM2, the prefill of 32 tokens 0.2 s), so more
         passes would only delay ready (the first request measured 0.09 s of CPU after the
@@ -493,14 +531,13 @@ class ModelRunner:
         request holds KV blocks (at start-up, before the engine schedules anything).
         """
         t0 = time.monotonic()
-        ec = self.engine_config   # the GEMM prefetch (gemm_prefetch.py) warms the same prefill size
         on_gpu = self.device.type == "cuda" if full is None else full
-        num_tokens = warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
+        num_tokens = self._warmup_tokens()
         if not on_gpu:
             num_tokens = min(num_tokens, CPU_WARMUP_TOKENS)
         blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // self.block_size))))
         prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
-        greedy, seeded = warmup_sampling_params()   # the GEMM prefetch's sampler stage warms the same
+        greedy, seeded = warmup_sampling_params()   # idle_work's sampler warm-up samples the same
         graphs, self.graphs = self.graphs, None   # eager: graphs are captured in their own phase
         try:
             prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy if on_gpu else seeded, prompt, [])
@@ -508,8 +545,9 @@ class ModelRunner:
             tok = out.sampled["warmup-0"]
             t_prefill = time.monotonic()
             if on_gpu:
-                decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, seeded, prompt, [tok])
+                decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, greedy, prompt, [tok])
                 self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
+                self._sampler_warm_pending = self.device.type == "cuda"
         finally:
             self.graphs = graphs
             for rid in ("warmup-0", "warmup-1"):
@@ -518,6 +556,10 @@ class ModelRunner:
         now = time.monotonic()
         logger.info("warm-up forward passes done in %.2f s (prefill of %d tokens %.2f s, decode %s)", now - t0,
                     num_tokens, t_prefill - t0, f"{now - t_prefill:.2f} s" if on_gpu else "none: the short warm-up")
+
+    def _warmup_tokens(self) -> int:
+        ec = self.engine_config   # the GEMM prefetch (gemm_prefetch.py) warms the same prefill size
+        return warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
 
     @torch.inference_mode()
     def profile_peak_bytes(self) -> int:

@@ -1,13 +1,14 @@
-"""The start-up prefetch's later stages (gemm_prefetch.py runs them after the GEMMs): the
-first launches of the torch kernels that are neither cuBLAS GEMMs nor Triton kernels.
+"""First launches of the torch kernels that are neither cuBLAS GEMMs nor Triton kernels: the
+forward's (the start-up prefetch's second stage, gemm_prefetch.py) and the sampler's (after
+ready, ModelRunner._warm_sampler).
 
 With CUDA's lazy loading every kernel is loaded into the context on its first launch, so the
-warm-up's first eager decode pays for each distinct kernel the sampler launches (sort, topk,
+first sampled request pays for each distinct kernel the sampler launches (sort, topk,
 cumsum, softmax and log_softmax, the exponential draws of seeded and unseeded generators,
-gather/scatter, index_put/index_copy, argmax, the comparisons and masked fills...), and its
-prefill for the forward's few kernels outside the GEMMs and the Triton layers. Which kernel
-a reduction, a sort or a topk launches depends on the row count, so the sampler runs at
-every row count that samples at start (1 and the start-up graph sizes).
+gather/scatter, index_put/index_copy, argmax, the comparisons and masked fills...), and the
+warm-up's prefill for the forward's few kernels outside the GEMMs and the Triton layers.
+Which kernel a reduction, a sort or a topk launches depends on the row count, so
+`warm_sampler` takes the row counts to run.
 
 - `warm_sampler`: the engine's own `Sampler` (worker/layers/sampler.py), chosen and called
   as `ModelRunner.sample` does, with the warm-up's sampling params

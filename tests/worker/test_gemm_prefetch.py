@@ -15,7 +15,7 @@ import torch
 
 from resident.worker import gemm_prefetch
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gemm_prefetch import (SAMPLER_ROWS, STAGES, GemmPrefetch, enabled, plan_for, plan_for_serve, run,
+from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, enabled, plan_for, plan_for_serve, run,
                                            run_stage, start_for_serve, warmup_prefill_tokens)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -77,13 +77,13 @@ def test_the_thread_reports_each_stage_and_skips(caplog):
     caplog.set_level(logging.INFO, logger="resident.worker.gemm_prefetch")
     ran = []
     stages = [(name, lambda p, d, f, name=name, n=n: ran.append(name) or n, unit)
-              for (name, _, unit), n in zip(STAGES, (9, 4, 7))]
+              for (name, _, unit), n in zip(STAGES, (9, 7))]
     done = GemmPrefetch(_plan(), torch.device("cpu"), lambda: True, stages=stages).start()
-    assert done.join() and done.error is None and ran == ["GEMMs", "sampler", "other ops"]
+    assert done.join() and done.error is None and ran == ["GEMMs", "other ops"]   # the sampler's: after ready
     assert done.num_gemms == 9
     # The one line the bench restart keeps (cli/bench_restart.py: "GEMM prefetch.*"), each stage's time in it.
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM prefetch"))
-    assert "GEMMs 0.00 s (9 GEMMs), sampler 0.00 s (4 calls), other ops 0.00 s (7 ops)" in line
+    assert "GEMMs 0.00 s (9 GEMMs), other ops 0.00 s (7 ops)" in line
     skipped = GemmPrefetch(_plan(), 0, lambda: False, stages=[("GEMMs", lambda p, d, f: 1 / 0, "GEMMs")]).start()
     skipped.join()
     assert skipped.skipped and skipped.num_gemms == 0 and skipped.error is None
@@ -122,10 +122,8 @@ def test_the_stages_run_on_a_cpu_device():
     t = GemmPrefetch(_plan(graph_sizes=(1, 2, 4)), torch.device("cpu")).start()
     assert t.join(), t.error
     counts = {o.name: o.count for o in t.outcomes}
-    # GEMMs: 4 layer linears x (32, 1, 2, 4) + the head x (1, 2, 4); sampler: greedy + sampled at the
-    # warm-up's one row only (SAMPLER_ROWS).
-    assert SAMPLER_ROWS == (1,)
-    assert counts == {"GEMMs": 4 * 4 + 3, "sampler": 2, "other ops": 4 + 1 + 2 * 3 + 1}
+    # GEMMs: 4 layer linears x (32, 1, 2, 4) + the head x (1, 2, 4).
+    assert counts == {"GEMMs": 4 * 4 + 3, "other ops": 4 + 1 + 2 * 3 + 1}
 
 
 def test_the_plan_waits_for_the_weight_sized_stage_only_and_only_it_empties_the_cache(monkeypatch):

@@ -124,6 +124,38 @@ def test_the_engine_has_no_idle_work_while_a_request_is_unfinished() -> None:
     assert engine.idle_work() is False and runner.idle_calls == []
 
 
+def test_the_runner_loads_the_samplers_kernels_after_its_graphs_in_a_thread(tiny_model, monkeypatch, caplog) -> None:
+    """After the idle graphs (none here, on CPU), the runner's idle work starts the sampler's
+    warm-up in a thread, once, under CAPTURE_LOCK; close() joins it."""
+    import json
+
+    from weights_util import fused_weights_from_hf_folder
+
+    from resident.worker import op_prefetch
+    from resident.worker.config import ModelConfig
+    from resident.worker.cuda_graphs import CAPTURE_LOCK
+    from resident.worker.model_runner import ModelRunner
+
+    path = tiny_model("llama")
+    config = EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=64, max_num_batched_tokens=64)
+    runner = ModelRunner(ModelConfig.from_hf(json.loads((path / "config.json").read_text())), config,
+                         fused_weights_from_hf_folder(path))
+    calls = []
+
+    def spy(device, vocab_size, rows, prompt_len, free_bytes):
+        calls.append((threading.current_thread().name, CAPTURE_LOCK.locked(), vocab_size, rows, prompt_len,
+                      free_bytes() > 0))
+        return 2
+    monkeypatch.setattr(op_prefetch, "warm_sampler", spy)
+    assert runner.idle_work() is False and calls == []   # a CPU warm-up leaves nothing for after ready
+    runner._sampler_warm_pending = True   # as a GPU warm-up does
+    with caplog.at_level(logging.INFO, logger="resident.worker.model_runner"):
+        assert runner.idle_work() is False and runner.idle_work() is False
+        runner.close()
+    assert calls == [("resident-sampler-warmup", True, runner.model_config.vocab_size, (1,), runner._warmup_tokens(), True)]
+    assert "the sampler's kernels loaded in the background after ready" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_graphs_captured_after_ready_beside_kv_growth_give_the_eager_tokens(tiny_model) -> None:
@@ -166,11 +198,15 @@ def test_gpu_graphs_captured_after_ready_beside_kv_growth_give_the_eager_tokens(
         return [first, *rest]
 
     runner = ModelRunner(mc, small, weights, device="cuda", cuda_graphs="lazy", max_num_kv_blocks=256)
+    runner.warmup()   # greedy: leaves the sampler's kernels for after the idle graphs
+    assert runner._sampler_warm_pending
     runner.capture_graphs()
     assert set(runner.graphs.capture_s) == {1} and runner.graphs.idle_pending == (8, 4, 2)
     got = asyncio.run(serve(runner, small, grow_to=256))
     assert set(runner.graphs.capture_s) == {1, 2, 4, 8} and runner.graphs.num_replays > 0
     assert runner.num_blocks == 256
+    runner._sampler_thread.join(60)
+    assert not runner._sampler_thread.is_alive() and not runner._sampler_warm_pending
     reference = ModelRunner(mc, full, weights, device="cuda", cuda_graphs="eager")   # every size at start
     reference.capture_graphs()
     want = asyncio.run(serve(reference, full, grow_to=None))
