@@ -194,5 +194,5 @@ def test_gpu_stages_run_and_free_their_memory(quantization):
         allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t = GemmPrefetch(plan, torch.cuda.current_device()).start()
         assert t.join(), t.error
-        assert [o.count > 0 for o in t.outcomes] == [True, True, True]
+        assert [o.count > 0 for o in t.outcomes] == [True] * len(STAGES)
     assert torch.cuda.memory_allocated() == allocated and torch.cuda.memory_reserved() <= reserved
