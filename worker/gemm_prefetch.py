@@ -22,7 +22,7 @@ thread's Python work instead of adding to it. Two stages, one after the other:
 The sampler's kernels (sort/topk/softmax/cumsum/exponential/scatter... of a sampled row) were
 a stage here until session 9; the warm-up now decodes greedily and they are loaded after
 ready (ModelRunner._warm_sampler), off the start-up path: on the H200 their first launches
-took 0.26-0.66 s beside the KV plan and the warm-up, which a greedy first request never needs.
+took 0.26-0.93 s beside the KV plan and the warm-up, which a greedy first request never needs.
 
 What it leaves behind is what the main thread's first launches would have created anyway:
 the kernels loaded in the context and a cuBLAS handle that torch's handle pool hands to the

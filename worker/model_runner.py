@@ -174,7 +174,7 @@ class ModelRunner:
 
     def _warm_sampler(self) -> None:
         """The kernels of a sampled row (sort, top-k/top-p, penalties, the draws: op_prefetch.
-        warm_sampler, its own sampler and tensors) loaded after ready: 0.26-0.66 s of first
+        warm_sampler, its own sampler and tensors) loaded after ready: 0.26-0.93 s of first
         launches on the H200 that a greedy request never needs. A thread, not the engine's:
         a request arriving meanwhile is served beside it. Under CAPTURE_LOCK: its allocations
         would invalidate a graph captured meanwhile (a first use of a larger batch size)."""
@@ -519,7 +519,7 @@ class ModelRunner:
 
         Full (on a GPU; `full=True` elsewhere, as the tests that trace it do): a prefill of
         `warmup_prefill_tokens`, then a decode step, both greedy; on a GPU the sampler's other
-        kernels (a sampled row's) are loaded right after ready (`idle_work`), not before: 0.26-0.66
+        kernels (a sampled row's) are loaded right after ready (`idle_work`), not before: 0.26-0.93
         s of first launches on the H200 that a greedy first request does not need. Short (on
         CPU): one prefill of 2 tokens with the seeded all-options sampling row — there
         is nothing to load lazily, and every forward streams all the weights from memory (on
