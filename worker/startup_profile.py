@@ -86,6 +86,7 @@ class StackSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resident-startup-sampler", daemon=True)
         self._written = False
+        self._write_lock = threading.Lock()
 
     def start(self) -> "StackSampler":
         self._thread.start()
@@ -119,22 +120,24 @@ class StackSampler:
     def close(self, section: _Section) -> None:
         section.end = time.monotonic()
         if section.name == FINAL_SECTION:
-            self.finish()
+            # Stopped now; the report is written by a thread, so the start-up does not wait
+            # for it (process exit waits: atexit calls finish, which waits for the writer).
+            self._stop.set()
+            threading.Thread(target=self.finish, name="resident-startup-profile-writer", daemon=True).start()
 
     @property
     def finished(self) -> bool:
         return self._stop.is_set()
 
     def finish(self) -> None:
-        """Stop sampling and write the report (once)."""
+        """Stop sampling and write the report (once; a second caller waits for the first)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        with self._lock:
-            if self._written:
-                return
-            self._written = True
-        self._write()
+        with self._write_lock:
+            if not self._written:
+                self._written = True
+                self._write()
 
     # --- the report ---------------------------------------------------------------------
     def _charges(self, thread: int, start: float, end: float) -> Iterator[tuple[tuple[Frame, ...], float]]:
@@ -239,6 +242,12 @@ def _get_sampler(folder: Path) -> StackSampler:
         return _sampler
 
 
+def finish() -> None:
+    """Wait until the process's report is written (tests; the process's exit does the same)."""
+    if _sampler is not None:
+        _sampler.finish()
+
+
 @contextmanager
 def profiled(name: str, environ: Mapping[str, str] = os.environ) -> Iterator[None]:
     """Mark the block as section `name` of this thread when $RESIDENT_STARTUP_PROFILE names a
@@ -256,4 +265,4 @@ def profiled(name: str, environ: Mapping[str, str] = os.environ) -> Iterator[Non
         sampler.close(section)
 
 
-__all__ = ["ENV", "StackSampler", "profile_dir", "profiled"]
+__all__ = ["ENV", "StackSampler", "finish", "profile_dir", "profiled"]
