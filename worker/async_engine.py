@@ -71,11 +71,101 @@ class KVGrowth:
                              f"in chunks of {self.chunk_blocks}")
 
 
-class AsyncEngine:
+class RequestStreams:
+    """The event-loop side of an engine front, shared by AsyncEngine (the engine thread in this
+    process) and the front-end's RemoteEngine (the engine process, over a link): one queue per
+    request in flight, the idle event `drain` waits for, the draining flag and the engine's
+    error. A subclass sends a request to its engine (`_send_add`) and an abort (`_send_abort`)."""
+
+    def __init__(self) -> None:
+        # The subclass's module logs (the engine's or the front-end's side of a process pair).
+        self._logger = logging.getLogger(type(self).__module__)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self.error: BaseException | None = None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        raise NotImplementedError
+
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
+        """Yield the request's RequestOutputs until one is finished. Leaving early (the client
+        went away, the handler was cancelled) aborts the request in the engine."""
+        if self.error is not None:
+            raise EngineDead(f"the engine failed earlier: {self.error!r}; restart the server")
+        if self._draining:
+            raise EngineDraining("the server is shutting down and accepts no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._idle.clear()
+        try:
+            self._send_add(request_id, list(prompt_token_ids), params)
+        except BaseException:
+            self._drop(request_id)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._logger.info("request %s left before finishing: aborting it", request_id)
+                self._send_abort(request_id)
+            self._drop(request_id)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to timeout_s for in-flight ones to finish.
+        Whatever is still running afterwards is aborted; returns whether all finished."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            ids = list(self._streams)
+            self._logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", timeout_s, len(ids))
+            for rid in ids:
+                self._fail_stream(rid, RequestAborted(f"request {rid} aborted: the server is shutting down"))
+                self._send_abort(rid)
+            return False
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    def _fail_stream(self, request_id: str, exc: BaseException) -> None:
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(exc)
+
+
+class AsyncEngine(RequestStreams):
     """Wraps an `LLMEngine` (add_request / step / abort_request / has_unfinished_requests /
     stats). `on_step(stats)` is called from the engine thread after every step."""
 
     def __init__(self, engine: Any, on_step: Callable[[Any], None] | None = None) -> None:
+        super().__init__()   # the event-loop side (RequestStreams)
         self._engine = engine
         self._on_step = on_step
         self._cond = threading.Condition()
@@ -83,12 +173,6 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Event-loop side only:
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._draining = False
-        self.error: BaseException | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -151,29 +235,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests and wait up to timeout_s for in-flight ones to finish.
-        Whatever is still running afterwards is aborted; returns whether all finished."""
-        self._draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            ids = list(self._streams)
-            logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", timeout_s, len(ids))
-            for rid in ids:
-                self._fail_stream(rid, RequestAborted(f"request {rid} aborted: the server is shutting down"))
-                self._submit(_Abort(rid))
-            return False
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
@@ -182,36 +243,11 @@ class AsyncEngine:
             self._thread.join(timeout_s)
 
     # --- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """Yield the request's RequestOutputs until one is finished. Leaving early (the client
-        went away, the handler was cancelled) aborts the request in the engine."""
-        if self.error is not None:
-            raise EngineDead(f"the engine failed earlier: {self.error!r}; restart the server")
-        if self._draining:
-            raise EngineDraining("the server is shutting down and accepts no new requests")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._idle.clear()
-        self._submit(_Add(request_id, list(prompt_token_ids), params))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                logger.info("request %s left before finishing: aborting it", request_id)
-                self._submit(_Abort(request_id))
-            self._drop(request_id)
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        self._submit(_Add(request_id, prompt_token_ids, params))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._fail_stream(request_id, RequestAborted(f"request {request_id} aborted"))
@@ -222,16 +258,6 @@ class AsyncEngine:
         with self._cond:
             self._commands.append(cmd)
             self._cond.notify()
-
-    def _drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        if not self._streams:
-            self._idle.set()
-
-    def _fail_stream(self, request_id: str, exc: BaseException) -> None:
-        q = self._streams.get(request_id)
-        if q is not None:
-            q.put_nowait(exc)
 
     def _deliver(self, outputs: list[Any]) -> None:
         for out in outputs:

@@ -9,13 +9,11 @@ engine is told to abort it: the tokens it computed meanwhile are dropped unseen.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted, RequestStreams
 from resident.worker.detokenizer import IncrementalDetokenizer
 from resident.worker.frontend_link import Link
 from resident.worker.output_processor import OutputState
@@ -73,93 +71,38 @@ class TextStream:
         return result
 
 
-class RemoteEngine:
-    """What OpenAIServing needs of an engine (`generate`, `error`), plus `drain`, over the link.
-    `start()` after the engine's hello; `dispatch()` is fed every message the link reads."""
+class RemoteEngine(RequestStreams):
+    """What OpenAIServing needs of an engine (`generate`, `error`), plus `drain`, over the link
+    (the request streams are AsyncEngine's: async_engine.RequestStreams). `start()` after the
+    engine's hello; `dispatch()` is fed every message the link reads."""
 
     def __init__(self, link: Link, tokenizer: Any, eos_token_ids: frozenset[int]) -> None:
+        super().__init__()
         self._link = link
         self._tokenizer = tokenizer
         self._eos = eos_token_ids
-        self._streams: dict[str, tuple[asyncio.Queue, TextStream]] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._draining = False
-        self.error: BaseException | None = None
+        self._texts: dict[str, TextStream] = {}   # beside each stream: its detokenization and stop strings
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    # --- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> AsyncIterator[Any]:
-        """As `AsyncEngine.generate`: the request's outputs until one is finished; leaving
-        early aborts it in the engine."""
-        if self.error is not None:
-            raise EngineDead(f"the engine failed earlier: {self.error}; restart the server")
-        if self._draining:
-            raise EngineDraining("the server is shutting down and accepts no new requests")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        text = TextStream(request_id, list(prompt_token_ids), params, self._tokenizer, self._eos)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (queue, text)
-        self._idle.clear()
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        text = TextStream(request_id, prompt_token_ids, params, self._tokenizer, self._eos)
+        self._texts[request_id] = text
         # Stop strings are matched here; the engine (no tokenizer) would refuse them.
         self._link.send(("add", request_id, text.request.prompt_token_ids,
                          replace(params, stop=[]) if params.stop else params))
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                logger.info("request %s left before finishing: aborting it", request_id)
-                self._link.send(("abort", request_id))
-            self._drop(request_id)
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Refuse new requests, wait up to timeout_s for the in-flight ones, abort the rest."""
-        self._draining = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            ids = list(self._streams)
-            logger.warning("drain timeout (%.1f s): aborting %d unfinished request(s)", timeout_s, len(ids))
-            for rid in ids:
-                self._fail(rid, RequestAborted(f"request {rid} aborted: the server is shutting down"))
-                self._link.send(("abort", rid))
-            return False
+    def _send_abort(self, request_id: str) -> None:
+        self._link.send(("abort", request_id))
 
     def _drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        if not self._streams:
-            self._idle.set()
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            entry[0].put_nowait(exc)
+        self._texts.pop(request_id, None)
+        super()._drop(request_id)
 
     # --- from the link -------------------------------------------------------------------
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            entry = self._streams.get(out.request_id)
-            if entry is None:
+            queue, text = self._streams.get(out.request_id), self._texts.get(out.request_id)
+            if queue is None or text is None:
                 continue   # it left, or a stop string ended it here: the engine's extra tokens
-            queue, text = entry
             if text.finished:
                 continue
             result = text.apply(out)
@@ -168,14 +111,14 @@ class RemoteEngine:
             queue.put_nowait(result)
 
     def refused(self, request_id: str, kind: str, message: str) -> None:
-        self._fail(request_id, _REFUSALS.get(kind, EngineDead)(message))
+        self._fail_stream(request_id, _REFUSALS.get(kind, EngineDead)(message))
 
     def fail_all(self, reason: str) -> None:
         """The engine died or the link closed: every waiting request fails, new ones too."""
         if self.error is None:
             self.error = EngineDead(reason)
         for rid in list(self._streams):
-            self._fail(rid, EngineDead(f"engine failed: {reason}"))
+            self._fail_stream(rid, EngineDead(f"engine failed: {reason}"))
 
 
 __all__ = ["RemoteEngine", "TextStream"]
