@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from resident.worker.layers.linear import fp8_scaled_mm_reference
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
@@ -44,6 +46,15 @@ class Kernels:
     fp8_linear: Callable[..., torch.Tensor]
     #: (x [..., K], weight [N,K] 16-bit or float32, bias [N] | None) -> [..., N] (F.linear's contract)
     linear: Callable[..., torch.Tensor] = F.linear
+    #: (x_q [..., K] fp8, scale_a float32 (), weight [N,K] fp8, weight_scale float32 (), bias | None, out_dtype)
+    #: -> [..., N]: fp8_linear's GEMM on an input already quantized
+    fp8_scaled_mm: Callable[..., torch.Tensor] = fp8_scaled_mm_reference
+    #: (x [T,H], residual [T,H] | None, weight [H], eps) -> (x_q [T,H] fp8, scale_a float32 (), x + residual
+    #: (x when residual is None)): the norm's output quantized as fp8_linear would. None: the backend has
+    #: no such fused op (models quantize in the linear)
+    fused_add_rms_norm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    #: (x [..., 2I]) -> (x_q [..., I] fp8, scale_a float32 ()): silu_and_mul quantized as fp8_linear would
+    silu_and_mul_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -54,7 +65,8 @@ def _torch_kernels() -> Kernels:
     from resident.worker.kernels import reference as r
 
     return Kernels("torch", r.rms_norm, r.fused_add_rms_norm, r.rotary_kv_write, r.silu_and_mul,
-                   r.paged_attention, r.fp8_linear)
+                   r.paged_attention, r.fp8_linear, fp8_scaled_mm=r.fp8_scaled_mm,
+                   fused_add_rms_norm_fp8=r.fused_add_rms_norm_fp8, silu_and_mul_fp8=r.silu_and_mul_fp8)
 
 
 def _triton_kernels() -> Kernels:
@@ -62,7 +74,8 @@ def _triton_kernels() -> Kernels:
 
     return Kernels("triton", rmsnorm.rms_norm, rmsnorm.fused_add_rms_norm, rotary.rotary_kv_write,
                    activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear,
-                   gemv.linear if gemv.GEMV_MODE == "on" else F.linear)
+                   gemv.linear if gemv.GEMV_MODE == "on" else F.linear, fp8_scaled_mm=fp8.fp8_scaled_mm,
+                   fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8)
 
 
 def triton_available() -> bool:

@@ -49,6 +49,12 @@ read, then read the slots through L2 (`.cg`). Why it is safe:
   path. Under MPS with a thread-percentage limit the SM count overstates what this process may
   use; force `path="two"` there.
 
+The kernels that produce a linear's input can quantize it themselves: the fused add + RMSNorm
+(`rmsnorm.add_rms_norm_fp8_into`) and SiLU-and-mul (`activation.silu_and_mul_fp8_into`) use this
+module's pieces — their coop kernels store their tiles' maxima, then `_grid_scale` (barrier,
+slots, scale) and `_quantize_tile`, launched with `coop_launch_state`; their two paths store the
+values and maxima, then `quantize_from_partials` (this module's second kernel).
+
 Every program derives the scale from amax with the reference's float32 steps (IEEE
 division `div_rn`, never the approximate one), so the scale and every quantized value
 equal the CPU reference's bit for bit, on every path. (The same reference run eagerly on
@@ -159,6 +165,22 @@ def _grid_barrier(state_ptr, num_programs):
 
 
 @triton.jit
+def _grid_scale(scale_ptr, partial_ptr, state_ptr, num_partials, BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr,
+                MIN_SCALE: tl.constexpr):
+    """The tensor's scale, in every program of a cooperative grid whose programs have each stored
+    their tile's maximum in their slot: wait at the grid barrier, reduce all slots (program 0
+    stores the scale for the GEMM). Shared by the fused producers (`rmsnorm`, `activation`)."""
+    _grid_barrier(state_ptr, num_partials)
+    slots = tl.arange(0, BLOCK_P)
+    # .cg: the slots other SMs wrote are read from L2, never from a stale L1 line.
+    amax = tl.max(tl.load(partial_ptr + slots, mask=slots < num_partials, other=0.0, cache_modifier=".cg"), axis=0)
+    scale = _scale_from_amax(amax, FP8_MAX, MIN_SCALE)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    return scale
+
+
+@triton.jit
 def _quantize_coop_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, state_ptr, num_partials, M, K, stride_x,
                           stride_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                           FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
@@ -170,13 +192,7 @@ def _quantize_coop_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, state_ptr, num
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tile_max = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tile_max)
-    _grid_barrier(state_ptr, num_partials)
-    slots = tl.arange(0, BLOCK_P)
-    # .cg: the slots other SMs wrote are read from L2, never from a stale L1 line.
-    amax = tl.max(tl.load(partial_ptr + slots, mask=slots < num_partials, other=0.0, cache_modifier=".cg"), axis=0)
-    scale = _scale_from_amax(amax, FP8_MAX, MIN_SCALE)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(scale_ptr, scale)
+    scale = _grid_scale(scale_ptr, partial_ptr, state_ptr, num_partials, BLOCK_P, FP8_MAX, MIN_SCALE)
     q = _quantize_tile(x, scale, FP8_MAX)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], q.to(out_ptr.dtype.element_ty),
              mask=mask)
@@ -230,19 +246,46 @@ def _large_grid(m: int, k: int) -> tuple[int, int, tuple[int, int]]:
     return block_m, block_k, (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
 
 
-def coop_unsupported_reason(x: torch.Tensor) -> str | None:
-    """Why the one-launch cooperative kernel cannot quantize x [M, K] here (None: it can, given
-    a barrier state)."""
+def coop_grid_unsupported_reason(x: torch.Tensor, num_programs: int) -> str | None:
+    """Why a cooperative kernel (one with `_grid_barrier`) of `num_programs` programs cannot run
+    on x's device here (None: it can, given a barrier state)."""
     if _INTERPRETED:
         return ("Triton's CPU interpreter (TRITON_INTERPRET=1) runs the programs one after another, "
                 "so the coop kernel's grid barrier would wait forever")
     if x.device.type != "cuda":
         return f"x is on {x.device}; the coop kernel's grid barrier needs a CUDA device"
-    _, _, grid = _large_grid(*x.shape)
     num_sms = _num_sms(x.device.index)
-    if grid[0] * grid[1] > num_sms:
-        return (f"its grid of {grid[0] * grid[1]} programs exceeds the device's {num_sms} multiprocessors: "
+    if num_programs > num_sms:
+        return (f"its grid of {num_programs} programs exceeds the device's {num_sms} multiprocessors: "
                 f"not every program would be resident at once and the grid barrier could deadlock")
+    return None
+
+
+def coop_unsupported_reason(x: torch.Tensor) -> str | None:
+    """Why the one-launch cooperative kernel cannot quantize x [M, K] here (None: it can, given
+    a barrier state)."""
+    _, _, grid = _large_grid(*x.shape)
+    return coop_grid_unsupported_reason(x, grid[0] * grid[1])
+
+
+def coop_block_p(x: torch.Tensor) -> int:
+    """BLOCK_P (slots each program reads) of a fused producer's cooperative launch on x's device:
+    room for as many programs as a grid that fits can have, so one build serves every batch size."""
+    return next_pow2(_num_sms(x.device.index))
+
+
+def coop_launch_state(x: torch.Tensor, num_programs: int, forced: bool) -> torch.Tensor | None:
+    """The barrier state for a cooperative launch of `num_programs` programs on x's device, or None
+    when the caller must take its non-cooperative path; `forced` (path='coop' asked for) raises
+    the ValueError saying why instead."""
+    reason = coop_grid_unsupported_reason(x, num_programs)
+    if reason is None:
+        state = _coop_state(x.device)
+        if state is not None:
+            return state
+        reason = f"no barrier state for this stream ({NO_STATE_REASON})"
+    if forced:
+        raise ValueError(f"path='coop' cannot run: {reason}; use path='two'")
     return None
 
 
@@ -266,6 +309,16 @@ def _resolve_path(x: torch.Tensor, small: bool | None, path: str | None) -> str:
     if path == "coop" and (reason := coop_unsupported_reason(x)) is not None:
         raise ValueError(f"path='coop' cannot run: {reason}; use path='two'")
     return path
+
+
+def quantize_from_partials(x: torch.Tensor, out: torch.Tensor, buf: torch.Tensor, num_partials: int) -> None:
+    """The two-kernel path's second launch: buf[1:1 + num_partials] hold maxima of |x| that together
+    cover x [M, K] (written by `_absmax_kernel`, or by a fused producer of x); derive the scale into
+    buf[0] and quantize x into `out`."""
+    block_m, block_k, grid = _large_grid(*x.shape)
+    _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
+                           BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
+                           MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
 
 
 def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = None, *,
@@ -298,20 +351,13 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
     block_m, block_k, grid = _large_grid(m, k)
     num_partials = grid[0] * grid[1]
     buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # every slot is written
-    if path == "coop":
-        state = _coop_state(x.device)
-        if state is not None:
-            _quantize_coop_kernel[grid](x, out, buf, buf[1:], state, num_partials, m, k, x.stride(0), out.stride(0),
-                                        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials),
-                                        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
-            return buf[0]
-        if forced:
-            raise ValueError(f"path='coop' cannot run: no barrier state for this stream ({NO_STATE_REASON}); "
-                             f"use path='two'")
+    if path == "coop" and (state := coop_launch_state(x, num_partials, forced)) is not None:
+        _quantize_coop_kernel[grid](x, out, buf, buf[1:], state, num_partials, m, k, x.stride(0), out.stride(0),
+                                    BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials),
+                                    FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+        return buf[0]
     _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
-    _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, m, k, x.stride(0), out.stride(0), BLOCK_M=block_m,
-                           BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
-                           MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+    quantize_from_partials(x, out, buf, num_partials)
     return buf[0]
 
 
@@ -322,5 +368,6 @@ def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return out, quantize_fp8_into(x, out)
 
 
-__all__ = ["PATHS", "SMALL_MAX_NUMEL", "choose_path", "coop_unsupported_reason", "quantize_fp8_into",
-           "quantize_fp8_per_tensor"]
+__all__ = ["PATHS", "SMALL_MAX_NUMEL", "choose_path", "coop_block_p", "coop_grid_unsupported_reason",
+           "coop_launch_state", "coop_unsupported_reason", "quantize_fp8_into", "quantize_fp8_per_tensor",
+           "quantize_from_partials"]

@@ -8,6 +8,8 @@ Two methods sit behind one small registry:
   tensor on the fly (scale_a = amax|x| / 448). The reference performs exactly the steps of
   `torch._scaled_mm` (fp8 operands, float32 accumulation, scaled by scale_a * scale_w, bias
   added, cast to the activation dtype), so it is the oracle for the GPU kernel.
+  `apply_quantized(x_q, scale_a, out_dtype)` runs the layer on an input already quantized so
+  (by the kernels' fused norm and SiLU-and-mul, which emit fp8 directly).
 
 Weights are referenced, never copied: they are zero-copy views of daemon memory.
 """
@@ -98,10 +100,19 @@ class Fp8PerTensorLinear(LinearMethod):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.fp8_linear(x, self.weight, self.weight_scale.reshape(()), self.bias)
-        shape = x.shape
-        x_q, scale_a = quantize_fp8_per_tensor_dynamic(x.reshape(-1, shape[-1]))
-        out = fp8_scaled_mm_reference(x_q, scale_a, self.weight, self.weight_scale.reshape(()), self.bias, x.dtype)
-        return out.reshape(*shape[:-1], self.out_features)
+        x_q, scale_a = quantize_fp8_per_tensor_dynamic(x.reshape(-1, x.shape[-1]))
+        return self.apply_quantized(x_q.view(x.shape), scale_a, x.dtype)
+
+    def apply_quantized(self, x_q: torch.Tensor, scale_a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer on an input already quantized as `__call__` quantizes it (x_q [..., K]
+        float8_e4m3fn, scale_a float32 ()), for producers that emit fp8 themselves (the kernels'
+        `fused_add_rms_norm_fp8`, `silu_and_mul_fp8`); out_dtype is the activation dtype."""
+        scale_w = self.weight_scale.reshape(())
+        if self.kernels is not None:
+            return self.kernels.fp8_scaled_mm(x_q, scale_a, self.weight, scale_w, self.bias, out_dtype)
+        out = fp8_scaled_mm_reference(x_q.reshape(-1, x_q.shape[-1]), scale_a, self.weight, scale_w, self.bias,
+                                      out_dtype)
+        return out.reshape(*x_q.shape[:-1], self.out_features)
 
 
 @dataclass(frozen=True)

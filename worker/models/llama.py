@@ -34,7 +34,7 @@ from resident.worker.config import ModelConfig
 from resident.worker.kernels.dispatch import Kernels, get_kernels
 from resident.worker.kernels.reference import build_cos_sin_cache
 from resident.worker.layers.attention import AttentionMetadata
-from resident.worker.layers.linear import FP8_DTYPE, make_linear
+from resident.worker.layers.linear import FP8_DTYPE, Fp8PerTensorLinear, make_linear
 from resident.worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class LlamaDecoderLayer:
                  rope_table: torch.Tensor, kernels: Kernels, parallel: Any = None,
                  add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """`add_norm(x, residual, weight) -> (normed, x + residual)`: under TP, x is this
-        rank's partial sum and add_norm all-reduces it first (see ReduceAddNorm)."""
+        rank's partial sum and add_norm all-reduces it first (see ReduceAddNorm); None: the
+        kernels' fused_add_rms_norm."""
         p = layer_prefix(index)
         a, m = f"{p}.self_attn", f"{p}.mlp"
         self.eps = config.rms_norm_eps
@@ -133,12 +134,19 @@ class LlamaDecoderLayer:
         self.k_norm = weights[f"{a}.k_norm.weight"] if config.qk_norm else None
         self.gate_up_proj = make_linear(weights, f"{m}.gate_up_proj", kernels=kernels)
         self.down_proj = make_linear(weights, f"{m}.down_proj", kernels=kernels)
+        #: The norms and SiLU-and-mul emit the fp8 inputs of qkv_proj, gate_up_proj and down_proj
+        #: (`forward_fp8`): fp8_per_tensor linears, kernels that have the fused ops, and the plain
+        #: add + norm (a custom add_norm, TP's all-reduce, must see the normed activations).
+        self.fuse_fp8_quant = (add_norm is None and parallel is None
+                               and kernels.fused_add_rms_norm_fp8 is not None and kernels.silu_and_mul_fp8 is not None
+                               and all(isinstance(lin, Fp8PerTensorLinear)
+                                       for lin in (self.qkv_proj, self.gate_up_proj, self.down_proj)))
 
-    def attention(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+    def attention(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                   kv_cache: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
+        """Attention from qkv_proj's output [T, q_size + 2 * kv_size], through o_proj."""
+        t = qkv.shape[0]
         kern = self.kernels
-        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -154,19 +162,34 @@ class LlamaDecoderLayer:
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fuse_fp8_quant:
+            return self.forward_fp8(positions, hidden, residual, meta, kv_cache)
         kern = self.kernels
         if residual is None:
             residual = hidden
             hidden = kern.rms_norm(hidden, self.input_layernorm, self.eps)
         else:
             hidden, residual = self.add_norm(hidden, residual, self.input_layernorm)
-        hidden = self.attention(positions, hidden, meta, kv_cache)
+        hidden = self.attention(positions, self.qkv_proj(hidden), meta, kv_cache)
         if self.o_bias is not None:   # already reduced
             hidden, residual = kern.fused_add_rms_norm(hidden, residual, self.post_attention_layernorm, self.eps)
         else:
             hidden, residual = self.add_norm(hidden, residual, self.post_attention_layernorm)
         # Under TP a partial sum: the next layer's (or the final) add_norm reduces it.
         return self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden))), residual
+
+    def forward_fp8(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                    meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`__call__` with the fp8 activation quantization of qkv_proj, gate_up_proj and down_proj
+        done by the kernels producing their inputs: bit for bit the same (each fused op is its
+        unfused pair, then the linear's own quantization), one launch less per linear — in a
+        decode step these launches cost latency, not bandwidth. o_proj quantizes its own input."""
+        kern, dtype = self.kernels, hidden.dtype
+        x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.input_layernorm, self.eps)
+        hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache)
+        x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
+        x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
+        return self.down_proj.apply_quantized(x_q, scale, dtype), residual
 
 
 class ReduceAddNorm:
@@ -219,7 +242,8 @@ class LlamaForCausalLM:
         self.add_norm = (partial(self.kernels.fused_add_rms_norm, eps=config.rms_norm_eps) if self.parallel is None
                          else ReduceAddNorm(self.parallel, self.kernels, config.rms_norm_eps, self.fused_allreduce))
         self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels, self.parallel,
-                                         self.add_norm) for i in range(config.num_layers)]
+                                         None if self.parallel is None else self.add_norm)
+                       for i in range(config.num_layers)]
         self.norm = weights["model.norm.weight"]
         self.eps = config.rms_norm_eps
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
