@@ -183,7 +183,7 @@ def test_gpu_fused_ops_replay_in_a_cuda_graph(m: int, monkeypatch) -> None:
     num_coop = 2 * (coop_norm and m > 1) + coop_silu
     state = fp8_quant._COOP_STATES.get((torch.cuda.current_device(),
                                         torch.cuda.graph.default_capture_stream.cuda_stream))
-    assert (state is not None) == (num_coop > 0)
+    assert state is not None or num_coop == 0   # (states outlive a test: one may exist without a coop launch here)
     before = state.tolist() if num_coop else [0, 0]
     for i in range(20):
         scale = 0.1 + 3 * i
