@@ -119,7 +119,8 @@ logger = logging.getLogger(__name__)
 @click.option("--frontend", type=click.Choice(("inline", "process")), default="inline", show_default=True,
               help="process: HTTP, the tokenizer and detokenization in a front-end process of their own, "
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "
-                   "path; the engine thread no longer shares its GIL with HTTP and text). A single worker only.")
+                   "path; the engine thread no longer shares its GIL with HTTP and text). With the supervisor "
+                   "(--data-parallel-size) each replica is such a pair; not with --launcher.")
 def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
@@ -167,9 +168,9 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
         from resident.worker.entrypoint import run_server
 
         sys.exit(run_server(config))
-    if frontend == "process":
-        raise click.UsageError("--frontend process serves a single worker; the supervisor's replicas "
-                               "(--data-parallel-size, --standby-replicas, --launcher) serve inline: drop one")
+    if frontend == "process" and launcher:
+        raise click.UsageError("--launcher forks replicas that serve inline; with --frontend process every "
+                               "replica starts its own front-end at exec: drop one of them")
 
     from resident.worker.supervisor import SupervisorConfig, run_supervisor
 

@@ -71,6 +71,16 @@ class Frontend:
         self.engine_gone: str | None = None
         self._metric_waiters: dict[int, asyncio.Future[bytes]] = {}
         self._tokens = itertools.count()
+        self.runner: Any = None           # the HTTP server's AppRunner and site, once set up
+        self.site: Any = None
+        self.accepting = False
+        self.ready_s: float | None = None
+        self.phases: dict[str, float] = {}
+        self.closer: Any = None           # a replica's graceful.ConnectionCloser
+        if start.replica is not None:
+            from resident.worker.graceful import ConnectionCloser
+
+            self.closer = ConnectionCloser(start.replica.drain_grace_s)
 
     # --- link ----------------------------------------------------------------------------
     async def read_link(self) -> None:
@@ -155,7 +165,61 @@ class Frontend:
                               trust_request_chat_template=self.start.trust_request_chat_template)
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size)
         self.metrics.set_weights_source(ready.weights_source)
+        self.phases = dict(ready.phases)
+        self.ready_s = self.phases.get("total")
         self.state.ready = True
+
+
+class FrontendReplica:
+    """admin.ReplicaControl of a supervisor's replica served with --frontend process: the
+    supervisor's /ready, /promote, /drain and /status of this replica, answered here (where the
+    shared socket is served), for the pair of processes. Its pid is the engine process's (the
+    replica the supervisor started)."""
+
+    def __init__(self, fe: Frontend) -> None:
+        self.fe = fe
+        self.promote_s: float | None = None
+
+    @property
+    def state(self) -> Any:
+        from resident.worker.admin import ReplicaState
+
+        s = self.fe.state
+        if s.failed is not None:
+            return ReplicaState.FAILED
+        if s.draining:
+            return ReplicaState.DRAINING
+        if not s.ready:
+            return ReplicaState.STARTING
+        return ReplicaState.SERVING if self.fe.accepting else ReplicaState.STANDBY
+
+    @property
+    def alive(self) -> bool:
+        return self.fe.state.alive
+
+    async def promote(self) -> float:
+        t = time.monotonic()
+        await self.fe.site.start()
+        self.fe.accepting = True
+        self.promote_s = time.monotonic() - t
+        logger.info("promoted: accepting on the shared socket (%.1f ms)", self.promote_s * 1e3)
+        return self.promote_s
+
+    def request_drain(self, reason: str) -> None:
+        if not self.fe.stop.is_set():
+            logger.info("drain requested (%s)", reason)
+            self.fe.stop.set()
+
+    def status(self) -> dict[str, Any]:
+        fe, replica = self.fe, self.fe.start.replica
+        server = fe.runner.server if fe.runner is not None else None
+        return {
+            "replica_id": replica.replica_id, "pid": os.getppid(), "frontend_pid": os.getpid(),
+            "state": self.state.value, "accepting": fe.accepting, "standby": replica.standby,
+            "num_in_flight": fe.engine.num_in_flight if fe.engine is not None else 0,
+            "num_connections": len(server.connections) if server is not None else 0,
+            "ready_s": fe.ready_s, "promote_s": self.promote_s, "startup_phases": fe.phases,
+        }
 
 
 def _api_app(fe: Frontend) -> Any:
@@ -181,10 +245,16 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, fe.stop.set)
     reader = asyncio.create_task(fe.read_link())
-    runner = web.AppRunner(_api_app(fe), handler_cancellation=True, access_log=None)
+    app = _api_app(fe)
+    if fe.closer is not None:
+        app.on_response_prepare.append(fe.closer.on_response_prepare)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, http_sock)
-    await site.start()
+    fe.runner = runner
+    site = fe.site = web.SockSite(runner, http_sock)
+    if start.replica is None or not start.replica.standby:
+        await site.start()   # (a standby accepts once promoted: FrontendReplica.promote)
+        fe.accepting = True
 
     admin = None
     try:
@@ -219,7 +289,9 @@ async def _start_admin(fe: Frontend) -> Any:
     path = fe.start.admin_socket
     if path is None:
         return None
-    admin = AdminServer(ServeControl(fe.state, fe.stop.set, pid=os.getppid()), path)   # the worker's pid: the engine's
+    control = (FrontendReplica(fe) if fe.start.replica is not None
+               else ServeControl(fe.state, fe.stop.set, pid=os.getppid()))   # the worker's pid: the engine's
+    admin = AdminServer(control, path)
     admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
     return await admin.start_or_warn(fe.start.admin_socket_given)
 
@@ -262,8 +334,14 @@ async def _drain(fe: Frontend, runner: Any, site: Any) -> None:
     if fe.engine_gone is None:
         logger.info("front-end stopping: draining in-flight requests (up to %.0f s)", fe.start.drain_timeout_s)
     state.draining = True
-    await site.stop()   # stop accepting; open connections keep going
+    if fe.accepting:   # (a standby never promoted never started its site)
+        await site.stop()   # stop accepting (only this process's copy of a replica's shared socket)
+    fe.accepting = False   # open connections keep going
     deadline = time.monotonic() + fe.start.drain_timeout_s
+    if fe.closer is not None:   # a replica hands its keep-alive connections back to its siblings first
+        report = await fe.closer.close_connections(runner.server, fe.start.drain_timeout_s)
+        logger.info("connections handed back in %.2f s (%d seen, %d closed idle, %d cut at the deadline)",
+                    report.seconds, report.num_connections, report.num_closed_idle, report.num_left_at_deadline)
     if fe.engine is not None and fe.engine_gone is None:
         await fe.engine.drain(fe.start.drain_timeout_s)
     while state.num_http_in_flight and time.monotonic() < deadline + 5.0:
@@ -274,6 +352,23 @@ async def _drain(fe: Frontend, runner: Any, site: Any) -> None:
         await asyncio.wait_for(fe.link.writer.drain(), 5.0)
     except (ConnectionError, OSError, asyncio.TimeoutError):
         pass
+
+
+def _die_with_parent(parent_pid: int | None) -> bool:
+    """A replica's front-end is killed with its engine process (PR_SET_PDEATHSIG): its
+    siblings share the listening socket, and a front-end outliving its engine even for a
+    moment would accept connections only to fail them, where a dead replica's share of the
+    queue goes to the others. (A single worker's front-end instead fails what it holds,
+    logs why and exits 1: there is no sibling.) False when the parent is already gone."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as e:   # not Linux: the link's EOF still ends it, a moment later
+        logger.warning("cannot tie the front-end's life to the engine process's: %s", e)
+    return parent_pid is None or os.getppid() == parent_pid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resident front-end: {e}; this process is started by `resident serve --frontend process`",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=start.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if start.replica is not None and not _die_with_parent(start.engine_pid):
+        return 1   # the engine process is already gone
+    who = f" replica-{start.replica.replica_id}-frontend" if start.replica is not None else ""
+    logging.basicConfig(level=start.log_level.upper(), format=f"%(asctime)s %(levelname)s{who} %(name)s: %(message)s")
     return asyncio.run(serve(start, link_sock, http_sock, args.start_time or t0))
 
 

@@ -57,6 +57,17 @@ class FrontendStart:
     log_level: str = "INFO"
     admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
     admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start
+    replica: "ReplicaFront | None" = None   # a supervisor's replica (replica.py), not a single worker
+    engine_pid: int | None = None       # the engine process (the front-end's parent)
+
+
+@dataclass(frozen=True)
+class ReplicaFront:
+    """What a replica's front-end serves as the replica (admin.ReplicaControl, graceful.py)."""
+
+    replica_id: int
+    standby: bool          # ready, then wait for the admin socket's /promote before accepting
+    drain_grace_s: float   # graceful.ConnectionCloser's
 
 
 @dataclass(frozen=True)
@@ -178,5 +189,5 @@ def _family(name: str) -> str:
     return name
 
 
-__all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "encode",
+__all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "ReplicaFront", "encode",
            "merge_expositions", "read", "read_blocking", "send_blocking"]

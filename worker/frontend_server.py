@@ -29,11 +29,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from resident.worker.frontend_link import EngineReady, FrontendStart, Link, LinkClosed, send_blocking
+from resident.worker.frontend_link import EngineReady, FrontendStart, Link, LinkClosed, ReplicaFront, send_blocking
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
 from resident.worker.snapshot_control import admin_socket_for_pid
 
@@ -79,29 +80,36 @@ def bind_and_spawn(config: Any, log_level: str) -> FrontendProcess:
                 raise FrontendStartError(cannot_write_port_file(config.port_file, e)) from None
         sys.stdout.write(f"resident serve listening on http://{config.host}:{port}\n")
         sys.stdout.flush()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        start = FrontendStart(
-            model=config.model, revision=config.revision, hub_cache=config.hub_cache,
-            served_model_name=config.model_name, api_key=config.api_key,
-            chat_template_file=config.chat_template_file,
-            trust_request_chat_template=config.trust_request_chat_template,
-            drain_timeout_s=config.drain_timeout_s, log_level=log_level,
-            admin_socket=os.path.abspath(config.admin_socket or admin_socket_for_pid(os.getpid())),
-            admin_socket_given=config.admin_socket is not None)
-        send_blocking(ours, ("start", start))
-        t0 = config.process_start_time or time.time()
-        cmd = [sys.executable, "-m", "resident.worker.frontend", "--link-fd", str(theirs.fileno()),
-               "--http-fd", str(http.fileno()), "--start-time", repr(t0)]
-        try:
-            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), http.fileno()), stdin=subprocess.DEVNULL)
-        except OSError as e:
-            ours.close()
-            raise FrontendStartError(f"cannot start the front-end process ({e}); serve with --frontend inline") \
-                from None
-        finally:
-            theirs.close()
+        admin = os.path.abspath(config.admin_socket or admin_socket_for_pid(os.getpid()))
+        return spawn_frontend(config, log_level, http, admin, admin_given=config.admin_socket is not None)
     finally:
         http.close()   # the front-end holds it now
+
+
+def spawn_frontend(config: Any, log_level: str, http: socket.socket, admin_socket: str, admin_given: bool,
+                   replica: ReplicaFront | None = None) -> FrontendProcess:
+    """Start the front-end process serving the listening socket `http` (this process keeps its
+    own copy; a replica's is the supervisor's shared socket) and the admin socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    start = FrontendStart(
+        model=config.model, revision=config.revision, hub_cache=config.hub_cache,
+        served_model_name=config.model_name, api_key=config.api_key,
+        chat_template_file=config.chat_template_file,
+        trust_request_chat_template=config.trust_request_chat_template,
+        drain_timeout_s=config.drain_timeout_s, log_level=log_level,
+        admin_socket=admin_socket, admin_socket_given=admin_given, replica=replica, engine_pid=os.getpid())
+    send_blocking(ours, ("start", start))
+    t0 = config.process_start_time or time.time()
+    cmd = [sys.executable, "-m", "resident.worker.frontend", "--link-fd", str(theirs.fileno()),
+           "--http-fd", str(http.fileno()), "--start-time", repr(t0)]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), http.fileno()), stdin=subprocess.DEVNULL)
+    except OSError as e:
+        ours.close()
+        raise FrontendStartError(f"cannot start the front-end process ({e}); serve with --frontend inline") \
+            from None
+    finally:
+        theirs.close()
     logger.info("front-end process started (pid %d)", proc.pid)
     return FrontendProcess(proc, ours)
 
@@ -195,8 +203,11 @@ class EngineSide:
             self.link.send(("outputs", outputs))
 
 
-async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
-    """Build the worker, serve the front-end's requests until told to stop; the exit code."""
+async def serve(config: Any, startup: Any, frontend: FrontendProcess, lifeline_fd: int | None = None,
+                on_start_failed: Callable[[str], None] | None = None) -> int:
+    """Build the worker, serve the front-end's requests until told to stop; the exit code.
+    A supervisor's replica (replica.py) passes its lifeline (EOF: the supervisor died, drain)
+    and `on_start_failed(reason)` (its failure note for the supervisor)."""
     from resident.worker.metrics import ServerMetrics
     from resident.worker.startup import build_worker, explains_itself, in_thread, join_startup_threads, start_kv_growth
 
@@ -209,6 +220,17 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if lifeline_fd is not None:
+        def supervisor_gone() -> None:
+            logger.info("drain requested (the supervisor is gone)")
+            stop.set()
+        watch_lifeline(loop, lifeline_fd, supervisor_gone)
+
+    def failed_to_start(reason: str) -> int:
+        if on_start_failed is not None:
+            on_start_failed(reason)
+        return 1
+
     try:
         await asyncio.sleep(0)   # what the front-end said while this process imported torch
         if side.failed is not None:
@@ -216,18 +238,18 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
             join_startup_threads(startup)
             if startup.switch_interval is not None:
                 startup.switch_interval.restore()
-            return 1
+            return failed_to_start(side.failed)
         worker = await _build(config, startup, metrics, state, side, stop, build_worker, in_thread, explains_itself)
         if worker is None:
             if side.failed is None:   # the front-end knows its own failure
                 link.send(("failed", state.failed or "stopped during start-up"))
-            return 1 if state.failed else 0
+            return failed_to_start(state.failed) if state.failed else 0
         try:
             hello = await _await_hello(side, stop)
         except LinkClosed as e:
             logger.error("resident serve could not start: %s", e)
             _release(worker)
-            return 1
+            return failed_to_start(str(e))
         if hello is None:
             _release(worker)
             return 0
@@ -256,6 +278,22 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess) -> int:
         await asyncio.gather(reader, return_exceptions=True)
         await link.close()
         frontend.reap(DRAIN_SLACK_S)
+
+
+def watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, on_eof: Callable[[], None]) -> None:
+    """Call `on_eof` when the read end `fd` of a supervisor's lifeline pipe reaches EOF (the
+    supervisor died, even by SIGKILL): a replica must not keep serving a socket nobody supervises."""
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        if not data:
+            loop.remove_reader(fd)
+            on_eof()
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, on_readable)
 
 
 @dataclass
@@ -366,4 +404,4 @@ def run(config: Any) -> int:
 
 
 __all__ = ["DRAIN_SLACK_S", "EngineSide", "FrontendProcess", "FrontendStartError", "bind_and_spawn", "run",
-           "serve"]
+           "serve", "spawn_frontend", "watch_lifeline"]

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import signal
@@ -31,7 +29,6 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -41,54 +38,16 @@ from resident.worker.api_server import ApiServer, ServerState
 from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
-from resident.worker.replica_handle import failure_note_path, write_failure_note
+from resident.worker.replica_options import (ENV_PAYLOAD, ReplicaOptions, configure_logging, decode_payload,
+                                              encode_payload, failure_note_path, write_failure_note)
 from resident.worker.serve_config import ServeConfig
 from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, explains_itself,
                                      in_thread, process_start_time, start_kv_growth)
 
 logger = logging.getLogger(__name__)
 
-#: The environment variable carrying a replica's configuration (JSON; not argv, which any
-#: user can read in /proc — the config may hold the API key).
-ENV_PAYLOAD = "RESIDENT_REPLICA"
 #: Seconds a draining replica waits for handlers to write their last bytes after the engine drained.
 _HANDLER_FLUSH_S = 5.0
-
-
-@dataclass(frozen=True)
-class ReplicaOptions:
-    replica_id: int
-    listen_fd: int                 # the supervisor's listening socket, inherited
-    admin_socket: str              # this replica's private admin Unix socket
-    standby: bool = False          # warm up, then wait for /promote before accepting
-    drain_grace_s: float = 2.0     # see graceful.py
-    lifeline_fd: int | None = None # read end of a pipe only the supervisor writes: EOF = it died
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if self.replica_id < 0:
-            raise ValueError(f"replica_id must be >= 0, got {self.replica_id}")
-        if self.listen_fd < 0:
-            raise ValueError(f"listen_fd must be an open fd, got {self.listen_fd}")
-        if not os.path.isabs(self.admin_socket):
-            raise ValueError(f"admin_socket must be an absolute path, got {self.admin_socket!r}")
-        if len(self.admin_socket.encode()) > 107:
-            raise ValueError(f"admin socket path {self.admin_socket!r} is longer than a Unix socket allows "
-                             "(107 bytes); set a shorter $RESIDENT_RUNTIME_DIR")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-
-
-def encode_payload(config: ServeConfig, options: ReplicaOptions) -> str:
-    return json.dumps({"serve": dataclasses.asdict(config), "replica": dataclasses.asdict(options)})
-
-
-def decode_payload(text: str) -> tuple[ServeConfig, ReplicaOptions]:
-    try:
-        data = json.loads(text)
-        return ServeConfig(**data["serve"]), ReplicaOptions(**data["replica"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"${ENV_PAYLOAD} is not a replica configuration written by the supervisor: {e}") from None
 
 
 class Replica:
@@ -148,20 +107,11 @@ class Replica:
 
     # --- life ----------------------------------------------------------------------------
     def _watch_lifeline(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
-        """Drain when the supervisor dies (even by SIGKILL): a replica must not keep serving
-        a socket nobody supervises. Works for forked (launcher) children too, whose parent
-        is not the supervisor."""
-        def on_readable() -> None:
-            try:
-                data = os.read(fd, 64)
-            except BlockingIOError:
-                return
-            if not data:
-                loop.remove_reader(fd)
-                self.request_drain("the supervisor is gone")
+        """Drain when the supervisor dies (even by SIGKILL). Works for forked (launcher)
+        children too, whose parent is not the supervisor."""
+        from resident.worker.frontend_server import watch_lifeline
 
-        os.set_blocking(fd, False)
-        loop.add_reader(fd, on_readable)
+        watch_lifeline(loop, fd, lambda: self.request_drain("the supervisor is gone"))
 
     def _on_sighup(self) -> None:
         # SIGHUP's default action would kill this replica and cut its requests: a terminal's
@@ -277,11 +227,6 @@ def run_replica(config: ServeConfig, options: ReplicaOptions, t0: float | None =
         return 1
     config, startup = prepared
     return asyncio.run(Replica(config, options, startup).run())
-
-
-def configure_logging(options: ReplicaOptions) -> None:
-    logging.basicConfig(level=options.log_level.upper(), force=True,
-                        format=f"%(asctime)s %(levelname)s replica-{options.replica_id} %(name)s: %(message)s")
 
 
 def main(env: Mapping[str, str] | None = None) -> int:

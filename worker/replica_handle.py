@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from resident.worker.replica_options import failure_note_path
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
@@ -20,21 +22,6 @@ _POLL_S = 0.05
 
 class ReplicaFailed(RuntimeError):
     """A replica did not become ready (exited, or not ready within the timeout)."""
-
-
-def failure_note_path(admin_socket: str) -> str:
-    """Where a replica that could not start leaves its one-line reason (beside its admin
-    socket), for the supervisor's and `resident rollout`'s error — the replica's own log
-    lines go to the supervisor's log, which a rollout's caller does not see."""
-    return admin_socket + ".failed"
-
-
-def write_failure_note(admin_socket: str, reason: str) -> None:
-    try:
-        with open(failure_note_path(admin_socket), "w", encoding="utf-8") as f:
-            f.write(reason[:4000])
-    except OSError as e:   # the log line says it all the same
-        logger.debug("could not leave the failure note beside %s: %s", admin_socket, e)
 
 
 def _take_failure_note(admin_socket: str) -> str | None:

@@ -100,6 +100,9 @@ class SupervisorConfig:
         if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
             raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
         KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
+        if self.use_launcher and self.serve.frontend == "process":
+            raise ValueError("--launcher forks replicas that serve inline; with --frontend process every replica "
+                             "starts its own front-end at exec: drop one of them")
         if self.use_launcher and self.serve.tensor_parallel_size > 1:
             raise ValueError("--launcher cannot start tensor-parallel replicas: a group's other ranks are fresh "
                              "interpreters started by its rank 0, so forking rank 0 saves nothing; drop --launcher "
@@ -177,9 +180,10 @@ class Supervisor:
             if self.launcher is not None:
                 process = await self._launch(env, fds)
             else:
+                # --frontend process: the replica's engine process, which starts its front-end
+                module = "resident.worker.replica_process" if serve.frontend == "process" else "resident.worker.replica"
                 process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "resident.worker.replica", env=env, pass_fds=fds,
-                    stdin=asyncio.subprocess.DEVNULL)
+                    sys.executable, "-m", module, env=env, pass_fds=fds, stdin=asyncio.subprocess.DEVNULL)
         except BaseException:
             self.budget.release(replica_id)
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,13 +114,17 @@ def _start_like_systemd(model, log_path, listener: socket.socket, env: dict, *ar
     return sup
 
 
-def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rollout(short_tmp, tmp_path):
+@pytest.mark.parametrize("frontend", ["inline", "process"])
+def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rollout(short_tmp, tmp_path, frontend):
+    """With --frontend process each replica is an engine process (the pid the supervisor
+    knows, killed here) and its front-end process (the shared socket, the admin socket)."""
     model = servable_tiny_model(tmp_path / "llama", "llama")
     notify = NotifyListener(str(short_tmp / "notify"))
     env = serve_env(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="1000000", RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
     listener = socket.create_server(("127.0.0.1", 0))  # systemd's resident-engine.socket
     port = listener.getsockname()[1]
-    sup = _start_like_systemd(model, tmp_path / "sup.log", listener, env, "--data-parallel-size", "2", *SERVE_ARGS)
+    sup = _start_like_systemd(model, tmp_path / "sup.log", listener, env, "--data-parallel-size", "2", *SERVE_ARGS,
+                              "--frontend", frontend)
     try:
         assert sup.base_url == f"http://127.0.0.1:{port}", "the supervisor did not serve the socket it was given"
         assert "using the listening socket from systemd" in sup.log_path.read_text()
@@ -131,10 +136,19 @@ def test_supervisor_notifies_replaces_crashed_replicas_and_survives_a_failed_rol
         notify.wait_for("WATCHDOG", count=2, timeout_s=10)
         first = _wait_replicas(ctl, _all_ready(2))
         _complete(sup.base_url)
+        if frontend == "process":   # two front-ends, each a child of its replica's engine process
+            log = sup.log_path.read_text()
+            assert len(re.findall(r"replica-\d+ resident.worker.frontend_server: front-end process started", log)) == 2
+            assert len(re.findall(r"replica-\d+-frontend resident.worker.admin: admin socket", log)) == 2, log[-3000:]
 
-        # kill -9 of a replica: it is replaced, and the service keeps answering meanwhile.
+        # kill -9 of a replica: it is replaced, and the service keeps answering meanwhile (once
+        # the victim is gone: a request it accepted while dying fails, as in any crash; with
+        # --frontend process its front-end dies with it, PR_SET_PDEATHSIG).
         victim = first[0]["pid"]
+        dying = {victim, *_children(victim)}
+        assert len(dying) == (2 if frontend == "process" else 1), dying
         os.kill(victim, signal.SIGKILL)
+        _wait_gone(dying)
         _complete(sup.base_url)
         after_kill = _wait_replicas(ctl, lambda rs: _all_ready(2)(rs) and victim not in {r["pid"] for r in rs})
         assert "exited unexpectedly" in sup.log_path.read_text()
@@ -228,6 +242,60 @@ def test_warm_standby_and_launcher_take_over_a_crashed_replica_and_serve_a_rollo
         assert not left, f"processes outlived their supervisor: {left}"
     finally:
         stop_serve(sup)
+
+
+def test_process_frontend_standby_takes_over_a_killed_replica_and_the_supervisors_death_ends_all(short_tmp,
+                                                                                                   tmp_path):
+    """--frontend process with a warm standby: the standby's front-end accepts only once
+    promoted; killing the serving replica's engine (its front-end follows) promotes it; a
+    rollout drains through the front-ends; kill -9 of the supervisor leaves no process."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(short_tmp / "rt"))
+    sup = start_serve(model, tmp_path / "sup.log", "--data-parallel-size", "1", "--standby-replicas", "1",
+                      "--frontend", "process", *SERVE_ARGS, env=env)
+    try:
+        port = int(sup.base_url.rsplit(":", 1)[1])
+        ctl = control_socket_path(port, env)
+        replicas = _wait_replicas(ctl, _all_ready(2))
+        serving = next(r for r in replicas if r["role"] == "serving")
+        standby = next(r for r in replicas if r["role"] == "standby")
+        _complete(sup.base_url)
+        dying = {serving["pid"], *_children(serving["pid"])}
+        os.kill(serving["pid"], signal.SIGKILL)
+        _wait_gone(dying)   # its front-end too, at once (PR_SET_PDEATHSIG)
+        _wait_replicas(ctl, lambda rs: any(r["pid"] == standby["pid"] and r["role"] == "serving" for r in rs))
+        _complete(sup.base_url)
+        assert "promoted: accepting on the shared socket" in sup.log_path.read_text()
+        _wait_replicas(ctl, _all_ready(2))  # a new standby warmed up
+
+        out = _rollout(port, env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rolled = _wait_replicas(ctl, _all_ready(2))
+        assert sorted(r["role"] for r in rolled) == ["serving", "standby"]
+        _complete(sup.base_url)
+        frontends = [c for r in rolled for c in _children(r["pid"])]
+        assert len(frontends) == 2, frontends
+
+        sup.kill(signal.SIGKILL)
+        _wait_gone({*frontends, *(r["pid"] for r in rolled)})   # nothing outlives its supervisor
+    finally:
+        stop_serve(sup)
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pids and time.monotonic() < deadline:
+        pids = {p for p in pids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"}
+        time.sleep(0.01)
+    assert not pids, f"still running: {pids}"
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
 
 
 # --- in-process pieces ------------------------------------------------------------------
