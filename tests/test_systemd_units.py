@@ -81,7 +81,7 @@ def test_unit_settings_the_processes_rely_on():
     for unit in ("resident-preload.service", "resident-engine.socket"):
         assert unit in engine["Requires"][0] and unit in engine["After"][0]
     start = engine["ExecStart"][0]
-    assert "--data-parallel-size" in start
+    assert "--data-parallel-size" in start and "--frontend process" in start   # replicas as front-end + engine pairs
     drain = float(re.search(r"--drain-timeout (\d+)", start).group(1))
     grace = float(re.search(r"--drain-grace (\d+)", start).group(1))
     # The supervisor kills a replica 10 s after drain + grace; systemd must wait longer.
