@@ -173,6 +173,9 @@ class AsyncEngine(RequestStreams):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Set once the engine thread has no start-up work left for after ready (engine.idle_work;
+        #: a snapshot waits for it: a capture must not run while the weights are unmapped).
+        self.idle_work_done = threading.Event()
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -280,6 +283,8 @@ class AsyncEngine(RequestStreams):
         # The runner's start-up work left for after ready (engine.idle_work: decode graphs),
         # one unit at a time while there is nothing else to do.
         idle_pending = hasattr(engine, "idle_work")
+        if not idle_pending:
+            self.idle_work_done.set()
         try:
             while True:
                 with self._cond:
@@ -294,6 +299,8 @@ class AsyncEngine(RequestStreams):
                     except Exception:  # noqa: BLE001 - what it did not capture is captured on first use
                         logger.warning("start-up work after ready failed; it is left to first use", exc_info=True)
                         idle_pending = False
+                    if not idle_pending:
+                        self.idle_work_done.set()
                     continue
                 for cmd in commands:
                     if isinstance(cmd, _Grow):

@@ -172,6 +172,11 @@ class ModelRunner:
             self._sampler_thread.start()
         return False
 
+    @property
+    def background_busy(self) -> bool:
+        """Whether the sampler's after-ready warm-up (`_warm_sampler`) still runs."""
+        return self._sampler_thread is not None and self._sampler_thread.is_alive()
+
     def _warm_sampler(self) -> None:
         """The kernels of a sampled row (sort, top-k/top-p, penalties, the draws: op_prefetch.
         warm_sampler, its own sampler and tensors) loaded after ready: 0.26-0.93 s of first

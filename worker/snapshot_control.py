@@ -233,15 +233,23 @@ class SnapshotControl:
             raise SnapshotError(409, "this worker's engine does not support snapshots")
 
     async def _quiesce(self, timeout_s: float) -> None:
-        """Wait until no HTTP handler and no engine request is in flight (new ones are refused)."""
+        """Wait until no HTTP handler and no engine request is in flight (new ones are refused),
+        and the start-up work left for after ready is done (the engine thread's graph captures,
+        the runner's sampler warm-up: their kernels read memory the detach unmaps)."""
         engine, state = self.worker.engine, self.server_state
         deadline = time.monotonic() + timeout_s
-        while state.num_http_in_flight or engine.num_in_flight:
+        while state.num_http_in_flight or engine.num_in_flight or self._startup_work_running():
             if time.monotonic() >= deadline:
                 n = max(state.num_http_in_flight, engine.num_in_flight)
-                raise SnapshotError(409, f"{n} request(s) still running after {timeout_s:g} s; the worker serves "
-                                         "again; retry with a larger timeout_s")
+                what = (f"{n} request(s) still running" if n else
+                        "the start-up work after ready (graph captures, the sampler's kernels) still running")
+                raise SnapshotError(409, f"{what} after {timeout_s:g} s; the worker serves again; retry with a "
+                                         "larger timeout_s")
             await asyncio.sleep(0.01)
+
+    def _startup_work_running(self) -> bool:
+        done = getattr(self.worker.engine, "idle_work_done", None)
+        return (done is not None and not done.is_set()) or bool(getattr(self.worker.runner, "background_busy", False))
 
     async def _run_canary(self) -> Canary:
         from resident.worker.sampling_params import SamplingParams

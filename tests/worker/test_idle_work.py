@@ -211,3 +211,41 @@ def test_gpu_graphs_captured_after_ready_beside_kv_growth_give_the_eager_tokens(
     reference.capture_graphs()
     want = asyncio.run(serve(reference, full, grow_to=None))
     assert got == want and all(len(t) == 16 for t in got)
+
+
+def test_idle_work_done_is_set_once_nothing_is_left_and_a_snapshot_waits_for_it() -> None:
+    """AsyncEngine.idle_work_done: set at once for an engine without idle work, after the last
+    unit otherwise; SnapshotControl's quiesce waits for it (a capture must not run while the
+    detach unmaps the weights)."""
+    from types import SimpleNamespace
+
+    from resident.worker.snapshot_control import SnapshotControl
+
+    release = threading.Event()
+
+    class SlowRunner(IdleRunner):
+        def idle_work(self) -> bool:
+            release.wait(10)
+            return super().idle_work()
+
+    runner = SlowRunner(CONFIG, units=1)
+
+    async def main() -> tuple[bool, bool, bool]:
+        plain = AsyncEngine(SimpleNamespace(has_unfinished_requests=lambda: False))
+        plain.start()
+        ae = AsyncEngine(LLMEngine(CONFIG, runner))
+        ae.start()
+        await asyncio.sleep(0.05)
+        worker = SimpleNamespace(engine=ae, runner=runner)
+        control = SnapshotControl.__new__(SnapshotControl)
+        control.worker, control.server_state = worker, SimpleNamespace(num_http_in_flight=0)
+        busy = control._startup_work_running()
+        release.set()
+        await control._quiesce(10)
+        done = ae.idle_work_done.is_set()
+        plain_done = plain.idle_work_done.wait(5)
+        ae.shutdown()
+        plain.shutdown()
+        return busy, done, plain_done
+
+    assert asyncio.run(main()) == (True, True, True)

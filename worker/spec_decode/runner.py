@@ -119,6 +119,10 @@ class SpecDecodeRunner:
     def idle_work(self) -> bool:
         return any([r.idle_work() for r in self._runners()])   # each runner's next graph, not the first's alone
 
+    @property
+    def background_busy(self) -> bool:
+        return any(r.background_busy for r in self._runners())
+
     def _drop_verify_graphs(self, when: str) -> None:
         logger.warning("capturing a speculative verification graph failed %s; verification runs eagerly from now "
                        "on (decode graphs are unaffected)", when, exc_info=True)
