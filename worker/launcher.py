@@ -57,7 +57,8 @@ def preimport() -> float:
 
 def _child(env: dict[str, str], fds: list[int], server: socket.socket, conn: socket.socket) -> int:
     """In the forked child: become the replica described by env."""
-    from resident.worker.replica import ENV_PAYLOAD, configure_logging, decode_payload, run_replica
+    from resident.worker.replica import run_replica
+    from resident.worker.replica_options import ENV_PAYLOAD, configure_logging, decode_payload
 
     t0 = time.time()
     server.close()

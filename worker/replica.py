@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -38,11 +37,10 @@ from resident.worker.api_server import ApiServer, ServerState
 from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
-from resident.worker.replica_options import (ENV_PAYLOAD, ReplicaOptions, configure_logging, decode_payload,
-                                              encode_payload, failure_note_path, write_failure_note)
+from resident.worker.replica_options import ReplicaOptions, failure_note_path, replica_main, write_failure_note
 from resident.worker.serve_config import ServeConfig
 from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, explains_itself,
-                                     in_thread, process_start_time, start_kv_growth)
+                                     in_thread, start_kv_growth)
 
 logger = logging.getLogger(__name__)
 
@@ -230,26 +228,11 @@ def run_replica(config: ServeConfig, options: ReplicaOptions, t0: float | None =
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    t0 = process_start_time()
-    payload = env.get(ENV_PAYLOAD)
-    if not payload:
-        raise SystemExit(f"${ENV_PAYLOAD} is not set: replicas are started by `resident serve "
-                         "--data-parallel-size N`, not by hand")
-    config, options = decode_payload(payload)
-    configure_logging(options)
-    code = run_replica(config, options, t0)
-    # Skip the interpreter's teardown (seconds with torch loaded, on a busy machine): the
-    # lease, the sockets and the engine thread are already closed, and the supervisor waits
-    # for this exit before its next rollout step.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return replica_main(run_replica, env)
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["ENV_PAYLOAD", "Replica", "ReplicaOptions", "decode_payload", "encode_payload", "main", "run_replica"]
+__all__ = ["Replica", "main", "run_replica"]

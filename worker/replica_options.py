@@ -13,6 +13,8 @@ import dataclasses
 import json
 import logging
 import os
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from resident.worker.serve_config import ServeConfig
@@ -48,6 +50,29 @@ class ReplicaOptions:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
 
+def replica_main(run: Callable[[ServeConfig, ReplicaOptions, float], int], env: Mapping[str, str] | None = None) -> int:
+    """A replica process's main: its configuration from $RESIDENT_REPLICA, its log format,
+    `run(config, options, t0)`, then `os._exit` with its code."""
+    from resident.worker.proc_time import process_start_time
+
+    env = os.environ if env is None else env
+    t0 = process_start_time()
+    payload = env.get(ENV_PAYLOAD)
+    if not payload:
+        raise SystemExit(f"${ENV_PAYLOAD} is not set: replicas are started by `resident serve "
+                         "--data-parallel-size N`, not by hand")
+    config, options = decode_payload(payload)
+    configure_logging(options)
+    code = run(config, options, t0)
+    # Skip the interpreter's teardown (seconds with torch loaded, on a busy machine): the
+    # lease, the sockets and the engine thread are already closed, and the supervisor waits
+    # for this exit before its next rollout step.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def encode_payload(config: ServeConfig, options: ReplicaOptions) -> str:
     return json.dumps({"serve": dataclasses.asdict(config), "replica": dataclasses.asdict(options)})
 
@@ -81,4 +106,4 @@ def write_failure_note(admin_socket: str, reason: str) -> None:
 
 
 __all__ = ["ENV_PAYLOAD", "ReplicaOptions", "configure_logging", "decode_payload", "encode_payload",
-           "failure_note_path", "write_failure_note"]
+           "failure_note_path", "replica_main", "write_failure_note"]

@@ -22,13 +22,10 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Mapping
 
-from resident.worker.proc_time import process_start_time
-from resident.worker.replica_options import (ENV_PAYLOAD, ReplicaOptions, configure_logging, decode_payload,
-                                              failure_note_path, write_failure_note)
+from resident.worker.replica_options import ReplicaOptions, failure_note_path, replica_main, write_failure_note
 from resident.worker.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -68,20 +65,7 @@ def run(config: ServeConfig, options: ReplicaOptions, t0: float | None = None) -
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    t0 = process_start_time()
-    payload = env.get(ENV_PAYLOAD)
-    if not payload:
-        raise SystemExit(f"${ENV_PAYLOAD} is not set: replicas are started by `resident serve "
-                         "--data-parallel-size N`, not by hand")
-    config, options = decode_payload(payload)
-    configure_logging(options)
-    code = run(config, options, t0)
-    # As replica.main: skip the interpreter's teardown (the lease and sockets are closed).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return replica_main(run, env)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
-from resident.worker.replica import ENV_PAYLOAD, ReplicaOptions, encode_payload
+from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
 from resident.worker.serve_config import ServeConfig
 
