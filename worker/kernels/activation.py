@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device
-from resident.worker.kernels.fp8_quant import (_grid_scale, _large_grid, _quantize_tile, coop_block_p,
-                                               coop_launch_state, quantize_from_partials)
+from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous
+from resident.worker.kernels.fp8_quant import (_grid_scale, _large_grid, _quantize_tile, check_fused_output,
+                                               coop_block_p, coop_launch_state, quantize_from_partials)
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 BLOCK = 1024
@@ -100,15 +100,7 @@ def silu_and_mul_fp8_into(x: torch.Tensor, out: torch.Tensor, *, path: str | Non
     x2 = x.reshape(-1, 2 * d)
     check_last_dim_contiguous("x", x2)
     m = x2.shape[0]
-    if m == 0 or d == 0:
-        raise ValueError(f"cannot quantize an empty activation {tuple(x.shape)}")
-    if tuple(out.shape) != (m, d) or out.dtype not in (FP8_DTYPE, torch.float32):
-        raise ValueError(f"out must be {FP8_DTYPE} (or float32 for tests) of shape {(m, d)}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    check_last_dim_contiguous("out", out)
-    check_same_device(x=x, out=out)
-    if path is not None and path not in FP8_PATHS:
-        raise ValueError(f"unknown fused SiLU-and-mul + fp8 path {path!r}; valid: {', '.join(FP8_PATHS)}")
+    check_fused_output("SiLU-and-mul", x, out, (m, d), path, FP8_PATHS)
     block_m, block_k, grid = _large_grid(m, d)
     num_partials = grid[0] * grid[1]
     state = coop_launch_state(x2, num_partials, path == "coop") if path != "two" else None

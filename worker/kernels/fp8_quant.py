@@ -84,6 +84,21 @@ TILE_NUMEL = 8192
 MAX_BLOCK_K = 2048
 #: Paths `quantize_fp8_into(path=...)` can force.
 PATHS = ("small", "two", "coop")
+
+
+def check_fused_output(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int], path: str | None,
+                       paths: tuple[str, ...]) -> None:
+    """The checks a producer that quantizes its own output (rmsnorm's and activation's fused
+    fp8 ops) makes of `out` [M, N] (`shape`) and a forced `path`; ValueError naming the problem."""
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"cannot quantize an empty activation {tuple(x.shape)}")
+    if tuple(out.shape) != tuple(shape) or out.dtype not in (FP8_DTYPE, torch.float32):
+        raise ValueError(f"out must be {FP8_DTYPE} (or float32 for tests) of shape {tuple(shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    check_last_dim_contiguous("out", out)
+    check_same_device(x=x, out=out)
+    if path is not None and path not in paths:
+        raise ValueError(f"unknown fused {what} + fp8 path {path!r}; valid: {', '.join(paths)}")
 #: Barrier states per device (one per stream that runs the coop kernel); past it: two kernels.
 MAX_COOP_STREAMS = 256
 

@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
-from resident.worker.kernels.fp8_quant import (_grid_scale, _quantize_tile, _scale_from_amax, coop_block_p,
-                                               coop_grid_unsupported_reason, coop_launch_state, quantize_fp8_into,
-                                               quantize_from_partials)
+from resident.worker.kernels.fp8_quant import (_grid_scale, _quantize_tile, _scale_from_amax, check_fused_output,
+                                               coop_block_p, coop_grid_unsupported_reason, coop_launch_state,
+                                               quantize_fp8_into, quantize_from_partials)
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 #: Widest row one program normalizes in registers (hidden sizes of today's models are <= 16k).
@@ -193,15 +193,7 @@ def add_rms_norm_fp8_into(x: torch.Tensor, residual: torch.Tensor | None, weight
     call) takes two."""
     x2, r2 = _checked_rows(x, residual, weight)
     m, n = x2.shape
-    if m == 0:
-        raise ValueError(f"cannot quantize an empty activation {tuple(x.shape)}")
-    if out.shape != x2.shape or out.dtype not in (FP8_DTYPE, torch.float32):
-        raise ValueError(f"out must be {FP8_DTYPE} (or float32 for tests) of shape {tuple(x2.shape)}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
-    check_last_dim_contiguous("out", out)
-    check_same_device(x=x, out=out)
-    if path is not None and path not in FP8_PATHS:
-        raise ValueError(f"unknown fused norm + fp8 path {path!r}; valid: {', '.join(FP8_PATHS)}")
+    check_fused_output("norm", x, out, (m, n), path, FP8_PATHS)
     if path in ("coop", "two") and weight.dtype != x.dtype:
         raise ValueError(f"path={path!r} needs the weight in x's dtype {x.dtype}, got {weight.dtype}; "
                          f"use path='unfused'")
