@@ -131,7 +131,7 @@ def test_the_runner_loads_the_samplers_kernels_after_its_graphs_in_a_thread(tiny
 
     from weights_util import fused_weights_from_hf_folder
 
-    from resident.worker import op_prefetch
+    import resident.worker.op_prefetch  # noqa: F401 - so that sys.modules holds it
     from resident.worker.config import ModelConfig
     from resident.worker.cuda_graphs import CAPTURE_LOCK
     from resident.worker.model_runner import ModelRunner
@@ -146,7 +146,10 @@ def test_the_runner_loads_the_samplers_kernels_after_its_graphs_in_a_thread(tiny
         calls.append((threading.current_thread().name, CAPTURE_LOCK.locked(), vocab_size, rows, prompt_len,
                       free_bytes() > 0))
         return 2
-    monkeypatch.setattr(op_prefetch, "warm_sampler", spy)
+    # The module the runner imports from (sys.modules: another test may have re-imported it,
+    # leaving the package attribute on a different module object).
+    import sys
+    monkeypatch.setattr(sys.modules["resident.worker.op_prefetch"], "warm_sampler", spy)
     assert runner.idle_work() is False and calls == []   # a CPU warm-up leaves nothing for after ready
     runner._sampler_warm_pending = True   # as a GPU warm-up does
     with caplog.at_level(logging.INFO, logger="resident.worker.model_runner"):
