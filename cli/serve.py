@@ -168,10 +168,6 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
         from resident.worker.entrypoint import run_server
 
         sys.exit(run_server(config))
-    if frontend == "process" and launcher:
-        raise click.UsageError("--launcher forks replicas that serve inline; with --frontend process every "
-                               "replica starts its own front-end at exec: drop one of them")
-
     from resident.worker.supervisor import SupervisorConfig, run_supervisor
 
     try:

@@ -20,9 +20,10 @@ and ready for sizes no request had asked for yet. Graphs share one memory pool, 
 largest first when captured together. Per-size capture times are kept in `capture_s`.
 
 A capture runs in CUDA's global capture mode, where another thread's device-wide call
-(a synchronize, a memory mapping) invalidates it. CAPTURE_LOCK is held around each capture
-and by the KV cache's growth thread while it maps and zeroes memory
-(`KVCache.map_blocks`), the only other thread that touches the device once the worker serves.
+(a synchronize, a memory mapping, an allocation) invalidates it. CAPTURE_LOCK is held around
+each capture and by the other threads that touch the device once the worker serves: the KV
+cache's growth thread while it maps and zeroes memory (`KVCache.map_blocks`) and the
+sampler's after-ready warm-up (`ModelRunner._warm_sampler`).
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ class DecodeGraphs:
         wanted = startup_sizes(self.sizes, self.mode)
         now = wanted if self.mode == "eager" else tuple(s for s in wanted if s in READY_SIZES)
         self._after_ready = sorted(set(wanted) - set(now), reverse=True)
-        return capture_at_start(self.capture, now, "eager")
+        return capture_at_start(self.capture, now, "eager")   # ("eager": every size of `now`)
 
     @property
     def idle_pending(self) -> tuple[int, ...]:

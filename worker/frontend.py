@@ -74,8 +74,7 @@ class Frontend:
         self.runner: Any = None           # the HTTP server's AppRunner and site, once set up
         self.site: Any = None
         self.accepting = False
-        self.ready_s: float | None = None
-        self.phases: dict[str, float] = {}
+        self.phases: dict[str, float] = {}   # the engine's start-up phases, once ready
         self.closer: Any = None           # a replica's graceful.ConnectionCloser
         if start.replica is not None:
             from resident.worker.graceful import ConnectionCloser
@@ -166,60 +165,45 @@ class Frontend:
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size)
         self.metrics.set_weights_source(ready.weights_source)
         self.phases = dict(ready.phases)
-        self.ready_s = self.phases.get("total")
         self.state.ready = True
 
 
-class FrontendReplica:
+def _replica_control(fe: Frontend) -> Any:
     """admin.ReplicaControl of a supervisor's replica served with --frontend process: the
     supervisor's /ready, /promote, /drain and /status of this replica, answered here (where the
-    shared socket is served), for the pair of processes. Its pid is the engine process's (the
-    replica the supervisor started)."""
+    shared socket is served), for the pair of processes. A single worker's ServeControl (state
+    from the HTTP server's, /drain stops) plus the standby state and promotion; its pid is the
+    engine process's (the replica the supervisor started)."""
+    from resident.worker.admin import ReplicaState, ServeControl
 
-    def __init__(self, fe: Frontend) -> None:
-        self.fe = fe
-        self.promote_s: float | None = None
+    class FrontendReplica(ServeControl):
+        promote_s: float | None = None
 
-    @property
-    def state(self) -> Any:
-        from resident.worker.admin import ReplicaState
+        @property
+        def state(self) -> ReplicaState:
+            state = super().state
+            return ReplicaState.STANDBY if state is ReplicaState.SERVING and not fe.accepting else state
 
-        s = self.fe.state
-        if s.failed is not None:
-            return ReplicaState.FAILED
-        if s.draining:
-            return ReplicaState.DRAINING
-        if not s.ready:
-            return ReplicaState.STARTING
-        return ReplicaState.SERVING if self.fe.accepting else ReplicaState.STANDBY
+        async def promote(self) -> float:
+            t = time.monotonic()
+            await fe.site.start()
+            fe.accepting = True
+            self.promote_s = time.monotonic() - t
+            logger.info("promoted: accepting on the shared socket (%.1f ms)", self.promote_s * 1e3)
+            return self.promote_s
 
-    @property
-    def alive(self) -> bool:
-        return self.fe.state.alive
+        def status(self) -> dict[str, Any]:
+            replica = fe.start.replica
+            server = fe.runner.server if fe.runner is not None else None
+            return {
+                "replica_id": replica.replica_id, "pid": self.pid, "frontend_pid": os.getpid(),
+                "state": self.state.value, "accepting": fe.accepting, "standby": replica.standby,
+                "num_in_flight": fe.engine.num_in_flight if fe.engine is not None else 0,
+                "num_connections": len(server.connections) if server is not None else 0,
+                "ready_s": fe.phases.get("total"), "promote_s": self.promote_s, "startup_phases": fe.phases,
+            }
 
-    async def promote(self) -> float:
-        t = time.monotonic()
-        await self.fe.site.start()
-        self.fe.accepting = True
-        self.promote_s = time.monotonic() - t
-        logger.info("promoted: accepting on the shared socket (%.1f ms)", self.promote_s * 1e3)
-        return self.promote_s
-
-    def request_drain(self, reason: str) -> None:
-        if not self.fe.stop.is_set():
-            logger.info("drain requested (%s)", reason)
-            self.fe.stop.set()
-
-    def status(self) -> dict[str, Any]:
-        fe, replica = self.fe, self.fe.start.replica
-        server = fe.runner.server if fe.runner is not None else None
-        return {
-            "replica_id": replica.replica_id, "pid": os.getppid(), "frontend_pid": os.getpid(),
-            "state": self.state.value, "accepting": fe.accepting, "standby": replica.standby,
-            "num_in_flight": fe.engine.num_in_flight if fe.engine is not None else 0,
-            "num_connections": len(server.connections) if server is not None else 0,
-            "ready_s": fe.ready_s, "promote_s": self.promote_s, "startup_phases": fe.phases,
-        }
+    return FrontendReplica(fe.state, fe.stop.set, pid=os.getppid())
 
 
 def _api_app(fe: Frontend) -> Any:
@@ -253,7 +237,7 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
     fe.runner = runner
     site = fe.site = web.SockSite(runner, http_sock)
     if start.replica is None or not start.replica.standby:
-        await site.start()   # (a standby accepts once promoted: FrontendReplica.promote)
+        await site.start()   # (a standby accepts once promoted: _replica_control's promote)
         fe.accepting = True
 
     admin = None
@@ -271,7 +255,7 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
         await fe.stop.wait()
     # Before _drain, which sets draining: the engine process gone while serving is an exit 1.
     lost = fe.engine_gone is not None and not fe.state.draining
-    await _drain(fe, runner, site)
+    await _drain(fe)
     if admin is not None:
         await admin.stop()
     reader.cancel()
@@ -289,7 +273,7 @@ async def _start_admin(fe: Frontend) -> Any:
     path = fe.start.admin_socket
     if path is None:
         return None
-    control = (FrontendReplica(fe) if fe.start.replica is not None
+    control = (_replica_control(fe) if fe.start.replica is not None
                else ServeControl(fe.state, fe.stop.set, pid=os.getppid()))   # the worker's pid: the engine's
     admin = AdminServer(control, path)
     admin.snapshot_unavailable = SNAPSHOT_UNAVAILABLE
@@ -329,13 +313,13 @@ async def _start(fe: Frontend) -> int:
     return 0
 
 
-async def _drain(fe: Frontend, runner: Any, site: Any) -> None:
-    state = fe.state
+async def _drain(fe: Frontend) -> None:
+    state, runner = fe.state, fe.runner
     if fe.engine_gone is None:
         logger.info("front-end stopping: draining in-flight requests (up to %.0f s)", fe.start.drain_timeout_s)
     state.draining = True
     if fe.accepting:   # (a standby never promoted never started its site)
-        await site.stop()   # stop accepting (only this process's copy of a replica's shared socket)
+        await fe.site.stop()   # stop accepting (only this process's copy of a replica's shared socket)
     fe.accepting = False   # open connections keep going
     deadline = time.monotonic() + fe.start.drain_timeout_s
     if fe.closer is not None:   # a replica hands its keep-alive connections back to its siblings first
