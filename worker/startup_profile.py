@@ -140,8 +140,12 @@ class StackSampler:
                 self._write()
 
     # --- the report ---------------------------------------------------------------------
-    def _charges(self, thread: int, start: float, end: float) -> Iterator[tuple[tuple[Frame, ...], float]]:
-        by_id = {v: k for k, v in self._stacks.items()}
+    def _by_id(self) -> list[tuple[Frame, ...]]:
+        """The stacks by their id (ids are given in order)."""
+        return list(self._stacks)
+
+    def _charges(self, by_id: list[tuple[Frame, ...]], thread: int, start: float,
+                 end: float) -> Iterator[tuple[tuple[Frame, ...], float]]:
         for t, ident, stack, seconds in self._samples:
             if ident == thread and start < t <= end + self.interval_s:
                 yield by_id[stack], seconds
@@ -149,17 +153,18 @@ class StackSampler:
     def report(self) -> str:
         lines: list[str] = [f"start-up stack samples every {self.interval_s * 1e3:.1f} ms "
                             f"({len(self._samples)} stack readings)"]
+        by_id = self._by_id()
         final = next((s for s in self.sections if s.name == FINAL_SECTION and s.end is not None), None)
         for s in self.sections:
             end = s.end if s.end is not None else (self._samples[-1][0] if self._samples else s.start)
             lines += ["", f"== section {s.name} on thread {self.names.get(s.thread, s.thread)}: "
                       f"{end - s.start:.3f} s wall"]
-            lines += _summary(self._charges(s.thread, s.start, end))
+            lines += _summary(self._charges(by_id, s.thread, s.start, end))
         if final is not None:
             for ident, name in sorted(self.names.items(), key=lambda kv: kv[1]):
                 if ident == final.thread:
                     continue
-                charges = list(self._charges(ident, final.start, final.end))
+                charges = list(self._charges(by_id, ident, final.start, final.end))
                 if charges:
                     lines += ["", f"== thread {name} during {FINAL_SECTION} ({final.end - final.start:.3f} s)"]
                     lines += _summary(charges)
@@ -167,7 +172,7 @@ class StackSampler:
 
     def folded(self) -> dict[int, str]:
         """Per thread: its stacks as "outer;...;inner <microseconds>" lines."""
-        by_id = {v: k for k, v in self._stacks.items()}
+        by_id = self._by_id()
         per: dict[int, Counter] = defaultdict(Counter)
         for _t, ident, stack, seconds in self._samples:
             per[ident][stack] += seconds

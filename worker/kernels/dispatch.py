@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resident.worker.layers.linear import fp8_scaled_mm_reference
+from resident.worker.layers.linear import fp8_linear_quantized_reference
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Kernels:
     linear: Callable[..., torch.Tensor] = F.linear
     #: (x_q [..., K] fp8, scale_a float32 (), weight [N,K] fp8, weight_scale float32 (), bias | None, out_dtype)
     #: -> [..., N]: fp8_linear's GEMM on an input already quantized
-    fp8_scaled_mm: Callable[..., torch.Tensor] = fp8_scaled_mm_reference
+    fp8_scaled_mm: Callable[..., torch.Tensor] = fp8_linear_quantized_reference
     #: (x [T,H], residual [T,H] | None, weight [H], eps) -> (x_q [T,H] fp8, scale_a float32 (), x + residual
     #: (x when residual is None)): the norm's output quantized as fp8_linear would. None: the backend has
     #: no such fused op (models quantize in the linear)

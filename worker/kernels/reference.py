@@ -11,7 +11,7 @@ import torch
 from resident.worker.layers import activation as ref_activation
 from resident.worker.layers import norm as ref_norm
 from resident.worker.layers.attention import AttentionMetadata, paged_attention as ref_paged_attention, write_kv
-from resident.worker.layers.linear import fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
+from resident.worker.layers.linear import fp8_linear_quantized_reference, quantize_fp8_input
 from resident.worker.layers.rotary import rotate_half
 
 
@@ -58,12 +58,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return ref_activation.silu_and_mul(x)
 
 
-def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] quantized as an fp8_per_tensor linear quantizes its input: (x_q of x's shape, scale)."""
-    x_q, scale = quantize_fp8_per_tensor_dynamic(x.reshape(-1, x.shape[-1]))
-    return x_q.view(x.shape), scale
-
-
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_q, scale_a, x + residual): the norm (rms_norm(x) and x itself when residual is None),
@@ -72,12 +66,12 @@ def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weigh
         normed, residual = rms_norm(x, weight, eps), x
     else:
         normed, residual = fused_add_rms_norm(x, residual, weight, eps)
-    return *_quantized(normed), residual
+    return *quantize_fp8_input(normed), residual
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q, scale_a) of silu_and_mul(x), quantized as the fp8 linear would."""
-    return _quantized(silu_and_mul(x))
+    return quantize_fp8_input(silu_and_mul(x))
 
 
 def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -113,17 +107,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return ref_paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
 
 
+#: fp8_linear's GEMM on an input already quantized: x_q [..., K] float8_e4m3fn, scale_a float32 ().
+fp8_scaled_mm = fp8_linear_quantized_reference
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 per-tensor: x [..., K] (activation dtype), weight [N, K] float8_e4m3fn, scale float32 ()."""
-    x_q, scale_a = _quantized(x)
+    x_q, scale_a = quantize_fp8_input(x)
     return fp8_scaled_mm(x_q, scale_a, weight, weight_scale, bias, x.dtype)
 
-
-def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """fp8_linear's GEMM on an input already quantized: x_q [..., K] float8_e4m3fn, scale_a float32 ()."""
-    shape = x_q.shape
-    out = fp8_scaled_mm_reference(x_q.reshape(-1, shape[-1]), scale_a, weight, weight_scale.reshape(()), bias,
-                                  out_dtype)
-    return out.reshape(*shape[:-1], weight.shape[0])

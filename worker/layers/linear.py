@@ -45,6 +45,21 @@ def fp8_scaled_mm_reference(x_q: torch.Tensor, scale_a: torch.Tensor, w_q: torch
     return out.to(out_dtype)
 
 
+def quantize_fp8_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] quantized as an fp8_per_tensor linear quantizes its input: (x_q of x's
+    shape, scale float32 ())."""
+    x_q, scale = quantize_fp8_per_tensor_dynamic(x.reshape(-1, x.shape[-1]))
+    return x_q.view(x.shape), scale
+
+
+def fp8_linear_quantized_reference(x_q: torch.Tensor, scale_a: torch.Tensor, w_q: torch.Tensor,
+                                   scale_w: torch.Tensor, bias: torch.Tensor | None,
+                                   out_dtype: torch.dtype) -> torch.Tensor:
+    """`fp8_scaled_mm_reference` over x_q [..., K] (any leading shape) -> [..., N]."""
+    out = fp8_scaled_mm_reference(x_q.reshape(-1, x_q.shape[-1]), scale_a, w_q, scale_w.reshape(()), bias, out_dtype)
+    return out.reshape(*x_q.shape[:-1], w_q.shape[0])
+
+
 class LinearMethod:
     name: str = ""
 
@@ -100,19 +115,14 @@ class Fp8PerTensorLinear(LinearMethod):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.fp8_linear(x, self.weight, self.weight_scale.reshape(()), self.bias)
-        x_q, scale_a = quantize_fp8_per_tensor_dynamic(x.reshape(-1, x.shape[-1]))
-        return self.apply_quantized(x_q.view(x.shape), scale_a, x.dtype)
+        return self.apply_quantized(*quantize_fp8_input(x), x.dtype)
 
     def apply_quantized(self, x_q: torch.Tensor, scale_a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The layer on an input already quantized as `__call__` quantizes it (x_q [..., K]
         float8_e4m3fn, scale_a float32 ()), for producers that emit fp8 themselves (the kernels'
         `fused_add_rms_norm_fp8`, `silu_and_mul_fp8`); out_dtype is the activation dtype."""
-        scale_w = self.weight_scale.reshape(())
-        if self.kernels is not None:
-            return self.kernels.fp8_scaled_mm(x_q, scale_a, self.weight, scale_w, self.bias, out_dtype)
-        out = fp8_scaled_mm_reference(x_q.reshape(-1, x_q.shape[-1]), scale_a, self.weight, scale_w, self.bias,
-                                      out_dtype)
-        return out.reshape(*x_q.shape[:-1], self.out_features)
+        scaled_mm = self.kernels.fp8_scaled_mm if self.kernels is not None else fp8_linear_quantized_reference
+        return scaled_mm(x_q, scale_a, self.weight, self.weight_scale.reshape(()), self.bias, out_dtype)
 
 
 @dataclass(frozen=True)
