@@ -209,6 +209,8 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
     """The GEMM stage: the plan's GEMMs on uninitialized tensors; returns how many ran."""
     import torch
 
+    from resident.worker.layers.linear import fp8_fast_accum   # the engine's kernel choice, loaded alike
+
     dtype = getattr(torch, plan.dtype)
     count = 0
     for name, n, k in plan.linears:
@@ -223,7 +225,7 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
         for m in plan.head_ms if head else plan.layer_ms:
             if fp8:
                 x = torch.zeros(m, k, dtype=wdtype, device=dev)
-                torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=dtype)
+                torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=fp8_fast_accum(m))
             else:
                 torch.nn.functional.linear(torch.zeros(m, k, dtype=dtype, device=dev), w)
             count += 1

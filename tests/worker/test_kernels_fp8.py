@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_kernels import run_cases, run_in_interpreter  # noqa: E402
 
-from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, quantize_fp8_per_tensor_dynamic  # noqa: E402
+from resident.worker.layers.linear import (FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, fp8_scaled_mm_reference,  # noqa: E402
+                                           quantize_fp8_per_tensor_dynamic)
 
 # (M, K): decode rows of Llama-like widths (scaled down for the interpreter), odd sizes, prefill-ish.
 SHAPES = [(1, 64), (1, 1000), (3, 100), (4, 4096), (17, 300), (64, 96), (130, 257)]
@@ -298,8 +299,13 @@ def test_gpu_fp8_linear_uses_the_fused_quantization_and_equals_the_eager_path(to
     got = get_kernels("cuda", "triton").fp8_linear(x.cuda(), w_q, ws)
     assert calls == [(tokens, 4096)]
     x_q, sa = quantize_fp8_per_tensor_dynamic(x)          # the CPU reference's operands
-    want = torch._scaled_mm(x_q.cuda(), w_q.t(), scale_a=sa.cuda(), scale_b=ws, out_dtype=torch.bfloat16)
+    # Fast accumulation from FP8_FAST_ACCUM_MIN_TOKENS rows (between 1 and 64).
+    want = torch._scaled_mm(x_q.cuda(), w_q.t(), scale_a=sa.cuda(), scale_b=ws, out_dtype=torch.bfloat16,
+                            use_fast_accum=tokens >= 64)
     assert torch.equal(got, want)
+    ref = fp8_scaled_mm_reference(x_q, sa, w_q.cpu(), ws.cpu(), None, torch.bfloat16).float()
+    diff = (got.cpu().float() - ref).abs()
+    assert float(diff.max()) <= 3e-2 * float(ref.abs().max()) and float(diff.mean()) <= 5e-3 * float(ref.abs().max())
 
 
 @pytest.mark.gpu

@@ -247,11 +247,12 @@ def _hopper_build(constexprs: dict[str, object], x_type: str):
         raise
 
 
-@pytest.mark.parametrize("variant", ["plain", "split_k", "fused_quant", "uneven_k_bias", "one_row", "one_row_fused"])
+@pytest.mark.parametrize("variant", ["plain", "split_k", "fused_quant", "uneven_k_bias", "one_row", "one_row_fused",
+                                     "native", "native_one_row_split", "native_m64_promoted"])
 def test_kernel_compiles_for_hopper(variant: str) -> None:
     """Built for sm_90 by triton's own ptxas (no GPU needed): it fits in shared memory, streams the
-    weight through cp.async (software-pipelined), multiplies float16 (not fp8) on the tensor
-    cores, and the fused quantization divides exactly (div.rn)."""
+    weight through cp.async (software-pipelined), multiplies float16 on the tensor cores (fp8 with
+    NATIVE_FP8: wgmma e4m3), and the fused quantization divides exactly (div.rn)."""
     _need_triton()
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
@@ -259,15 +260,21 @@ def test_kernel_compiles_for_hopper(variant: str) -> None:
 
     base = {"HAS_BIAS": False, "QUANT_X": False, "EVEN_K": True, "ONE_ROW": False, "SPLIT_K": 1, "BLOCK_M": 16,
             "BLOCK_N": fp8_gemv.BLOCK_N, "BLOCK_K": fp8_gemv.BLOCK_K, "AMAX_BLOCK": fp8_gemv.AMAX_BLOCK,
-            "FP8_MAX": FP8_MAX, "MIN_SCALE": 1e-12}
+            "FP8_MAX": FP8_MAX, "MIN_SCALE": 1e-12, "NATIVE_FP8": False, "IMPRECISE_ACC": fp8_gemv.BLOCK_K}
+    native = {"NATIVE_FP8": True, "BLOCK_N": fp8_gemv.NATIVE_BLOCK_N}
     extra = {"plain": {}, "split_k": {"SPLIT_K": 4}, "fused_quant": {"QUANT_X": True, "SPLIT_K": 2},
              "uneven_k_bias": {"EVEN_K": False, "HAS_BIAS": True}, "one_row": {"ONE_ROW": True, "SPLIT_K": 4},
-             "one_row_fused": {"ONE_ROW": True, "QUANT_X": True, "SPLIT_K": 4}}[variant]
+             "one_row_fused": {"ONE_ROW": True, "QUANT_X": True, "SPLIT_K": 4},
+             "native": native, "native_one_row_split": {**native, "ONE_ROW": True, "SPLIT_K": 4},
+             "native_m64_promoted": {**native, "BLOCK_M": 64, "SPLIT_K": 2, "IMPRECISE_ACC": 32}}[variant]
     compiled = _hopper_build({**base, **extra}, "*bf16" if extra.get("QUANT_X") else "*fp8e4nv")
     assert compiled.asm.get("cubin")
     assert compiled.metadata.shared <= 200 * 1024, f"{compiled.metadata.shared} bytes of shared memory"
     ptx = compiled.asm["ptx"]
-    assert "mma" in ptx and ".e4m3.e4m3" not in ptx, "the dot must run on float16 tensor cores"
+    if extra.get("NATIVE_FP8"):
+        assert re.search(r"wgmma\.mma_async[^;]*\.e4m3\.e4m3", ptx), "the dot must run on the fp8 tensor cores"
+    else:
+        assert "mma" in ptx and ".e4m3.e4m3" not in ptx, "the dot must run on float16 tensor cores"
     # (8- or 16-byte copies of the weight, as the operand layout Triton picks allows.)
     assert re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], 0x(8|10)\b", ptx), \
         "the weight loads are not pipelined (no 8/16-byte cp.async)"

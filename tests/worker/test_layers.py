@@ -160,7 +160,9 @@ def test_rms_norm_equals_hf_and_residual_variant_adds_first(dtype: torch.dtype) 
 
 def test_silu_and_mul_equals_hf_mlp_activation() -> None:
     gate, up = torch.randn(3, 10), torch.randn(3, 10)
-    assert torch.equal(silu_and_mul(torch.cat([gate, up], -1)), F.silu(gate) * up)
+    # Equal up to the last bit or so: on CPU, silu of a strided half and of a contiguous tensor can
+    # take the vectorized and the scalar exp for the same element (a flaky torch.equal before).
+    torch.testing.assert_close(silu_and_mul(torch.cat([gate, up], -1)), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.randn(2, 5))
 

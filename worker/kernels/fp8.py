@@ -4,7 +4,8 @@ Exactly the reference's steps: quantize the activations per tensor on the fly
 (`quantize_fp8_per_tensor_dynamic`: scale_a = max(amax|x| / 448, 1e-12), x_q = clamp(x /
 scale_a) as float8_e4m3fn — on a GPU by the fused Triton kernels of `fp8_quant`, bit-identical
 to the reference on CPU and one or two launches instead of six; on CPU by the reference
-itself), then one fp8 GEMM with float32 accumulation, scaled by
+itself), then one fp8 GEMM (float32 accumulation; from `linear.FP8_FAST_ACCUM_MIN_TOKENS` rows up
+the tensor cores' fast accumulation), scaled by
 scale_a * scale_w, bias added, output in the activation dtype. `_scaled_mm` wants a
 row-major A [M, K], a column-major B [K, N] (the transpose of the stored row-major
 [N, K] weight, no copy), K and N multiples of 16, and scales as float32 tensors of one
@@ -30,7 +31,8 @@ from triton.errors import TritonError
 
 from resident.worker.kernels import fp8_gemv, gemv
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
-from resident.worker.layers.linear import FP8_DTYPE, fp8_scaled_mm_reference, quantize_fp8_per_tensor_dynamic
+from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
+                                           quantize_fp8_per_tensor_dynamic)
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +114,8 @@ def _gemm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, scale_
     # the final cast. The two differ by at most one rounding of the output dtype.
     return torch._scaled_mm(x_q.contiguous(), weight.t(), scale_a=scale_a.to(torch.float32),
                             scale_b=scale_w.to(torch.float32),
-                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
+                            bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype,
+                            use_fast_accum=fp8_fast_accum(x_q.shape[0]))
 
 
 def _gemv_or_none(x2: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,

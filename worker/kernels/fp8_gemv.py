@@ -60,6 +60,8 @@ FUSED_QUANT_MAX_NUMEL = 8192
 MAX_SUPPORTED_TOKENS = 64
 BLOCK_K = 256
 BLOCK_N = 64
+#: BLOCK_N on the fp8 tensor cores (the best of 64, 128 at every Llama-3-8B shape on the H200).
+NATIVE_BLOCK_N = 64
 #: Smallest BLOCK_N a GemvConfig may ask for (tl.dot's minimum); the counters are sized for it.
 MIN_BLOCK_N = 16
 #: Split K until the grid holds this many programs per SM (or the splits get too short).
@@ -79,6 +81,13 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    #: Multiply the fp8 operands on the fp8 tensor cores (no upcast; Hopper and later) instead of
+    #: upcasting both to float16 first.
+    native_fp8: bool = False
+    #: With native_fp8: how many K elements the tensor cores accumulate before the partial sum is
+    #: added to the float32 accumulator (Hopper's fp8 MMA accumulates with fewer mantissa bits;
+    #: cuBLAS promotes every 128 or so). 0: block_k.
+    imprecise_acc: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -87,6 +96,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two >= 16, got {v}")
         if not 1 <= self.split_k <= 256:
             raise ValueError(f"GemvConfig.split_k must be in 1..256, got {self.split_k}")
+        if self.imprecise_acc < 0 or self.imprecise_acc > self.block_k:
+            raise ValueError(f"GemvConfig.imprecise_acc must be in 0..block_k ({self.block_k}), got {self.imprecise_acc}")
 
 
 @functools.cache
@@ -94,16 +105,25 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """Tiles of BLOCK_N x BLOCK_K; split K (powers of two) until the grid has
-    TARGET_PROGRAMS_PER_SM * num_sms programs, keeping >= MIN_K_TILES_PER_SPLIT tiles per split."""
-    n_tiles = triton.cdiv(n, BLOCK_N)
+@functools.cache
+def native_fp8_supported(device_index: int) -> bool:
+    """Whether the GPU multiplies fp8 on its tensor cores the way the native path needs (wgmma:
+    compute capability 9.0 and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pick_config(m: int, n: int, k: int, num_sms: int, native: bool = False) -> GemvConfig:
+    """Tiles of BLOCK_N x BLOCK_K (NATIVE_BLOCK_N x BLOCK_K on the fp8 tensor cores, `native`);
+    split K (powers of two) until the grid has TARGET_PROGRAMS_PER_SM * num_sms programs,
+    keeping >= MIN_K_TILES_PER_SPLIT tiles per split."""
+    block_n = NATIVE_BLOCK_N if native else BLOCK_N
+    n_tiles = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, BLOCK_K)
     split = 1
     while (n_tiles * split < TARGET_PROGRAMS_PER_SM * num_sms and split * 2 <= MAX_SPLIT_K
            and k_tiles // (split * 2) >= MIN_K_TILES_PER_SPLIT):
         split *= 2
-    return GemvConfig(split_k=split)
+    return GemvConfig(block_n=block_n, split_k=split, native_fp8=native)
 
 
 def _tile_counters(weight: torch.Tensor, n_tiles: int) -> torch.Tensor:
@@ -124,7 +144,7 @@ def _tile_counters(weight: torch.Tensor, n_tiles: int) -> torch.Tensor:
 def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, part_ptr, count_ptr,
                      M, N, K, stride_xm, stride_wn, stride_om, k_tiles_per_split,
                      HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr,
-                     SPLIT_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, NATIVE_FP8: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -162,7 +182,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, 
             x1 = tl.load(x_ptr + ks, mask=ks < K, other=0.0) if not EVEN_K else tl.load(x_ptr + ks)
             if QUANT_X:
                 x1 = _quantize_tile(x1.to(tl.float32), scale_a, FP8_MAX).to(tl.float8e4nv)
-            x = tl.broadcast_to(x1.to(tl.float16)[:, None], (BLOCK_K, BLOCK_M))
+            x = tl.broadcast_to(x1[:, None], (BLOCK_K, BLOCK_M))
         else:
             if EVEN_K:
                 x = tl.load(x_ptr + x_rows[None, :] + ks[:, None])
@@ -170,8 +190,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, 
                 x = tl.load(x_ptr + x_rows[None, :] + ks[:, None], mask=ks[:, None] < K, other=0.0)
             if QUANT_X:
                 x = _quantize_tile(x.to(tl.float32), scale_a, FP8_MAX).to(tl.float8e4nv)
-            x = x.to(tl.float16)
-        acc = tl.dot(w.to(tl.float16), x, acc)
+        if NATIVE_FP8:
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+        else:
+            acc = tl.dot(w.to(tl.float16), x.to(tl.float16), acc)
 
     tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
     if SPLIT_K > 1:
@@ -248,10 +270,10 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
     n = weight.shape[0]
     if config is None:
         if x.is_cuda:
-            num_sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            config = pick_config(m, n, k, _num_sms(index), native=native_fp8_supported(index))
         else:
-            num_sms = 132                                   # an H100/H200's (interpreter tests)
-        config = pick_config(m, n, k, num_sms)
+            config = pick_config(m, n, k, 132)              # an H100/H200's SMs (interpreter tests)
     block_m = max(16, next_pow2(m))
     n_tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, config.block_k)
@@ -270,7 +292,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
         bias if bias is not None else scale_w, part, count,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_tiles_per_split,
         HAS_BIAS=bias is not None, QUANT_X=fuse_quant, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1,
-        SPLIT_K=split,
+        SPLIT_K=split, NATIVE_FP8=config.native_fp8, IMPRECISE_ACC=config.imprecise_acc or config.block_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         AMAX_BLOCK=min(next_pow2(k), AMAX_BLOCK), FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
         num_warps=config.num_warps, num_stages=config.num_stages)
