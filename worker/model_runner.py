@@ -37,7 +37,7 @@ from resident.worker.input_batch import HostToDevice
 from resident.worker.kernels.dispatch import get_kernels
 from resident.worker.kv_cache import KVCache, bytes_per_block
 from resident.worker.layers.attention import AttentionMetadata
-from resident.worker.layers.sampler import Sampler, SamplingRow, is_plain_greedy
+from resident.worker.layers.sampler import Sampler, SamplingRow, greedy_tokens, is_plain_greedy
 from resident.worker.models import build_model
 from resident.worker.outputs import (ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput,
                                      placeholder_row)
@@ -300,7 +300,7 @@ class ModelRunner:
             if any(s.sampling_params.logprobs is not None for s in to_sample):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
             if all(is_plain_greedy(s.sampling_params) for s in to_sample):
-                tokens = logits.argmax(dim=-1)
+                tokens = greedy_tokens(logits)
             else:
                 tokens = self.sampler.choose(logits, self._sampling_rows(to_sample))
             self._last_sampled = tokens

@@ -71,6 +71,9 @@ def _torch_kernels() -> Kernels:
 
 def _triton_kernels() -> Kernels:
     from resident.worker.kernels import activation, fp8, gemv, paged_attention, rmsnorm, rotary
+    # The sampler's greedy argmax (layers.sampler.greedy_tokens), imported with the others so that
+    # triton_prefetch computes its JIT key before the first launch.
+    importlib.import_module("resident.worker.kernels.argmax")
 
     return Kernels("triton", rmsnorm.rms_norm, rmsnorm.fused_add_rms_norm, rotary.rotary_kv_write,
                    activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear,
