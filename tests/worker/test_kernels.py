@@ -47,6 +47,7 @@ def _cases() -> dict[str, Callable[[], None]]:
                          ("silu_and_mul", _silu_and_mul), ("rotary_kv_write", _rotary_kv_write),
                          ("attention_mixed_batch", _attention_mixed), ("attention_gqa_shapes", _attention_shapes),
                          ("attention_sliding_window", _attention_window), ("decode_split_k", _decode_split_k),
+                         ("decode_amax_slots", _decode_amax_slots),
                          ("decode_ignores_garbage_slots", _decode_garbage)):
             cases[f"{name}[{dname}]"] = (lambda fn=fn, dtype=dtype: fn(dtype))
     cases["validation_errors"] = _validation_errors
@@ -192,6 +193,45 @@ def _decode_split_k(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{splits} splits: {m}")
 
 
+def _decode_amax_slots(dtype: torch.dtype) -> None:
+    """The decode kernels' |out| maxima (paged_attention_fp8's partials): one slot per (sequence, kv
+    head), or per (sequence, query head) after a split, each the maximum of what that program
+    stored; quantize_from_partials over them gives fp8_quant's scale and values (float32 output:
+    the interpreter's fp8 cast is not exact)."""
+    from resident.worker.kernels import fp8_quant, paged_attention
+    from resident.worker.layers.linear import FP8_MAX, quantize_fp8_per_tensor_dynamic
+
+    hq, hkv, d = 8, 2, 32
+    batch = make_paged_batch([1, 1, 1], [5, 40, 70], num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype,
+                             seed=21)
+    q = (4 * torch.randn(3, hq, d, generator=torch.Generator().manual_seed(22))).to(dtype)
+    for splits in (1, 3):
+        out, buf = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                                           d ** -0.5, None, None, splits, amax=True)
+        assert torch.equal(out, paged_attention.decode_attention(q, batch.kv_cache, batch.meta.block_tables,
+                                                                 batch.meta.seq_lens, d ** -0.5, num_splits=splits))
+        parts = out.float().abs().view(3, hkv, -1) if splits == 1 else out.float().abs().view(3, hq, -1)
+        want_slots = parts.amax(dim=-1).flatten()
+        assert buf.shape == (1 + want_slots.numel(),) and torch.equal(buf[1:], want_slots), (splits, buf, want_slots)
+        x = out.view(3, hq * d)
+        got = torch.empty(x.shape, dtype=torch.float32)
+        fp8_quant.quantize_from_partials(x, got, buf, buf.numel() - 1)
+        _, want_scale = quantize_fp8_per_tensor_dynamic(x)
+        assert torch.equal(buf[0], want_scale)
+        assert torch.equal(got, (x.float() / want_scale).clamp(-FP8_MAX, FP8_MAX))
+    # Rows of a program's tile past its query heads (REP 1 of BLOCK_M 16) attend with q = 0, so
+    # uniformly: a value the real query avoids (its key opposite to q) would dominate them.
+    one = make_paged_batch([1], [4], num_kv_heads=2, head_dim=d, block_size=16, dtype=dtype, seed=23)
+    q1 = torch.randn(1, 2, d, generator=torch.Generator().manual_seed(24)).to(dtype)
+    first = one.meta.block_tables[0, 0]
+    one.kv_cache[0, first, 0] = (-8 * q1[0]).to(dtype)       # key of token 0: score -8 |q|^2
+    one.kv_cache[1, first, 0] = 100.0                        # its value
+    out, buf = paged_attention._decode(q1, one.kv_cache, one.meta.block_tables, one.meta.seq_lens, d ** -0.5,
+                                       None, None, 1, amax=True)
+    assert float(out.float().abs().max()) < 20, out
+    assert torch.equal(buf[1:], out.float().abs().amax(dim=-1).flatten())
+
+
 def _decode_garbage(dtype: torch.dtype) -> None:
     # Slots past each context (block tails, spare blocks, padded table entries) hold NaN.
     hq, hkv, d = 8, 2, 32
@@ -314,18 +354,24 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
     for Llama-3-8B in bf16 (other int args i32, `qk_scale`/`eps` fp32)."""
     bf = "*bf16"
     attn = {"q_ptr": bf, "k_cache": bf, "v_cache": bf, "bt_ptr": "*i64", "seq_lens_ptr": "*i64", "out_ptr": bf}
-    split = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
+    split = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "amax_ptr": "*fp32"}
     dec = {"REP": 4, "BLOCK_M": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16, "PREC": "tf32"}
     pre = {"REP": 4, "REP_P2": 4, "BLOCK_Q": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16,
            "PREC": "tf32"}
     attn_opts = {"num_warps": 4, "num_stages": 2}
     return {
-        "decode": ("paged_attention._decode_kernel", {**attn, **split}, {**dec, "SPLIT": False, "USE_WINDOW": False},
-                   attn_opts),
+        "decode": ("paged_attention._decode_kernel", {**attn, **split},
+                   {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": False}, attn_opts),
+        "decode_amax": ("paged_attention._decode_kernel", {**attn, **split},
+                        {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True}, attn_opts),
         "decode_split_window": ("paged_attention._decode_kernel", {**attn, **split},
-                                {**dec, "SPLIT": True, "USE_WINDOW": True}, attn_opts),
+                                {**dec, "SPLIT": True, "USE_WINDOW": True, "AMAX": False}, attn_opts),
         "merge_splits": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
-                         {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64}, {"num_warps": 4}),
+                         {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": False},
+                         {"num_warps": 4}),
+        "merge_splits_amax": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
+                              {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": True},
+                              {"num_warps": 4}),
         "prefill_window": ("paged_attention._prefill_kernel", {**attn, "qsl_ptr": "*i64"},
                            {**pre, "USE_WINDOW": True}, attn_opts),
         "prefill_gqa3_d64": ("paged_attention._prefill_kernel", {**attn, "qsl_ptr": "*i64"},

@@ -276,14 +276,18 @@ def _model_logits_fused_vs_unfused() -> None:
         calls = []
         fused = triton_kernels()
         spied = dataclasses.replace(fused, fused_add_rms_norm_fp8=lambda *a: calls.append("norm") or
-                                    fused.fused_add_rms_norm_fp8(*a))
-        unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None)
+                                    fused.fused_add_rms_norm_fp8(*a),
+                                    paged_attention_fp8=lambda *a: calls.append("attention") or
+                                    fused.paged_attention_fp8(*a))
+        unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None,
+                                      paged_attention_fp8=None)
         logits = {}
         for name, kernels in (("fused", spied), ("unfused", unfused)):
             dispatch._triton_kernels = lambda kernels=kernels: kernels
             logits[name] = _prefill_then_decode(config, weights, "triton")
         dispatch._triton_kernels = triton_kernels
-    assert len(calls) == 2 * 2 * 2, calls          # 2 layers x 2 norms x (prefill, decode)
+    # 2 layers x (2 norms + attention) x (prefill, decode)
+    assert calls.count("norm") == 2 * 2 * 2 and calls.count("attention") == 2 * 2, calls
     for got, want in zip(logits["fused"], logits["unfused"]):
         assert torch.equal(got, want)
 
@@ -356,7 +360,7 @@ def test_torch_backend_fp8_model_logits_equal_with_and_without_the_fused_ops(tin
     calls = []
     fused = torch_kernels()
     spied = dataclasses.replace(fused, silu_and_mul_fp8=lambda x: calls.append(x.shape) or fused.silu_and_mul_fp8(x))
-    unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None)
+    unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None, paged_attention_fp8=None)
     monkeypatch.setattr(dispatch, "_torch_kernels", lambda: spied)
     got = _prefill_then_decode(config, weights, "torch")
     assert calls == [(9, 256)] * 2 + [(2, 256)] * 2     # gate_up's output [T, 2I], 2 layers, prefill then decode
@@ -376,15 +380,19 @@ def test_layers_fuse_the_quantization_only_for_fp8_linears_and_the_plain_add_nor
     config, fp8_weights = _fp8_tiny_llama(path, torch.float32)
     kernels = get_kernels("cpu", "torch")
     model = LlamaForCausalLM(config, fp8_weights, kernels)
-    assert all(layer.fuse_fp8_quant for layer in model.layers)
+    assert all(layer.fuse_fp8_quant and layer.fuse_o_quant for layer in model.layers)
     plain = LlamaForCausalLM(config, fused_weights_from_hf_folder(path), kernels)
-    assert not any(layer.fuse_fp8_quant for layer in plain.layers)
+    assert not any(layer.fuse_fp8_quant or layer.fuse_o_quant for layer in plain.layers)
     # A custom add_norm (tensor parallelism's all-reduce + norm) must see the normed activations.
     custom = LlamaDecoderLayer(config, fp8_weights, 0, model.rope_table, kernels, add_norm=model.add_norm)
-    assert not custom.fuse_fp8_quant
+    assert not custom.fuse_fp8_quant and not custom.fuse_o_quant
     # A backend without the fused ops keeps the quantization in the linears.
     bare = dataclasses.replace(kernels, fused_add_rms_norm_fp8=None)
     assert not LlamaDecoderLayer(config, fp8_weights, 0, model.rope_table, bare).fuse_fp8_quant
+    # ... and one without the fused attention, o_proj's quantization alone.
+    no_attention = LlamaDecoderLayer(config, fp8_weights, 0, model.rope_table,
+                                     dataclasses.replace(kernels, paged_attention_fp8=None))
+    assert no_attention.fuse_fp8_quant and not no_attention.fuse_o_quant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -451,13 +459,14 @@ def test_both_backends_have_the_fused_ops() -> None:
 
     k = dispatch.get_kernels("cpu", "torch")
     assert k.fused_add_rms_norm_fp8 is reference.fused_add_rms_norm_fp8 and k.silu_and_mul_fp8 is not None
-    assert k.fp8_scaled_mm is reference.fp8_scaled_mm
+    assert k.fp8_scaled_mm is reference.fp8_scaled_mm and k.paged_attention_fp8 is reference.paged_attention_fp8
     if importlib.util.find_spec("triton") is not None:
-        from resident.worker.kernels import activation, fp8, rmsnorm
+        from resident.worker.kernels import activation, fp8, paged_attention, rmsnorm
 
         t = dispatch._triton_kernels()
-        assert (t.fused_add_rms_norm_fp8, t.silu_and_mul_fp8, t.fp8_scaled_mm) == (
-            rmsnorm.fused_add_rms_norm_fp8, activation.silu_and_mul_fp8, fp8.fp8_scaled_mm)
+        assert (t.fused_add_rms_norm_fp8, t.silu_and_mul_fp8, t.fp8_scaled_mm, t.paged_attention_fp8) == (
+            rmsnorm.fused_add_rms_norm_fp8, activation.silu_and_mul_fp8, fp8.fp8_scaled_mm,
+            paged_attention.paged_attention_fp8)
 
 
 # --- in-process: sm_90 builds ---------------------------------------------------------------------

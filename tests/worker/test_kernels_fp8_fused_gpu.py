@@ -256,6 +256,49 @@ def test_gpu_grids_beyond_the_sms_take_the_two_path(monkeypatch) -> None:
     assert spy.grids == []                                              # the coop path: one launch
 
 
+# --- attention emitting o_proj's fp8 input ---------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 8, 64, 100])
+def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int) -> None:
+    """`paged_attention_fp8` at Llama-3-8B heads (32 query, 8 kv, dim 128): the fp8 bytes and scale of
+    paged_attention followed by quantize_fp8_per_tensor — decode split (1, 8) and unsplit (64, 100),
+    eagerly and replayed in a CUDA graph with static decode metadata; a prefill batch too."""
+    from kernel_batches import make_paged_batch
+
+    from resident.worker.kernels import fp8_quant, paged_attention
+
+    hq, hkv, d = 32, 8, 128
+    rng = random.Random(batch)
+    ctx = [rng.randrange(1, 300) for _ in range(batch)]
+    pb = make_paged_batch([1] * batch, ctx, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=torch.bfloat16,
+                          device="cuda", seed=batch)
+    q = torch.randn(batch, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(batch)).to(torch.bfloat16)
+    q[batch // 2, 3] *= 40                                  # one head's output sets the scale
+
+    def want(meta):
+        return fp8_quant.quantize_fp8_per_tensor(paged_attention.paged_attention(q, pb.kv_cache, meta, d ** -0.5)
+                                                 .view(batch, hq * d))
+
+    _assert_identical(*paged_attention.paged_attention_fp8(q, pb.kv_cache, pb.meta, d ** -0.5), *want(pb.meta))
+    static = dataclasses.replace(pb.meta, static_decode=True)
+    want_q, want_scale = want(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_q, got_scale = paged_attention.paged_attention_fp8(q, pb.kv_cache, static, d ** -0.5)
+    got_q.zero_()
+    graph.replay()
+    _assert_identical(got_q, got_scale, want_q, want_scale)
+    q.mul_(0.5)                                             # a replay sees new queries
+    graph.replay()
+    _assert_identical(got_q, got_scale, *want(static))
+    chunk = make_paged_batch([5, 3], [7, 0], num_kv_heads=hkv, head_dim=d, block_size=16, dtype=torch.bfloat16,
+                             device="cuda", seed=5)
+    qp = torch.randn(8, hq, d, device="cuda").to(torch.bfloat16)
+    _assert_identical(*paged_attention.paged_attention_fp8(qp, chunk.kv_cache, chunk.meta, d ** -0.5),
+                      *fp8_quant.quantize_fp8_per_tensor(paged_attention.paged_attention(qp, chunk.kv_cache,
+                                                                                         chunk.meta, d ** -0.5)
+                                                         .view(8, hq * d)))
+
+
 # --- a 2-layer fp8 model at Llama-3-8B widths ----------------------------------------------------
 def _fp8_llama8b_wide(num_layers: int = 2, vocab: int = 32000):
     """(ModelConfig, weights on the GPU): bf16 norms and embeddings, fp8_per_tensor projections."""
@@ -302,12 +345,12 @@ def test_gpu_fp8_model_decode_logits_are_identical_with_the_fused_ops(monkeypatc
     runners = {}
     for name, kernels in (("fused", triton_kernels()),
                           ("unfused", dataclasses.replace(triton_kernels(), fused_add_rms_norm_fp8=None,
-                                                          silu_and_mul_fp8=None))):
+                                                          silu_and_mul_fp8=None, paged_attention_fp8=None))):
         monkeypatch.setattr(dispatch, "_triton_kernels", lambda kernels=kernels: kernels)
         runners[name] = ModelRunner(config, ec, weights, device="cuda", cuda_graphs="eager")
         runners[name].capture_graphs()
-    assert all(layer.fuse_fp8_quant for layer in runners["fused"].model.layers)
-    assert not any(layer.fuse_fp8_quant for layer in runners["unfused"].model.layers)
+    assert all(layer.fuse_fp8_quant and layer.fuse_o_quant for layer in runners["fused"].model.layers)
+    assert not any(layer.fuse_fp8_quant or layer.fuse_o_quant for layer in runners["unfused"].model.layers)
     greedy = SamplingParams(temperature=0.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(32000) for _ in range(rng.randrange(4, 12))] for _ in range(64)]

@@ -55,6 +55,9 @@ class Kernels:
     fused_add_rms_norm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     #: (x [..., 2I]) -> (x_q [..., I] fp8, scale_a float32 ()): silu_and_mul quantized as fp8_linear would
     silu_and_mul_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: (q, kv_cache, meta, scale, sliding_window=None) -> (x_q [T, Hq*D] fp8, scale_a float32 ()):
+    #: paged_attention's output flattened and quantized as fp8_linear would (o_proj's input)
+    paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -66,7 +69,8 @@ def _torch_kernels() -> Kernels:
 
     return Kernels("torch", r.rms_norm, r.fused_add_rms_norm, r.rotary_kv_write, r.silu_and_mul,
                    r.paged_attention, r.fp8_linear, fp8_scaled_mm=r.fp8_scaled_mm,
-                   fused_add_rms_norm_fp8=r.fused_add_rms_norm_fp8, silu_and_mul_fp8=r.silu_and_mul_fp8)
+                   fused_add_rms_norm_fp8=r.fused_add_rms_norm_fp8, silu_and_mul_fp8=r.silu_and_mul_fp8,
+                   paged_attention_fp8=r.paged_attention_fp8)
 
 
 def _triton_kernels() -> Kernels:
@@ -78,7 +82,8 @@ def _triton_kernels() -> Kernels:
     return Kernels("triton", rmsnorm.rms_norm, rmsnorm.fused_add_rms_norm, rotary.rotary_kv_write,
                    activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear,
                    gemv.linear if gemv.GEMV_MODE == "on" else F.linear, fp8_scaled_mm=fp8.fp8_scaled_mm,
-                   fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8)
+                   fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
+                   paged_attention_fp8=paged_attention.paged_attention_fp8)
 
 
 def triton_available() -> bool:

@@ -18,6 +18,8 @@ once per group: the query rows of a tile are (token, head-in-group) pairs.
 - `prefill_attention`: any number of query tokens per sequence, causal within the chunk,
   over the cached context. Grid (batch, kv heads, query tiles).
 - `paged_attention`: picks one of the two from `AttentionMetadata`.
+- `paged_attention_fp8`: the same, its output quantized for an fp8 o_proj; decode kernels also
+  store the maxima the per-tensor scale needs, which spares the quantization a pass.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
+from resident.worker.kernels.fp8_quant import choose_path, quantize_fp8_per_tensor, quantize_from_partials
 from resident.worker.kernels.rotary import check_kv_cache
 from resident.worker.layers.attention import AttentionMetadata
+from resident.worker.layers.linear import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
 #: Finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN. (A global
@@ -82,10 +86,10 @@ def _attend_range(q, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo,
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-                   sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
+                   amax_ptr, sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
                    REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
+                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr, AMAX: tl.constexpr):
     # num_splits is a runtime value (one compiled kernel for every split count); SPLIT says
     # whether it is > 1, i.e. whether to write partial results for the merge kernel.
     b = tl.program_id(0).to(tl.int64)
@@ -113,9 +117,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
                                   qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, False,
                                   USE_WINDOW, PREC)
     if not SPLIT:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
         out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(out_ptrs, out, mask=qmask)
+        if AMAX:   # max |out| as stored, one slot per (sequence, kv head): fp8_quant's partials
+            tile_max = tl.max(tl.max(tl.where(qmask, tl.abs(out.to(tl.float32)), 0.0), axis=1), axis=0)
+            tl.store(amax_ptr + b * tl.num_programs(1) + kvh, tile_max)
     else:
         # part_* are [B, Hq, num_splits(, BLOCK_D)] contiguous.
         idx = (b * (tl.num_programs(1) * REP) + head) * num_splits + split
@@ -125,9 +132,9 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, so_b, so_h, num_splits,
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, amax_ptr, so_b, so_h, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPLITS_P2: tl.constexpr):
+                         SPLITS_P2: tl.constexpr, AMAX: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -139,8 +146,10 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, so_b, so
     d = tl.arange(0, BLOCK_D)
     acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
     denom = tl.sum(w * l_s, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    out = (tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * so_b + h * so_h + d, out, mask=d < HEAD_DIM)
+    if AMAX:       # max |out| as stored, one slot per (sequence, query head)
+        tl.store(amax_ptr + b * NUM_HEADS + h, tl.max(tl.where(d < HEAD_DIM, tl.abs(out.to(tl.float32)), 0.0), axis=0))
 
 
 @triton.jit
@@ -229,13 +238,22 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     for CUDA graphs) or `max_seq_len` (host int, to choose it); with neither, the choice
     reads seq_lens back from the device.
     """
+    return _decode(q, kv_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, num_splits)[0]
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float, sliding_window: int | None, max_seq_len: int | None, num_splits: int | None,
+            amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decode_attention`; with `amax`, also a float32 buffer [1 + slots] whose slots (buf[1:])
+    hold the maxima of |out| over disjoint parts that cover it, as `fp8_quant.quantize_from_partials`
+    takes them (buf[0] is left for the scale)."""
     rep = _check(q, kv_cache, block_tables, seq_lens)
     batch, n_qh, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"decode got {batch} queries for {seq_lens.shape[0]} sequences")
     out = torch.empty((batch, n_qh, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
-        return out
+        return out, None
     n_kh = kv_cache.shape[3]
     if num_splits is None:
         if max_seq_len is None:
@@ -243,6 +261,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         num_splits = default_num_splits(batch, n_kh, max_seq_len, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    # Slots: one per program that stores out — (sequence, kv head), or (sequence, query head) after a split.
+    buf = (torch.empty(1 + batch * (n_qh if num_splits > 1 else n_kh), dtype=torch.float32, device=q.device)
+           if amax else None)
+    slots = buf[1:] if buf is not None else out
     block_d = next_pow2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty((batch, n_qh, num_splits, block_d), dtype=torch.float32, device=q.device)
@@ -252,17 +274,17 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         part_acc = part_m = part_l = out
     kc, vc = kv_cache[0], kv_cache[1]
     _decode_kernel[(batch, n_kh, num_splits)](
-        q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
-        PREC=_precision(q.dtype), num_warps=4, num_stages=2)
+        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, num_warps=4, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, num_warps=4)
-    return out
+            part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, num_warps=4)
+    return out, buf
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -305,20 +327,44 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     width, so a captured graph replays correctly for any context lengths within it; with
     `meta.static_query_len` (verification graphs) the prefill kernel's grid is sized by it.
     """
+    return _attend(q, kv_cache, meta, scale, sliding_window, amax=False)[0]
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            sliding_window: int | None, amax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`paged_attention`'s choice of kernel; with `amax`, the decode kernel's |out| maxima too
+    (`_decode`; None from the prefill kernel, which has none)."""
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
     if getattr(meta, "static_decode", False):
         span = meta.block_tables.shape[1] * kv_cache.shape[2]
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                                max_seq_len=span)
+        return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, span, None, amax)
     static_len = getattr(meta, "static_query_len", 0)
     if static_len:   # speculative verification graphs: the grid follows from the fixed query length
         return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, static_len,
-                                 scale, sliding_window)
+                                 scale, sliding_window), None
     qsl = meta.query_start_loc_host
     max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
     if max_query_len == 1 and meta.num_tokens == meta.num_seqs:
-        return decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                                max_seq_len=max(meta.seq_lens_host))
+        return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
+                       max(meta.seq_lens_host), None, amax)
     return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, max_query_len,
-                             scale, sliding_window)
+                             scale, sliding_window), None
+
+
+def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q [T, Hq * D] float8_e4m3fn, scale_a float32 ()): `paged_attention`'s output flattened
+    and quantized per tensor, bit for bit as an fp8_per_tensor linear quantizes its input (o_proj's).
+
+    Decode batches too large for `fp8_quant`'s one-program path skip its maximum pass: the
+    decode kernels store each program's max |out| and `fp8_quant.quantize_from_partials`
+    quantizes from those (one launch, no grid barrier); everything else quantizes as
+    `fp8_quant.quantize_fp8_per_tensor` does."""
+    out, buf = _attend(q, kv_cache, meta, scale, sliding_window, amax=True)
+    x = out.view(out.shape[0], -1)
+    if buf is None or choose_path(x) == "small":
+        return quantize_fp8_per_tensor(x)
+    x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    quantize_from_partials(x, x_q, buf, buf.numel() - 1)
+    return x_q, buf[0]

@@ -107,6 +107,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return ref_paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
 
 
+def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q [T, Hq * D], scale_a): paged_attention's output flattened, quantized as the fp8 linear would."""
+    out = paged_attention(q, kv_cache, meta, scale, sliding_window)
+    return quantize_fp8_input(out.reshape(out.shape[0], -1))
+
+
 #: fp8_linear's GEMM on an input already quantized: x_q [..., K] float8_e4m3fn, scale_a float32 ().
 fp8_scaled_mm = fp8_linear_quantized_reference
 

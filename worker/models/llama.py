@@ -141,10 +141,14 @@ class LlamaDecoderLayer:
                                and kernels.fused_add_rms_norm_fp8 is not None and kernels.silu_and_mul_fp8 is not None
                                and all(isinstance(lin, Fp8PerTensorLinear)
                                        for lin in (self.qkv_proj, self.gate_up_proj, self.down_proj)))
+        #: ... and paged attention emits o_proj's fp8 input (`Kernels.paged_attention_fp8`).
+        self.fuse_o_quant = (self.fuse_fp8_quant and kernels.paged_attention_fp8 is not None
+                             and self.o_bias is None and isinstance(self.o_proj, Fp8PerTensorLinear))
 
     def attention(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-                  kv_cache: torch.Tensor) -> torch.Tensor:
-        """Attention from qkv_proj's output [T, q_size + 2 * kv_size], through o_proj."""
+                  kv_cache: torch.Tensor, quantized_o: bool = False) -> torch.Tensor:
+        """Attention from qkv_proj's output [T, q_size + 2 * kv_size], through o_proj; `quantized_o`:
+        the attention kernels quantize o_proj's fp8 input (`fuse_o_quant`)."""
         t = qkv.shape[0]
         kern = self.kernels
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -154,6 +158,9 @@ class LlamaDecoderLayer:
         if self.q_norm is not None:
             q, k = kern.rms_norm(q, self.q_norm, self.eps), kern.rms_norm(k, self.k_norm, self.eps)
         q = kern.rotary_kv_write(positions, q, k, v, self.rope_table, kv_cache, meta.slot_mapping)
+        if quantized_o:
+            x_q, scale = kern.paged_attention_fp8(q, kv_cache, meta, self.scale, self.sliding_window)
+            return self.o_proj.apply_quantized(x_q, scale, qkv.dtype)
         out = kern.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         out = self.o_proj(out.reshape(t, self.q_size))
         if self.o_bias is not None:   # TP: reduce here, so the bias is added once
@@ -183,10 +190,12 @@ class LlamaDecoderLayer:
         """`__call__` with the fp8 activation quantization of qkv_proj, gate_up_proj and down_proj
         done by the kernels producing their inputs: bit for bit the same (each fused op is its
         unfused pair, then the linear's own quantization), one launch less per linear — in a
-        decode step these launches cost latency, not bandwidth. o_proj quantizes its own input."""
+        decode step these launches cost latency, not bandwidth. o_proj's input comes quantized from
+        the attention kernels (`Kernels.paged_attention_fp8`: on a GPU, decode skips the maximum pass)."""
         kern, dtype = self.kernels, hidden.dtype
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.input_layernorm, self.eps)
-        hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache)
+        hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache,
+                                quantized_o=self.fuse_o_quant)
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
         x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
         return self.down_proj.apply_quantized(x_q, scale, dtype), residual
