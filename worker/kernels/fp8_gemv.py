@@ -1,14 +1,20 @@
 """fp8 W8A8 GEMM for decode-sized M (Triton): split-K over the weight, read once at full bandwidth.
 
-cuBLASLt's fp8 GEMM (`torch._scaled_mm`) is tuned for large tiles and reaches well under the
-HBM roofline at M = 1..16, where a linear is a pure stream of the [N, K] fp8 weight. This
-kernel tiles the weight [BLOCK_N, BLOCK_K] (rows of 256 contiguous bytes, no mask on full
-tiles), upcasts both fp8 operands to float16 — exact: every e4m3 value is a float16 — and
-multiplies them on the tensor cores as out^T[BLOCK_N, BLOCK_M] = W · x_q^T with float32
-accumulation (float16 products of two e4m3 values are exact, so this is the reference's
-float32 matmul up to summation order; Hopper's fp8 tensor-core path would accumulate with
-less precision). M is padded to BLOCK_M = 16 (tl.dot's minimum); padded rows repeat row
-M - 1 and are never stored.
+At M = 1..16 a linear is a pure stream of the [N, K] fp8 weight. This kernel tiles the weight
+[BLOCK_N, BLOCK_K] (rows of 256 contiguous bytes, no mask on full tiles) and multiplies it as
+out^T[BLOCK_N, BLOCK_M] = W · x_q^T on the tensor cores, two ways (`GemvConfig.native_fp8`):
+
+- native (compute capability 9.0+, what `fp8_gemv` picks there): both fp8 operands straight to
+  Hopper's fp8 wgmma; its adds inside a K step keep fewer mantissa bits, so partial sums are
+  promoted to the float32 accumulator every `imprecise_acc` (default BLOCK_K) products, as
+  cuBLAS does without fast accumulation. On the H200: level with `_scaled_mm` per shape at the
+  best launch shapes, slower in the engine (docs/benchmarks.md, session 10).
+- upcast: both operands to float16 — exact: every e4m3 value is a float16, and so are their
+  products — with float32 accumulation: the reference's float32 matmul up to summation order.
+  Half the speed of native on the H200 (the conversions).
+
+M is padded to BLOCK_M = 16 (tl.dot's minimum); padded rows repeat row M - 1 and are never
+stored.
 
 Split-K: when N / BLOCK_N tiles alone do not fill the GPU, the K range is split over
 SPLIT_K programs per tile. Each writes its float32 partial tile to a workspace and bumps a
