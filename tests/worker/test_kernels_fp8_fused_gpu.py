@@ -271,7 +271,8 @@ def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int) -> N
     ctx = [rng.randrange(1, 300) for _ in range(batch)]
     pb = make_paged_batch([1] * batch, ctx, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=torch.bfloat16,
                           device="cuda", seed=batch)
-    q = torch.randn(batch, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(batch)).to(torch.bfloat16)
+    q = torch.randn(batch, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
+    q = q.to(torch.bfloat16)
     q[batch // 2, 3] *= 40                                  # one head's output sets the scale
 
     def want(meta):

@@ -103,7 +103,8 @@ class GemvConfig:
         if not 1 <= self.split_k <= 256:
             raise ValueError(f"GemvConfig.split_k must be in 1..256, got {self.split_k}")
         if self.imprecise_acc < 0 or self.imprecise_acc > self.block_k:
-            raise ValueError(f"GemvConfig.imprecise_acc must be in 0..block_k ({self.block_k}), got {self.imprecise_acc}")
+            raise ValueError(f"GemvConfig.imprecise_acc must be in 0..block_k ({self.block_k}), "
+                             f"got {self.imprecise_acc}")
 
 
 @functools.cache

@@ -27,8 +27,8 @@ FP8_MAX = 448.0
 #: Lower bound of the dynamic activation scale, so an all-zero input does not divide by 0.
 FP8_MIN_SCALE = 1e-12
 #: fp8 GEMMs on the GPU (`torch._scaled_mm`) with at least this many rows accumulate in the
-#: tensor cores' own precision (cuBLASLt "fast accumulation", as vLLM's CUTLASS fp8 kernels do
-#: on Hopper) instead of promoting to float32 every few products: on the H200 it made
+#: tensor cores' own precision (cuBLASLt "fast accumulation", as vLLM's sm90 CUTLASS fp8 GEMM
+#: configurations do) instead of promoting to float32 every few products: on the H200 it made
 #: Llama-3-8B's four decode GEMMs at M = 64 5.6 % faster (68.1 -> 64.3 us a layer), at M = 1
 #: no faster; the error grows from ~2.7e-3 to ~5-8e-3 of the output's largest magnitude
 #: (docs/benchmarks.md, session 10). The CPU reference always accumulates in float32.
