@@ -77,13 +77,18 @@ def startup_sizes(sizes: Sequence[int], mode: str) -> tuple[int, ...]:
     return tuple(sizes) if mode == "eager" else tuple(s for s in sizes if s in EAGER_SIZES)
 
 
-def capture_at_start(capture: Callable[[int], None], sizes: Sequence[int], mode: str) -> float:
-    """`capture` each of `startup_sizes(sizes, mode)`, largest first (the others' memory comes
-    from the first's pool); returns the seconds spent."""
+def capture_all(capture: Callable[[int], None], sizes: Sequence[int]) -> float:
+    """`capture` each of `sizes`, largest first (the others' memory comes from the first's
+    pool); returns the seconds spent."""
     t0 = time.monotonic()
-    for size in sorted(startup_sizes(sizes, mode), reverse=True):
+    for size in sorted(sizes, reverse=True):
         capture(size)
     return time.monotonic() - t0
+
+
+def capture_at_start(capture: Callable[[int], None], sizes: Sequence[int], mode: str) -> float:
+    """`capture_all` of the sizes `mode` captures at start (`startup_sizes`)."""
+    return capture_all(capture, startup_sizes(sizes, mode))
 
 
 def check_mode(mode: str) -> str:
@@ -161,7 +166,7 @@ class DecodeGraphs:
         wanted = startup_sizes(self.sizes, self.mode)
         now = wanted if self.mode == "eager" else tuple(s for s in wanted if s in READY_SIZES)
         self._after_ready = sorted(set(wanted) - set(now), reverse=True)
-        return capture_at_start(self.capture, now, "eager")   # ("eager": every size of `now`)
+        return capture_all(self.capture, now)
 
     @property
     def idle_pending(self) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import torch
 from weights_util import fused_weights_from_hf_folder
 
 from resident.worker.config import ModelConfig
-from resident.worker.cuda_graphs import (DecodeGraphs, bucket_for, capture_at_start, check_mode,
+from resident.worker.cuda_graphs import (DecodeGraphs, bucket_for, capture_all, capture_at_start, check_mode,
                                          graph_batch_sizes, startup_sizes)
 from resident.worker.engine_config import EngineConfig
 from resident.worker.entrypoint import ServeConfig
@@ -110,6 +110,9 @@ def test_sizes_captured_at_start_per_mode() -> None:
     captured: list[int] = []
     assert capture_at_start(captured.append, sizes, "lazy") >= 0
     assert captured == [8, 4, 2, 1]   # largest first: the others' memory comes from its pool
+    captured.clear()
+    assert capture_all(captured.append, (2, 16, 1)) >= 0
+    assert captured == [16, 2, 1]
 
 
 def test_host_to_device_splits_one_buffer_and_grows() -> None:
