@@ -193,6 +193,8 @@ def test_gemv_rejects_bad_arguments_naming_the_fix() -> None:
         (lambda: fp8_gemv(x_q, s_a, w_q, s_w, torch.zeros(31), torch.float32), ValueError, "bias"),
         (lambda: fp8_gemv(x_q, s_a.double(), w_q, s_w, None, torch.float32), ValueError, "scale_a"),
         (lambda: GemvConfig(block_n=48), ValueError, "power of two"),
+        (lambda: GemvConfig(block_k=128, imprecise_acc=256), ValueError, r"imprecise_acc must be in 0\.\.block_k \(128\)"),
+        (lambda: GemvConfig(imprecise_acc=-1), ValueError, "imprecise_acc"),
     ):
         with pytest.raises(exc, match=words):
             call()
