@@ -69,6 +69,7 @@ PATTERNS: tuple[tuple[str, str], ...] = (
     ("norm", r"_rms_norm_kernel|_ar_add_rms_norm_kernel"),
     ("rotary_kv", r"_rotary_kv_kernel"),
     ("activation", r"_silu_and_mul_kernel"),
+    ("sampling", r"_argmax_chunk_kernel|_argmax_merge_kernel"),
     # cuBLAS / cuBLASLt / CUTLASS (torch.mm, F.linear, torch._scaled_mm): sm90_xmma_gemm_*,
     # nvjet_*, cutlass3x_*, gemv2T_kernel, gemvx, gemmSN_*, splitKreduce_kernel; on CPU the
     # reference fp8 GEMM (linear.fp8_scaled_mm_reference).

@@ -62,7 +62,8 @@ def test_every_triton_kernel_of_the_worker_has_a_category():
     names = set()
     for path in [*sorted((ROOT / "worker" / "kernels").glob("*.py")), ROOT / "worker" / "custom_allreduce.py"]:
         names |= set(re.findall(r"@triton\.jit\s+def (\w+_kernel)\(", path.read_text()))
-    assert {"_fp8_gemv_kernel", "_decode_kernel", "_rotary_kv_kernel"} <= names
+    assert {"_fp8_gemv_kernel", "_decode_kernel", "_rotary_kv_kernel", "_argmax_chunk_kernel"} <= names
+    assert classify("_argmax_merge_kernel") == "sampling"
     assert {n: classify(n) for n in names if classify(n) == "other"} == {}
 
 

@@ -4,8 +4,8 @@
 reduction on the H200: 27-29 us a decode step at batch 1 and 39 us at batch 64 (Llama-3-8B
 decode profiles, sessions 4 and 10), for 0.5 MB / 32 MB of float32 logits; one program per
 row streaming it was no better (29 / 58 us, session 10). Here the row is split into chunks of
-CHUNK columns, each one program (`_chunk_kernel`: its chunk's largest value and the first
-column holding it, or its first NaN), and a second launch (`_merge_kernel`, a program per row)
+CHUNK columns, each one program (`_argmax_chunk_kernel`: its chunk's largest value and the first
+column holding it, or its first NaN), and a second launch (`_argmax_merge_kernel`, a program per row)
 merges the chunks in order.
 
 torch's semantics, exactly (the oracle is `torch.argmax(x, dim=-1)`): the index of the first
@@ -30,7 +30,7 @@ MAX_COLUMNS = 2**31 - 1 - CHUNK
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr):
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -47,7 +47,7 @@ def _chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.co
 
 
 @triton.jit
-def _merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     valid = c < n_chunks
@@ -78,9 +78,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         n_chunks = triton.cdiv(vocab, chunk)
         vals = torch.empty(rows * n_chunks, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(rows * n_chunks, dtype=torch.int32, device=logits.device)
-        _chunk_kernel[(rows, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks, CHUNK=chunk,
-                                        num_warps=NUM_WARPS)
-        _merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), num_warps=1)
+        _argmax_chunk_kernel[(rows, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks,
+                                               CHUNK=chunk, num_warps=NUM_WARPS)
+        _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), num_warps=1)
     return out
 
 
