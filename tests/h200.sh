@@ -16,6 +16,8 @@
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
+#   probes (not in the default; ~2-3 min): tests/gpu_decode_probes.py, PROBES (default l2-prefetch fp8-gemm
+#      small-kernels), one probe-NAME.json each (session 10's decode probes: L2 prefetch, fp8 GEMM sweep, small kernels)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter;
@@ -73,6 +75,11 @@ for s in $steps; do
       timeout "${HANDOVER_TIMEOUT:-90}" $B handover $M --device cuda --workers 1 --json "$OUT/handover.json" >> "$LOG" 2>&1 ;;
     ceiling)
       timeout "${CEILING_TIMEOUT:-60}" python3 tests/gpu_io_ceiling.py $M --json "$OUT/ceiling.json" >> "$LOG" 2>&1 ;;
+    probes)   # issue 4, session 10: decode probes (tests/gpu_decode_probes.py), one JSON each
+      for p in ${PROBES:-l2-prefetch fp8-gemm small-kernels}; do
+        timeout "${PROBE_TIMEOUT:-180}" python3 tests/gpu_decode_probes.py "$p" --json "$OUT/probe-$p.json" \
+          > /dev/null 2>> "$LOG"; echo "probe $p rc=$?" >> "$LOG"
+      done ;;
     tp)   # issue 8 on 2 GPUs: the 2-GPU tests, restart of a TP=2 group (cold vs from the daemon), TP=2 decode
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       if [ -n "${TP_TESTS-x}" ]; then   # TP_TESTS="" skips them (e.g. when `gputests` ran them)

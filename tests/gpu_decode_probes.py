@@ -1,0 +1,235 @@
+"""Decode-step probes behind docs/benchmarks.md "Session 10" (issue 4), run on the GPU machine:
+
+    python3 tests/gpu_decode_probes.py l2-prefetch   --json OUT.json   (~20 s)
+    python3 tests/gpu_decode_probes.py fp8-gemm      --json OUT.json   (~60-90 s: Triton compiles)
+    python3 tests/gpu_decode_probes.py small-kernels --json OUT.json   (~30 s)
+
+- l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
+  weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
+  faster? 32 layers of four bf16 GEMVs at Llama-3-8B shapes, each after a spin kernel standing
+  for the small kernels before it (3 / 10 / 3 / 2.5 us), in one CUDA graph; prefetch sizes are
+  the window x copy bandwidth x a factor, capped.
+- fp8-gemm: `torch._scaled_mm` (with and without fast accumulation) against `fp8_gemv` (its float16
+  upcast at the picked shape, and on the fp8 tensor cores over a sweep of launch shapes) at
+  Llama-3-8B's four shapes, M = 1, 16, 64: microseconds, share of the copy bandwidth, and the
+  error against the float32 product of the same fp8 operands (relative to max |out|).
+- small-kernels: the non-GEMM kernels of a decode step at batch 1 and 64 (argmax over a 128k
+  vocabulary, torch vs `kernels/argmax`; add + RMSNorm and SiLU-and-mul, bf16 out and fp8 out on
+  each path; per-tensor quantization on each path), microseconds per call in CUDA graphs.
+
+The session-10 figures were taken with these probes as scratch scripts; this is them cleaned
+up, not re-run as committed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MiB = 1 << 20
+#: (name, N, K) of a Llama-3-8B layer's GEMMs.
+SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+
+
+@triton.jit
+def _l2_prefetch_kernel(base, nbytes, chunk):
+    """Each of the program's 32 threads asks the TMA unit to pull `chunk` bytes of
+    [base, base + nbytes) into L2 (fire and forget)."""
+    idx = tl.program_id(0) * 32 + tl.arange(0, 32)
+    start = tl.minimum(idx.to(tl.int64) * chunk, nbytes - chunk)   # past the end: the last chunk again
+    size = tl.full([32], 0, tl.int32) + chunk
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                              [base + start, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def _prefetch(t: torch.Tensor, nbytes: int, chunk: int = 64 * 1024) -> None:
+    nbytes = min(nbytes, t.numel() * t.element_size()) // chunk * chunk
+    if nbytes > 0:
+        _l2_prefetch_kernel[(triton.cdiv(nbytes // chunk, 32),)](t.data_ptr(), nbytes, chunk, num_warps=1)
+
+
+def _copy_bandwidth() -> float:
+    from resident.cli.bench_kernels import copy_bandwidth_bytes_per_s
+
+    return copy_bandwidth_bytes_per_s()
+
+
+def _graph_us(fn: Callable[[], object], reps: int = 30) -> float:
+    """Microseconds per call of `fn` captured once in a CUDA graph and replayed `reps` times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+def l2_prefetch() -> dict:
+    dev = torch.device("cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {}
+    for cycles in (20000, 100000):            # torch.cuda._sleep: cycles -> microseconds
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        torch.cuda.synchronize()
+        times[cycles] = start.elapsed_time(end) * 1000
+    cycles_per_us = 80000 / (times[100000] - times[20000])
+
+    def sleep_us(us: float) -> None:
+        torch.cuda._sleep(max(1, int(us * cycles_per_us)))
+
+    bw = _copy_bandwidth()
+    windows = {"qkv": 3.0, "o": 10.0, "gate_up": 3.0, "down": 2.5}
+    x = {name: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for name, _, k in SHAPES}
+    layers = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for name, n, k in SHAPES}
+              for _ in range(32)]
+    side = torch.cuda.Stream()
+
+    def step(factor: float, cap_mib: int) -> None:
+        main = torch.cuda.current_stream()
+        for layer in layers:
+            for name, _, _ in SHAPES:
+                if factor:
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        _prefetch(layer[name], int(min(cap_mib * MiB, windows[name] * 1e-6 * bw * factor)))
+                sleep_us(windows[name])
+                F.linear(x[name], layer[name])
+        if factor:
+            main.wait_stream(side)
+
+    nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+    out = {"copy_bandwidth_bytes_per_s": bw, "weight_bytes": nbytes, "roofline_us": nbytes / bw * 1e6,
+           "gemv_only_us": _graph_us(lambda: [F.linear(x[n], layer[n]) for layer in layers for n, _, _ in SHAPES]),
+           "windows_only_us": _graph_us(lambda: [sleep_us(windows[n]) for _ in layers for n, _, _ in SHAPES]),
+           "step_us": {}}
+    for factor in (0, 0.5, 1.0, 1.5, 2.0, 3.0):
+        for cap in (16, 32, 48):
+            if factor or cap == 16:
+                out["step_us"][f"factor {factor}, cap {cap} MiB"] = _graph_us(lambda: step(factor, cap))
+    return out
+
+
+def fp8_gemm() -> dict:
+    from resident.worker.kernels.fp8_gemv import GemvConfig, fp8_gemv, pick_config
+    from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
+    from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX
+
+    bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        s_w = (w.float().abs().amax() / FP8_MAX).reshape(())
+        w_q = (w.float() / s_w).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        del w
+        for m in (1, 16, 64):
+            x_q, s_a = quantize_fp8_per_tensor(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            ref = (x_q.float() @ w_q.float().t()) * (s_a * s_w)
+            scale = ref.abs().max().item()
+            results = []
+
+            def run(label: str, fn: Callable[[], torch.Tensor]) -> None:
+                try:
+                    err = (fn().float() - ref).abs().max().item() / scale
+                    us = _graph_us(fn, reps=10)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: listed, not fatal
+                    results.append({"kernel": label, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                    return
+                results.append({"kernel": label, "us": us, "of_copy_bandwidth": n * k / (us * 1e-6) / bw,
+                                "max_error_of_max_out": err})
+
+            for fast in (False, True):
+                run(f"_scaled_mm fast_accum={fast}", lambda fast=fast: torch._scaled_mm(
+                    x_q, w_q.t(), scale_a=s_a, scale_b=s_w, out_dtype=torch.bfloat16, use_fast_accum=fast))
+            upcast = pick_config(m, n, k, sms)
+            run(f"fp8_gemv {upcast}",
+                lambda cfg=upcast: fp8_gemv(x_q, s_a, w_q, s_w, None, torch.bfloat16, config=cfg))
+            sweep = [GemvConfig(block_n=bn, split_k=split, native_fp8=True)
+                     for bn in (64, 128) for split in (1, 2, 4, 8)]
+            for cfg in sweep:
+                run(f"fp8_gemv {cfg}", lambda cfg=cfg: fp8_gemv(x_q, s_a, w_q, s_w, None, torch.bfloat16, config=cfg))
+            timed = [(r["us"], c) for r, c in zip(results[-len(sweep):], sweep) if "us" in r]
+            if timed:
+                best = min(timed, key=lambda t: t[0])[1]
+                for variant in ({"num_stages": 3}, {"num_stages": 6}, {"block_k": 128},
+                                {"block_k": 512, "num_stages": 3}, {"num_warps": 8}, {"imprecise_acc": 32}):
+                    cfg = dataclasses.replace(best, **variant)
+                    run(f"fp8_gemv {cfg}", lambda cfg=cfg: fp8_gemv(x_q, s_a, w_q, s_w, None, torch.bfloat16,
+                                                                   config=cfg))
+            rows.append({"linear": name, "n": n, "k": k, "m": m, "roofline_us": n * k / bw * 1e6,
+                         "results": results})
+    return {"copy_bandwidth_bytes_per_s": bw, "rows": rows}
+
+
+def small_kernels() -> dict:
+    from resident.worker.kernels import activation, fp8_quant, rmsnorm
+    from resident.worker.kernels.argmax import argmax_rows
+
+    def timed(fn: Callable[[], object]) -> float | str:
+        try:
+            return _graph_us(fn, reps=20)
+        except ValueError as e:        # a path that cannot run at this size (named by the kernel)
+            return f"ValueError: {e}"
+
+    out = {}
+    for m in (1, 64):
+        logits = torch.randn(m, 128256, device="cuda")
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        r, w = torch.randn_like(x), torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        x8 = torch.empty(m, 4096, device="cuda", dtype=torch.float8_e4m3fn)
+        g = torch.randn(m, 28672, device="cuda", dtype=torch.bfloat16)
+        g8 = torch.empty(m, 14336, device="cuda", dtype=torch.float8_e4m3fn)
+        row = {"argmax torch": timed(lambda: logits.argmax(dim=-1)),
+               "argmax triton": timed(lambda: argmax_rows(logits)),
+               "add+rmsnorm bf16": timed(lambda: rmsnorm.fused_add_rms_norm(x, r, w, 1e-5)),
+               "silu_and_mul bf16": timed(lambda: activation.silu_and_mul(g))}
+        for path in ("coop", "two", "unfused"):
+            row[f"add+rmsnorm fp8 {path}"] = timed(
+                lambda p=path: rmsnorm.add_rms_norm_fp8_into(x, r, w, 1e-5, x8, path=p))
+        for path in ("coop", "two"):
+            row[f"silu_and_mul fp8 {path}"] = timed(lambda p=path: activation.silu_and_mul_fp8_into(g, g8, path=p))
+        for path in ("small", "coop", "two"):
+            row[f"quantize {path}"] = timed(lambda p=path: fp8_quant.quantize_fp8_into(x, x8, path=p))
+        out[f"batch {m}"] = row
+    return out
+
+
+PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("probe", choices=sorted(PROBES))
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("these probes need a CUDA GPU")
+    result = {"probe": args.probe, "gpu": torch.cuda.get_device_name(0), **PROBES[args.probe]()}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
