@@ -103,9 +103,7 @@ def prepare_default_model(root: Path) -> Path:
             _build(gguf, build)
             _write_marker(build, gguf)
             _relax_permissions(build)
-            if target.exists() or target.is_symlink():
-                logger.info("replacing incomplete or outdated %s", target)
-                _remove(target)
+            _clear_target(target)
             os.rename(build, target)
         except BaseException:
             shutil.rmtree(build, ignore_errors=True)
@@ -189,6 +187,31 @@ def _relax_permissions(folder: Path) -> None:
     folder.chmod(0o755)
     for entry in folder.iterdir():
         entry.chmod(0o644)
+
+
+def _has_marker(folder: Path) -> bool:
+    """Whether `folder` was prepared by resident (any format version): its marker is readable JSON."""
+    try:
+        return isinstance(json.loads((folder / MARKER_FILE).read_text()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def _clear_target(target: Path) -> None:
+    """Make room for a fresh preparation at `target`. An outdated preparation of ours (it has a
+    marker) is removed, as is a symlink (only the link); anything else — a folder resident did not
+    write, e.g. the user's own copy under a shared --cache-dir — is moved aside, never deleted."""
+    if not (target.exists() or target.is_symlink()):
+        return
+    if target.is_symlink() or _has_marker(target):
+        logger.info("replacing the outdated %s", target)
+        _remove(target)
+        return
+    aside = target.with_name(f"{target.name}.moved-aside-{int(time.time())}")
+    logger.warning("%s exists but was not prepared by resident (no %s); moved it to %s and preparing "
+                   "the default model in its place; delete the moved folder if you do not need it",
+                   target, MARKER_FILE, aside)
+    os.rename(target, aside)
 
 
 def _remove(path: Path) -> None:

@@ -101,11 +101,14 @@ def test_incomplete_or_outdated_folder_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "_build", fake_build)
     stale = tmp_path / prepare.DEFAULT_MODEL_NAME
     stale.mkdir()
-    (stale / "config.json").write_text('{"half": true}')  # a crash mid-write, no marker
+    (stale / "config.json").write_text('{"theirs": true}')  # not written by resident: no marker
     folder = prepare_default_model(tmp_path)
     assert folder == stale
     assert json.loads((folder / "config.json").read_text()) == {"rebuilt": True}
     assert prepare.is_prepared(folder)
+    # ... and that folder was moved aside, not deleted.
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{prepare.DEFAULT_MODEL_NAME}.moved-aside-")]
+    assert len(aside) == 1 and json.loads((aside[0] / "config.json").read_text()) == {"theirs": True}
 
     marker = json.loads((folder / prepare.MARKER_FILE).read_text())
     marker["format_version"] = prepare.FORMAT_VERSION - 1
@@ -113,3 +116,17 @@ def test_incomplete_or_outdated_folder_is_rebuilt(tmp_path, monkeypatch):
     (folder / "config.json").write_text('{"old": true}')
     prepare_default_model(tmp_path)
     assert json.loads((folder / "config.json").read_text()) == {"rebuilt": True}
+
+
+def test_a_symlink_in_the_models_place_is_replaced_without_touching_what_it_points_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "_build", lambda gguf, out: (out / "config.json").write_text("{}"))
+    elsewhere = tmp_path / "my-model"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(b"mine")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / prepare.DEFAULT_MODEL_NAME).symlink_to(elsewhere)
+    folder = prepare_default_model(cache)
+    assert prepare.is_prepared(folder) and not folder.is_symlink()
+    assert (elsewhere / "weights.bin").read_bytes() == b"mine"
+    assert not any(p.name.startswith(f"{prepare.DEFAULT_MODEL_NAME}.moved-aside-") for p in cache.iterdir())
