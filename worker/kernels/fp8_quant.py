@@ -84,6 +84,8 @@ TILE_NUMEL = 8192
 MAX_BLOCK_K = 2048
 #: Paths `quantize_fp8_into(path=...)` can force.
 PATHS = ("small", "two", "coop")
+#: Barrier states per device (one per stream that runs the coop kernel); past it: two kernels.
+MAX_COOP_STREAMS = 256
 
 
 def check_fused_output(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int], path: str | None,
@@ -99,8 +101,6 @@ def check_fused_output(what: str, x: torch.Tensor, out: torch.Tensor, shape: tup
     check_same_device(x=x, out=out)
     if path is not None and path not in paths:
         raise ValueError(f"unknown fused {what} + fp8 path {path!r}; valid: {', '.join(paths)}")
-#: Barrier states per device (one per stream that runs the coop kernel); past it: two kernels.
-MAX_COOP_STREAMS = 256
 
 
 @triton.jit
@@ -304,9 +304,14 @@ def coop_launch_state(x: torch.Tensor, num_programs: int, forced: bool) -> torch
     return None
 
 
+def takes_small_path(m: int, k: int) -> bool:
+    """Whether x [m, k] is quantized by the one-program path by default (`choose_path`)."""
+    return m * k <= SMALL_MAX_NUMEL
+
+
 def choose_path(x: torch.Tensor) -> str:
     """The path `quantize_fp8_into` takes for x [M, K] by default: small, coop or two."""
-    if x.shape[0] * x.shape[1] <= SMALL_MAX_NUMEL:
+    if takes_small_path(x.shape[0], x.shape[1]):
         return "small"
     return "two" if coop_unsupported_reason(x) is not None else "coop"
 
@@ -385,4 +390,4 @@ def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 __all__ = ["PATHS", "SMALL_MAX_NUMEL", "choose_path", "coop_block_p", "coop_grid_unsupported_reason",
            "coop_launch_state", "coop_unsupported_reason", "quantize_fp8_into", "quantize_fp8_per_tensor",
-           "quantize_from_partials"]
+           "quantize_from_partials", "takes_small_path"]

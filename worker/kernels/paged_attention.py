@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
-from resident.worker.kernels.fp8_quant import choose_path, quantize_fp8_per_tensor, quantize_from_partials
+from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor, quantize_from_partials, takes_small_path
 from resident.worker.kernels.rotary import check_kv_cache
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.linear import FP8_DTYPE
@@ -361,9 +361,10 @@ def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     decode kernels store each program's max |out| and `fp8_quant.quantize_from_partials`
     quantizes from those (one launch, no grid barrier); everything else quantizes as
     `fp8_quant.quantize_fp8_per_tensor` does."""
-    out, buf = _attend(q, kv_cache, meta, scale, sliding_window, amax=True)
+    small = takes_small_path(q.shape[0], q.shape[1] * q.shape[2])   # (its one program needs no maxima)
+    out, buf = _attend(q, kv_cache, meta, scale, sliding_window, amax=not small)
     x = out.view(out.shape[0], -1)
-    if buf is None or choose_path(x) == "small":
+    if buf is None:
         return quantize_fp8_per_tensor(x)
     x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     quantize_from_partials(x, x_q, buf, buf.numel() - 1)
