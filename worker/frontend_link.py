@@ -189,5 +189,5 @@ def _family(name: str) -> str:
     return name
 
 
-__all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "ReplicaFront", "encode",
-           "merge_expositions", "read", "read_blocking", "send_blocking"]
+__all__ = ["EngineReady", "FrontendHello", "FrontendStart", "Link", "LinkClosed", "MAX_FRAME_BYTES", "ReplicaFront",
+           "encode", "merge_expositions", "read", "read_blocking", "send_blocking"]
