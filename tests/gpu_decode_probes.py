@@ -3,6 +3,7 @@
     python3 tests/gpu_decode_probes.py l2-prefetch   --json OUT.json   (~20 s)
     python3 tests/gpu_decode_probes.py fp8-gemm      --json OUT.json   (~60-90 s: Triton compiles)
     python3 tests/gpu_decode_probes.py small-kernels --json OUT.json   (~30 s)
+    python3 tests/gpu_decode_probes.py attention     --json OUT.json   (~90 s: Triton compiles)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -16,6 +17,11 @@
 - small-kernels: the non-GEMM kernels of a decode step at batch 1 and 64 (argmax over a 128k
   vocabulary, torch vs `kernels/argmax`; add + RMSNorm and SiLU-and-mul, bf16 out and fp8 out on
   each path; per-tensor quantization on each path), microseconds per call in CUDA graphs.
+- attention (session 11): the decode attention kernel (`paged_attention._decode`) over a sweep of
+  launch shapes (`DecodeConfig`: key tile, warps, stages, splits) at Llama-3-8B's heads (32 query,
+  8 kv, dim 128, bf16, blocks of 16) for several (batch, context) points: microseconds, share of the
+  copy bandwidth for the keys and values read, session 10's fixed shape (64-key tiles, 4 warps,
+  2 stages) and `pick_decode_config`'s.
 
 The session-10 figures were taken with these probes as scratch scripts; this is them cleaned
 up, not re-run as committed.
@@ -62,13 +68,15 @@ def _copy_bandwidth() -> float:
     return copy_bandwidth_bytes_per_s()
 
 
-def _graph_us(fn: Callable[[], object], reps: int = 30) -> float:
-    """Microseconds per call of `fn` captured once in a CUDA graph and replayed `reps` times."""
+def _graph_us(fn: Callable[[], object], reps: int = 30, inner: int = 1) -> float:
+    """Microseconds per call of `fn`, captured `inner` times in a row in a CUDA graph replayed
+    `reps` times (inner > 1 keeps a replay's own launch cost out of a short kernel's figure)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(inner):
+            fn()
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,7 +86,7 @@ def _graph_us(fn: Callable[[], object], reps: int = 30) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+    return start.elapsed_time(end) * 1000 / (reps * inner)
 
 
 def l2_prefetch() -> dict:
@@ -186,7 +194,7 @@ def small_kernels() -> dict:
 
     def timed(fn: Callable[[], object]) -> float | str:
         try:
-            return _graph_us(fn, reps=20)
+            return _graph_us(fn, reps=20, inner=20)
         except ValueError as e:        # a path that cannot run at this size (named by the kernel)
             return f"ValueError: {e}"
 
@@ -213,7 +221,63 @@ def small_kernels() -> dict:
     return out
 
 
-PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels}
+def attention() -> dict:
+    from resident.worker.kernels import paged_attention as pa
+
+    bw = _copy_bandwidth()
+    n_qh, n_kh, head_dim, block = 32, 8, 128, 16
+    rows = []
+    for batch, ctx in ((1, 1024), (1, 8192), (8, 1024), (64, 1024), (64, 4096)):
+        blocks_per_seq = ctx // block
+        nbytes = 2 * batch * ctx * n_kh * head_dim * 2
+        # Disjoint copies of the batch's cache, >= 256 MiB in all, one call each: keys and values come
+        # from HBM as in a decode step (the weights in between evict them), not from the 50 MB L2.
+        copies = -(-256 * MiB // nbytes)
+        n = batch * blocks_per_seq
+        kv = torch.randn(2, copies * n + 1, block, n_kh, head_dim, device="cuda", dtype=torch.bfloat16)
+        tables = [torch.arange(i * n, (i + 1) * n, device="cuda", dtype=torch.int64).view(batch, blocks_per_seq)
+                  for i in range(copies)]
+        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+        q = torch.randn(batch, n_qh, head_dim, device="cuda", dtype=torch.bfloat16)
+        ref = pa._decode(q, kv, tables[0], seq_lens, head_dim ** -0.5, None, ctx, None)[0]
+        default_splits = pa.default_num_splits(batch, n_kh, ctx, q.device)
+        picked = pa.pick_decode_config(batch, n_kh, ctx, q.device)
+        splits = {default_splits, picked.num_splits}
+        splits = sorted(splits | ({1, 2, 3, 4, 6, 8} if batch >= 8 else {2, 4, 8, 12, 16, 32}))
+        results = []
+        for bn in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3, 4):
+                    for sp in splits:
+                        if sp > triton.cdiv(ctx, bn):
+                            continue
+                        cfg = pa.DecodeConfig(block_n=bn, num_warps=warps, num_stages=stages, num_splits=sp)
+
+                        def call(c=cfg):
+                            return [pa._decode(q, kv, t, seq_lens, head_dim ** -0.5, None, ctx, None, config=c)[0]
+                                    for t in tables]
+                        try:
+                            err = (call()[0].float() - ref.float()).abs().max().item()
+                            us = _graph_us(call, reps=10) / copies
+                        except Exception as e:   # a shape Triton cannot build (shared memory, registers)
+                            results.append([None, dataclasses.asdict(cfg), f"{type(e).__name__}: {str(e)[:120]}"])
+                            continue
+                        results.append([us, dataclasses.asdict(cfg), err])
+        ok = sorted((r for r in results if r[0] is not None), key=lambda r: r[0])
+        default = next(r for r in ok if r[1] == dataclasses.asdict(pa.DecodeConfig(num_splits=default_splits)))
+        chosen = next(r for r in ok if r[1] == dataclasses.asdict(picked))
+        rows.append({"batch": batch, "context": ctx, "kv_bytes": nbytes, "cache_copies": copies,
+                     "default": default, "default_fraction": nbytes / (default[0] * 1e-6) / bw,
+                     "picked": chosen, "picked_fraction": nbytes / (chosen[0] * 1e-6) / bw,
+                     "best": ok[:12], "best_fraction": nbytes / (ok[0][0] * 1e-6) / bw,
+                     "failed": [r for r in results if r[0] is None][:5], "all": results})
+        print(f"batch {batch} ctx {ctx}: session 10's {default[0]:.1f} us ({rows[-1]['default_fraction']:.0%}), "
+              f"picked {chosen[0]:.1f} us {chosen[1]}, "
+              f"best {ok[0][0]:.1f} us ({rows[-1]['best_fraction']:.0%}) {ok[0][1]}", file=sys.stderr)
+    return {"copy_bw": bw, "rows": rows}
+
+
+PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,6 +191,11 @@ def _decode_split_k(dtype: torch.dtype) -> None:
         got = paged_attention.decode_attention(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens,
                                                d ** -0.5, num_splits=splits)
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{splits} splits: {m}")
+    for cfg in (paged_attention.DecodeConfig(block_n=128, num_splits=3), paged_attention.DecodeConfig(block_n=128),
+                paged_attention.DecodeConfig(num_stages=3, num_splits=1)):   # pick_decode_config's shapes
+        got = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens, d ** -0.5,
+                                      None, 300, None, config=cfg)[0]
+        torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{cfg}: {m}")
 
 
 def _decode_amax_slots(dtype: torch.dtype) -> None:
@@ -366,6 +371,12 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
                         {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True}, attn_opts),
         "decode_split_window": ("paged_attention._decode_kernel", {**attn, **split},
                                 {**dec, "SPLIT": True, "USE_WINDOW": True, "AMAX": False}, attn_opts),
+        # pick_decode_config's other shapes: unsplit three stages deep, long splits in 128-key tiles
+        "decode_amax_3_stages": ("paged_attention._decode_kernel", {**attn, **split},
+                                 {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True},
+                                 {"num_warps": 4, "num_stages": 3}),
+        "decode_split_128": ("paged_attention._decode_kernel", {**attn, **split},
+                             {**dec, "BLOCK_N": 128, "SPLIT": True, "USE_WINDOW": False, "AMAX": False}, attn_opts),
         "merge_splits": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
                          {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": False},
                          {"num_warps": 4}),
@@ -413,6 +424,24 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
             pytest.skip(f"this triton has no bundled ptxas: {e}")
         raise
     assert compiled.asm.get("cubin"), f"{build}: no sm_90 binary produced"
+
+
+def test_pick_decode_config() -> None:
+    """Unsplit batches pipeline three stages deep; splits of >= LONG_SPLIT_KEYS keys take 128-key
+    tiles; short splits keep session 10's shape. (On
+    the CPU default_num_splits counts 4 SMs: two waves are 8 programs.)"""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from resident.worker.kernels.paged_attention import DecodeConfig, pick_decode_config
+
+    cpu = torch.device("cpu")
+    assert pick_decode_config(8, 1, 1024, cpu) == DecodeConfig(num_stages=3, num_splits=1)
+    assert pick_decode_config(64, 8, 4096, cpu) == DecodeConfig(num_stages=3, num_splits=1)
+    assert pick_decode_config(1, 1, 8192, cpu) == DecodeConfig(block_n=128, num_splits=8)
+    assert pick_decode_config(1, 1, 1536, cpu) == DecodeConfig(block_n=128, num_splits=8)   # 192 keys a split
+    assert pick_decode_config(1, 1, 1528, cpu) == DecodeConfig(num_splits=8)
+    assert pick_decode_config(1, 1, 256, cpu) == DecodeConfig(num_splits=4)                  # 64 keys a split
+    assert pick_decode_config(1, 2, 100, cpu) == DecodeConfig(num_splits=2)
 
 
 # --- in-process: fp8 (torch._scaled_mm, no Triton) and the registry ------------------------------

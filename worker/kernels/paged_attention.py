@@ -23,6 +23,8 @@ once per group: the query rows of a tile are (token, head-in-group) pairs.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -222,11 +224,40 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel: key tile, warps, pipeline stages, and the split count
+    (None: `default_num_splits`)."""
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int | None = None
+
+
+#: A split of at least this many keys (the context over the splits) takes 128-key tiles.
+LONG_SPLIT_KEYS = 192
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                       block_n: int = DECODE_BLOCK_N) -> int:
     """Enough (batch x kv head x split) programs for ~2 waves over the SMs, one key tile at least each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(2 * sms, max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max(1, max_seq_len), DECODE_BLOCK_N), MAX_SPLITS))
+    return max(1, min(want, triton.cdiv(max(1, max_seq_len), block_n), MAX_SPLITS))
+
+
+def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> DecodeConfig:
+    """The launch shape for a decode batch (H200 sweep, `tests/gpu_decode_probes.py attention`,
+    docs/benchmarks.md "Session 11"): unsplit batches (batch x kv heads fill two waves) pipeline
+    64-key tiles three deep (batch 64: 68.2 -> 67.0 us at 1k context, 247.8 -> 244.3 us at 4k);
+    splits of >= LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us,
+    batch 8 at 1k: 15.0 -> 13.1 us); short splits keep 64-key tiles, two stages."""
+    splits = default_num_splits(batch, num_kv_heads, max_seq_len, device)
+    if splits == 1:
+        return DecodeConfig(num_stages=3, num_splits=1)
+    if triton.cdiv(max(1, max_seq_len), splits) >= LONG_SPLIT_KEYS:
+        return DecodeConfig(block_n=128, num_splits=default_num_splits(batch, num_kv_heads, max_seq_len, device, 128))
+    return DecodeConfig(num_splits=splits)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -243,10 +274,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             scale: float, sliding_window: int | None, max_seq_len: int | None, num_splits: int | None,
-            amax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            amax: bool = False, config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`decode_attention`; with `amax`, also a float32 buffer [1 + slots] whose slots (buf[1:])
     hold the maxima of |out| over disjoint parts that cover it, as `fp8_quant.quantize_from_partials`
-    takes them (buf[0] is left for the scale)."""
+    takes them (buf[0] is left for the scale). `config` overrides the launch shape (probes)."""
     rep = _check(q, kv_cache, block_tables, seq_lens)
     batch, n_qh, head_dim = q.shape
     if seq_lens.shape[0] != batch:
@@ -255,10 +286,14 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     if batch == 0:
         return out, None
     n_kh = kv_cache.shape[3]
-    if num_splits is None:
+    if config is None and num_splits is not None:
+        config = DecodeConfig(num_splits=num_splits)
+    if config is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        num_splits = default_num_splits(batch, n_kh, max_seq_len, q.device)
+        config = pick_decode_config(batch, n_kh, max_seq_len, q.device)
+    num_splits = config.num_splits or default_num_splits(batch, n_kh, max_seq_len or int(seq_lens.max()), q.device,
+                                                         config.block_n)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Slots: one per program that stores out — (sequence, kv head), or (sequence, query head) after a split.
@@ -277,9 +312,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
         q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
-        REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N,
+        REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
-        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, num_warps=4, num_stages=2)
+        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
             part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
