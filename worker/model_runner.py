@@ -69,6 +69,14 @@ class StepBatch:
     graph_size: int | None = None
     graph_vec: torch.Tensor | None = None      # [4 * graph_size]: ids, positions, slots, seq lens
     graph_tables: torch.Tensor | None = None   # [graph_size * width]
+    #: [batch]: the previous step's row each token id stands for, when every one is a placeholder
+    placeholder_rows: torch.Tensor | None = None
+
+
+def _placeholder_rows(ids: list[int]) -> list[int]:
+    """The previous step's rows that `ids` stand for when every one is a placeholder, else []."""
+    rows = [placeholder_row(t) for t in ids]
+    return rows if rows and min(rows) >= 0 else []
 
 
 class ModelRunner:
@@ -135,7 +143,7 @@ class ModelRunner:
         self._sampler_thread: threading.Thread | None = None
         self.graphs: DecodeGraphs | None = None
         if on_gpu and cuda_graphs != "off":
-            self.graphs = DecodeGraphs(self._forward_logits, max_num_seqs=engine_config.max_num_seqs,
+            self.graphs = DecodeGraphs(self._forward_raw_logits, max_num_seqs=engine_config.max_num_seqs,
                                        max_blocks_per_seq=self.max_blocks_per_seq,
                                        pad_slot=self.pad_block * self.block_size, pad_block=self.pad_block,
                                        device=self.device, mode=cuda_graphs)
@@ -143,6 +151,11 @@ class ModelRunner:
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors))
+
+    def _forward_raw_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            meta: AttentionMetadata) -> torch.Tensor:
+        """`_forward_logits` without the float32 conversion (what decode graphs capture)."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors), float32=False)
 
     def capture_graphs(self) -> float:
         """Capture the decode graphs wanted at start (see --cuda-graphs); returns seconds (0 without graphs)."""
@@ -273,12 +286,14 @@ class ModelRunner:
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """A step's forward pass after forgetting its finished requests: (the chunks that sample,
-        their logits rows in that order; None when none samples)."""
+        their logits rows in that order; None when none samples). When every chunk that samples is
+        plain greedy, the logits are `forward_logits`'s raw ones: consume them before the next step."""
         self.drop_requests(out.finished_request_ids)
         if not out.scheduled:
             return [], None
         to_sample = [s for s in out.scheduled if s.sample]
-        logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled])
+        raw = all(is_plain_greedy(s.sampling_params) for s in to_sample)
+        logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled], raw=raw)
         return to_sample, logits if to_sample else None
 
     #: The engine may launch a step before reading the previous step's tokens (`execute_async`).
@@ -340,12 +355,17 @@ class ModelRunner:
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, result.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
 
-    def forward_logits(self, scheduled: list[ScheduledRequest], num_logits: list[int]) -> torch.Tensor:
-        """One forward pass over `scheduled` (KV written); logits of the last `num_logits[i]`
+    def forward_logits(self, scheduled: list[ScheduledRequest], num_logits: list[int],
+                       raw: bool = False) -> torch.Tensor:
+        """One forward pass over `scheduled` (KV written); float32 logits of the last `num_logits[i]`
         tokens of chunk i, chunk by chunk in order: [sum(num_logits), V] (empty when 0).
 
         Decode batches (one token per chunk) replay a CUDA graph; anything else runs eagerly
-        (speculative verification, with several tokens per chunk, always does).
+        (speculative verification, with several tokens per chunk, always does). With `raw`, a
+        graph's logits come as it computed them, in the model's dtype and possibly a view of its
+        output buffer, valid until the next step is launched: for greedy sampling, which reads
+        them at once (an argmax over bfloat16 picks what one over their float32 values picks),
+        so a step at batch 64 and a 128k vocabulary skips converting and copying 32 MB.
         Call under inference mode and the device guard (`execute`, or `spec_decode`).
         """
         if len(num_logits) != len(scheduled) or any(not 0 <= k <= len(s.token_ids)
@@ -355,9 +375,12 @@ class ModelRunner:
         if batch.graph_size is not None:
             logits = self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)
             rows = [i for i, k in enumerate(num_logits) if k]
-            if len(rows) == len(scheduled):   # a copy: the graph's output buffer is reused
-                return logits[:len(rows)].clone()
-            return logits.index_select(0, torch.tensor(rows, device=logits.device))
+            if len(rows) == len(scheduled):
+                logits = logits[:len(rows)]
+            else:
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            # Not raw: a copy even when already float32 (the graph's output buffer is reused).
+            return logits if raw else logits.to(torch.float32, copy=True)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
         idx: list[int] = []
         end = 0
@@ -386,7 +409,8 @@ class ModelRunner:
         batch = self._prepare(out.scheduled)
         if batch.graph_size is not None:
             n = len(out.scheduled)
-            return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].clone()
+            return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].to(torch.float32,
+                                                                                                    copy=True)
         return self._forward_logits(batch.input_ids, batch.positions, batch.meta)
 
     def _sampling_rows(self, to_sample: list[ScheduledRequest]) -> list[SamplingRow]:
@@ -412,14 +436,17 @@ class ModelRunner:
         placeholders = False
         for s in scheduled:
             placeholders |= self._check(s)
-        batch = self._prepare_checked(scheduled)
+        batch = self._prepare_checked(scheduled, placeholders)
         if placeholders:   # on the device: the previous step's tokens are not read back yet
-            ids = batch.graph_vec[:batch.graph_size] if batch.graph_size is not None else batch.input_ids
             last = self._last_sampled
-            ids.copy_(torch.where(ids < 0, last.index_select(0, (-1 - ids).clamp_(min=0)), ids))
+            ids = batch.graph_vec[:batch.graph_size] if batch.graph_size is not None else batch.input_ids
+            if batch.placeholder_rows is not None:   # every token id is one (decode after decode): one gather
+                torch.index_select(last, 0, batch.placeholder_rows, out=ids[:batch.placeholder_rows.shape[0]])
+            else:
+                ids.copy_(torch.where(ids < 0, last.index_select(0, (-1 - ids).clamp_(min=0)), ids))
         return batch
 
-    def _prepare_checked(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+    def _prepare_checked(self, scheduled: list[ScheduledRequest], placeholders: bool = False) -> StepBatch:
         bs = self.block_size
         width = max(1, max(len(s.block_table) for s in scheduled))
         size = None
@@ -427,7 +454,7 @@ class ModelRunner:
                 and all(len(s.token_ids) == 1 for s in scheduled)):
             size = self.graphs.bucket(len(scheduled))
         if size is not None:
-            return self._prepare_graph(scheduled, size, width)
+            return self._prepare_graph(scheduled, size, width, placeholders)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -453,18 +480,21 @@ class ModelRunner:
             tables.extend(table)
             tables.extend([0] * (width - len(table)))
         decode_tokens = [qsl[i] for i in decode_rows]
-        (ids_d, pos_d, slots_d, qsl_d, lens_d, sample_d, rows_d, tokens_d, tables_d) = self._h2d.send(
-            [ids, positions, slots, qsl, seq_lens, sample_idx, decode_rows, decode_tokens, tables])
+        sources = _placeholder_rows(ids) if placeholders else []
+        (ids_d, pos_d, slots_d, qsl_d, lens_d, sample_d, rows_d, tokens_d, tables_d, sources_d) = self._h2d.send(
+            [ids, positions, slots, qsl, seq_lens, sample_idx, decode_rows, decode_tokens, tables, sources])
         meta = AttentionMetadata(
             slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
             block_tables=tables_d.view(len(scheduled), width),
             query_start_loc_host=tuple(qsl), seq_lens_host=tuple(seq_lens),
             decode_rows=rows_d if decode_rows else None, decode_tokens=tokens_d if decode_rows else None,
         )
-        return StepBatch(ids_d, pos_d, meta, sample_d)
+        return StepBatch(ids_d, pos_d, meta, sample_d, placeholder_rows=sources_d if sources else None)
 
-    def _prepare_graph(self, scheduled: list[ScheduledRequest], size: int, width: int) -> StepBatch:
-        """Inputs of a decode batch padded to the graph bucket `size` (see cuda_graphs)."""
+    def _prepare_graph(self, scheduled: list[ScheduledRequest], size: int, width: int,
+                       placeholders: bool = False) -> StepBatch:
+        """Inputs of a decode batch padded to the graph bucket `size` (see cuda_graphs); with
+        `placeholders` and every token id one (async decode after decode), the rows they name."""
         bs = self.block_size
         pad = size - len(scheduled)
         ids = [s.token_ids[0] for s in scheduled] + [0] * pad
@@ -478,8 +508,10 @@ class ModelRunner:
             tables.extend([self.pad_block] * (width - len(s.block_table)))
         tables.extend([self.pad_block] * (width * pad))
         sample_idx = [i for i, s in enumerate(scheduled) if s.sample]
-        vec, tables_d, sample_d = self._h2d.send([ids + positions + slots + seq_lens, tables, sample_idx])
-        return StepBatch(None, None, None, sample_d, graph_size=size, graph_vec=vec, graph_tables=tables_d)
+        rows = _placeholder_rows(ids[:len(scheduled)]) if placeholders else []
+        vec, tables_d, sample_d, rows_d = self._h2d.send([ids + positions + slots + seq_lens, tables, sample_idx, rows])
+        return StepBatch(None, None, None, sample_d, graph_size=size, graph_vec=vec, graph_tables=tables_d,
+                         placeholder_rows=rows_d if rows else None)
 
     def _check(self, s: ScheduledRequest) -> bool:
         """Raise BatchError for a chunk this runner cannot compute; True when its token ids

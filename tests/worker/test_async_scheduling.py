@@ -116,3 +116,36 @@ def test_placeholders_are_substituted_from_the_last_launch(model) -> None:
     second = ref.execute(SchedulerOutput([ScheduledRequest("a", [first], 4, [0, 1], True, GREEDY, prompt, [first])], 1))
     assert nxt.resolve() == [second.sampled["a"]]
     assert torch.equal(runner.kv_cache.tensors[0], ref.kv_cache.tensors[0])
+
+
+def test_placeholder_rows_in_any_order_and_beside_real_tokens(model) -> None:
+    """A step whose token ids are all placeholders gathers the rows they name in one launch
+    (`StepBatch.placeholder_rows`), in whatever order; a step that mixes them with real ids
+    (a prefill chunk beside a decode) substitutes elementwise. Tokens and KV equal the
+    synchronous steps' with the tokens known on the host."""
+    mc, weights = model
+    config = EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=32)
+    runner, ref = ModelRunner(mc, config, weights), ModelRunner(mc, config, weights)
+    pa, pb, pc = [3, 14, 15, 92], [7, 8, 9], [21, 22]
+
+    def req(rid, ids, start, blocks, prompt, out=()):
+        return ScheduledRequest(rid, ids, start, blocks, True, GREEDY, prompt, list(out))
+
+    first = SchedulerOutput([req("a", pa, 0, [0, 1], pa), req("b", pb, 0, [2, 3], pb)], 7)
+    pending = runner.execute_async(first)
+    want = ref.execute(first).sampled
+    swapped = [req("b", [placeholder(1)], 3, [2, 3], pb, [placeholder(1)]),
+               req("a", [placeholder(0)], 4, [0, 1], pa, [placeholder(0)])]
+    assert runner._prepare(swapped).placeholder_rows.tolist() == [1, 0]
+    pending2 = runner.execute_async(SchedulerOutput(swapped, 2))
+    assert dict(zip(pending.request_ids, pending.resolve())) == want
+    known = [req("b", [want["b"]], 3, [2, 3], pb, [want["b"]]), req("a", [want["a"]], 4, [0, 1], pa, [want["a"]])]
+    want2 = ref.execute(SchedulerOutput(known, 2)).sampled
+    mixed = [req("c", pc, 0, [4], pc), req("a", [placeholder(1)], 5, [0, 1], pa, [want["a"], placeholder(1)])]
+    assert runner._prepare(mixed).placeholder_rows is None
+    pending3 = runner.execute_async(SchedulerOutput(mixed, 3))
+    assert dict(zip(pending2.request_ids, pending2.resolve())) == want2
+    known = [req("c", pc, 0, [4], pc), req("a", [want2["a"]], 5, [0, 1], pa, [want["a"], want2["a"]])]
+    assert pending3.resolve() == [ref.execute(SchedulerOutput(known, 3)).sampled[r] for r in ("c", "a")]
+    for got, exp in zip(runner.kv_cache.tensors, ref.kv_cache.tensors):
+        assert torch.equal(got, exp)

@@ -283,9 +283,11 @@ class LlamaForCausalLM:
         hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
         return self.parallel.all_reduce(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, H] (the full vocabulary on every rank)."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, H] (the full vocabulary on every rank);
+        with float32=False in the model's dtype, as the LM head computed them (decode graphs:
+        greedy sampling reads them so, and `ModelRunner.forward_logits` converts them otherwise)."""
         logits = self.kernels.linear(hidden, self.lm_head)
         if self.parallel is not None:
             logits = self.parallel.all_gather(logits, dim=-1)
-        return logits.to(torch.float32)
+        return logits.to(torch.float32) if float32 else logits
