@@ -584,6 +584,9 @@ class ModelRunner:
             if on_gpu:
                 decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, greedy, prompt, [tok])
                 self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
+                # Greedy rows of decode graphs take the argmax over logits in the model's dtype
+                # (forward_logits raw), another specialization of the kernel than the eager float32 one.
+                self.sampler.greedy(torch.zeros(1, self.model_config.vocab_size, dtype=self.dtype, device=self.device))
                 self._sampler_warm_pending = self.device.type == "cuda"
         finally:
             self.graphs = graphs

@@ -115,7 +115,7 @@ def warm_forward_ops(device: torch.device, *, dtype: torch.dtype, vocab_size: in
         if not _fits(n * vocab_size * (dtype.itemsize + 8), free_bytes):
             continue
         logits = torch.zeros(n, vocab_size, dtype=dtype, device=device).to(torch.float32)   # compute_logits
-        logits.clone()   # forward_logits: a decode graph's logits copied out of its output buffer
+        logits.clone()   # forward_logits of a float32 model: a decode graph's logits copied out of its buffer
         count += 2
         del logits
     block_size, num_kv_heads, head_dim = kv_block
