@@ -263,6 +263,11 @@ def attention() -> dict:
                             results.append([None, dataclasses.asdict(cfg), f"{type(e).__name__}: {str(e)[:120]}"])
                             continue
                         results.append([us, dataclasses.asdict(cfg), err])
+        amax = {}   # paged_attention_fp8's variant (stores max |out| per program), unsplit shapes
+        for stages in (2, 3, 4) if picked.num_splits == 1 else ():
+            cfg = pa.DecodeConfig(num_stages=stages, num_splits=1)
+            amax[stages] = _graph_us(lambda c=cfg: [pa._decode(q, kv, t, seq_lens, head_dim ** -0.5, None, ctx, None,
+                                                              amax=True, config=c) for t in tables], reps=10) / copies
         ok = sorted((r for r in results if r[0] is not None), key=lambda r: r[0])
         default = next(r for r in ok if r[1] == dataclasses.asdict(pa.DecodeConfig(num_splits=default_splits)))
         chosen = next(r for r in ok if r[1] == dataclasses.asdict(picked))
@@ -270,10 +275,12 @@ def attention() -> dict:
                      "default": default, "default_fraction": nbytes / (default[0] * 1e-6) / bw,
                      "picked": chosen, "picked_fraction": nbytes / (chosen[0] * 1e-6) / bw,
                      "best": ok[:12], "best_fraction": nbytes / (ok[0][0] * 1e-6) / bw,
-                     "failed": [r for r in results if r[0] is None][:5], "all": results})
+                     "failed": [r for r in results if r[0] is None][:5], "amax_us_by_stages": amax, "all": results})
         print(f"batch {batch} ctx {ctx}: session 10's {default[0]:.1f} us ({rows[-1]['default_fraction']:.0%}), "
               f"picked {chosen[0]:.1f} us {chosen[1]}, "
-              f"best {ok[0][0]:.1f} us ({rows[-1]['best_fraction']:.0%}) {ok[0][1]}", file=sys.stderr)
+              f"best {ok[0][0]:.1f} us ({rows[-1]['best_fraction']:.0%}) {ok[0][1]}"
+              + (f"; with maxima by stages: {', '.join(f'{k}: {v:.1f}' for k, v in amax.items())} us" if amax else ""),
+              file=sys.stderr)
     return {"copy_bw": bw, "rows": rows}
 
 
