@@ -427,8 +427,8 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
 
 
 def test_pick_decode_config() -> None:
-    """Unsplit batches pipeline three stages deep; splits of >= LONG_SPLIT_KEYS keys take 128-key
-    tiles; short splits keep session 10's shape. (On
+    """Unsplit batches pipeline three stages deep (two when the kernel stores maxima for fp8);
+    splits of >= LONG_SPLIT_KEYS keys take 128-key tiles; short splits keep session 10's shape. (On
     the CPU default_num_splits counts 4 SMs: two waves are 8 programs.)"""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
@@ -437,6 +437,8 @@ def test_pick_decode_config() -> None:
     cpu = torch.device("cpu")
     assert pick_decode_config(8, 1, 1024, cpu) == DecodeConfig(num_stages=3, num_splits=1)
     assert pick_decode_config(64, 8, 4096, cpu) == DecodeConfig(num_stages=3, num_splits=1)
+    assert pick_decode_config(64, 8, 4096, cpu, amax=True) == DecodeConfig(num_stages=2, num_splits=1)
+    assert pick_decode_config(1, 1, 8192, cpu, amax=True) == DecodeConfig(block_n=128, num_splits=8)
     assert pick_decode_config(1, 1, 8192, cpu) == DecodeConfig(block_n=128, num_splits=8)
     assert pick_decode_config(1, 1, 1536, cpu) == DecodeConfig(block_n=128, num_splits=8)   # 192 keys a split
     assert pick_decode_config(1, 1, 1528, cpu) == DecodeConfig(num_splits=8)

@@ -246,15 +246,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: 
     return max(1, min(want, triton.cdiv(max(1, max_seq_len), block_n), MAX_SPLITS))
 
 
-def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> DecodeConfig:
+def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                       amax: bool = False) -> DecodeConfig:
     """The launch shape for a decode batch (H200 sweep, `tests/gpu_decode_probes.py attention`,
     docs/benchmarks.md "Session 11"): unsplit batches (batch x kv heads fill two waves) pipeline
-    64-key tiles three deep (batch 64: 68.2 -> 67.0 us at 1k context, 247.8 -> 244.3 us at 4k);
-    splits of >= LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us,
-    batch 8 at 1k: 15.0 -> 13.1 us); short splits keep 64-key tiles, two stages."""
+    64-key tiles three deep (batch 64: 68.2 -> 67.0 us at 1k context, 247.8 -> 244.3 us at 4k),
+    except the variant that stores max |out| (`amax`, paged_attention_fp8), which three stages
+    make slower (69.3 -> 84.9 us at 1k, 250.1 -> 316.7 us at 4k): it keeps two; splits of >=
+    LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us, batch 8 at 1k:
+    15.0 -> 13.1 us); short splits keep 64-key tiles, two stages."""
     splits = default_num_splits(batch, num_kv_heads, max_seq_len, device)
     if splits == 1:
-        return DecodeConfig(num_stages=3, num_splits=1)
+        return DecodeConfig(num_stages=2 if amax else 3, num_splits=1)
     if triton.cdiv(max(1, max_seq_len), splits) >= LONG_SPLIT_KEYS:
         return DecodeConfig(block_n=128, num_splits=default_num_splits(batch, num_kv_heads, max_seq_len, device, 128))
     return DecodeConfig(num_splits=splits)
@@ -291,7 +294,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     if config is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        config = pick_decode_config(batch, n_kh, max_seq_len, q.device)
+        config = pick_decode_config(batch, n_kh, max_seq_len, q.device, amax)
     num_splits = config.num_splits or default_num_splits(batch, n_kh, max_seq_len or int(seq_lens.max()), q.device,
                                                          config.block_n)
     if not 1 <= num_splits <= MAX_SPLITS:
