@@ -4,6 +4,7 @@
     python3 tests/gpu_decode_probes.py fp8-gemm      --json OUT.json   (~60-90 s: Triton compiles)
     python3 tests/gpu_decode_probes.py small-kernels --json OUT.json   (~30 s)
     python3 tests/gpu_decode_probes.py attention     --json OUT.json   (~90 s: Triton compiles)
+    python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~20 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -22,6 +23,8 @@
   8 kv, dim 128, bf16, blocks of 16) for several (batch, context) points: microseconds, share of the
   copy bandwidth for the keys and values read, session 10's fixed shape (64-key tiles, 4 warps,
   2 stages) and `pick_decode_config`'s.
+- bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
+  layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks.
 
 The session-10 figures were taken with these probes as scratch scripts; this is them cleaned
 up, not re-run as committed.
@@ -284,7 +287,34 @@ def attention() -> dict:
     return {"copy_bw": bw, "rows": rows}
 
 
-PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention}
+def bf16_gemm() -> dict:
+    """bf16 GEMMs of a decode step (the LM head, and a layer's four for bf16 checkpoints) by form:
+    F.linear as the model calls it, the transposed product W @ x^T, and the LM head in N-chunks."""
+    bw = _copy_bandwidth()
+    rows = []
+    for name, n, k in (("lm_head", 128256, 4096),) + SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            forms = {"F.linear": lambda: F.linear(x, w), "mm(W, x^T)": lambda: torch.mm(w, x.t())}
+            if name == "lm_head":
+                for chunks in (2, 4, 8):
+                    parts = w.chunk(chunks)
+                    out = torch.empty(chunks, m, parts[0].shape[0], device="cuda", dtype=torch.bfloat16)
+                    forms[f"{chunks} chunks"] = lambda parts=parts, out=out: [
+                        torch.mm(x, p.t(), out=out[i]) for i, p in enumerate(parts)]
+            row = {"name": name, "n": n, "k": k, "m": m}
+            for label, fn in forms.items():
+                us = _graph_us(fn, reps=10)
+                row[label] = {"us": us, "of_copy_bandwidth": n * k * 2 / (us * 1e-6) / bw}
+            rows.append(row)
+            print(f"{name} m={m}: " + ", ".join(f"{lbl} {v['us']:.1f} us ({v['of_copy_bandwidth']:.0%})"
+                                                for lbl, v in row.items() if isinstance(v, dict)), file=sys.stderr)
+    return {"copy_bw": bw, "rows": rows}
+
+
+PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
+          "bf16-gemm": bf16_gemm}
 
 
 def main(argv: list[str] | None = None) -> int:
