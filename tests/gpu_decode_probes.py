@@ -5,6 +5,7 @@
     python3 tests/gpu_decode_probes.py small-kernels --json OUT.json   (~30 s)
     python3 tests/gpu_decode_probes.py attention     --json OUT.json   (~90 s: Triton compiles)
     python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~20 s)
+    python3 tests/gpu_decode_probes.py attention-fp8 --json OUT.json   (~40 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -23,6 +24,8 @@
   8 kv, dim 128, bf16, blocks of 16) for several (batch, context) points: microseconds, share of the
   copy bandwidth for the keys and values read, session 10's fixed shape (64-key tiles, 4 warps,
   2 stages) and `pick_decode_config`'s.
+- attention-fp8 (session 11): the same for the kernel variant that stores max |out| (fp8 o_proj
+  input), at batch 64, over tiles, warps and stages.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks.
 
@@ -287,6 +290,41 @@ def attention() -> dict:
     return {"copy_bw": bw, "rows": rows}
 
 
+def attention_fp8() -> dict:
+    """paged_attention_fp8's decode kernel (stores max |out| per program) over launch shapes, at
+    the unsplit (batch 64) points, against the plain kernel's picked shape."""
+    from resident.worker.kernels import paged_attention as pa
+
+    bw = _copy_bandwidth()
+    n_qh, n_kh, head_dim, block = 32, 8, 128, 16
+    rows = []
+    for batch, ctx in ((64, 1024), (64, 4096)):
+        blocks_per_seq = ctx // block
+        nbytes = 2 * batch * ctx * n_kh * head_dim * 2
+        n = batch * blocks_per_seq
+        kv = torch.randn(2, n + 1, block, n_kh, head_dim, device="cuda", dtype=torch.bfloat16)
+        tables = torch.arange(n, device="cuda", dtype=torch.int64).view(batch, blocks_per_seq)
+        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+        q = torch.randn(batch, n_qh, head_dim, device="cuda", dtype=torch.bfloat16)
+        picked = pa.pick_decode_config(batch, n_kh, ctx, q.device)
+        plain = _graph_us(lambda: pa._decode(q, kv, tables, seq_lens, head_dim ** -0.5, None, ctx, None,
+                                             config=picked), reps=10)
+        results = []
+        for bn in (32, 64):
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3):
+                    cfg = pa.DecodeConfig(block_n=bn, num_warps=warps, num_stages=stages, num_splits=1)
+                    us = _graph_us(lambda c=cfg: pa._decode(q, kv, tables, seq_lens, head_dim ** -0.5, None, ctx,
+                                                            None, amax=True, config=c), reps=10)
+                    results.append([us, dataclasses.asdict(cfg)])
+        results.sort(key=lambda r: r[0])
+        rows.append({"batch": batch, "context": ctx, "plain_picked_us": plain, "amax": results,
+                     "best_fraction": nbytes / (results[0][0] * 1e-6) / bw})
+        print(f"batch {batch} ctx {ctx}: plain picked {plain:.1f} us; with maxima best "
+              + ", ".join(f"{us:.1f} {cfg}" for us, cfg in results[:4]), file=sys.stderr)
+    return {"copy_bw": bw, "rows": rows}
+
+
 def bf16_gemm() -> dict:
     """bf16 GEMMs of a decode step (the LM head, and a layer's four for bf16 checkpoints) by form:
     F.linear as the model calls it, the transposed product W @ x^T, and the LM head in N-chunks."""
@@ -314,7 +352,7 @@ def bf16_gemm() -> dict:
 
 
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
-          "bf16-gemm": bf16_gemm}
+          "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8}
 
 
 def main(argv: list[str] | None = None) -> int:
