@@ -192,7 +192,8 @@ def _decode_split_k(dtype: torch.dtype) -> None:
                                                d ** -0.5, num_splits=splits)
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{splits} splits: {m}")
     for cfg in (paged_attention.DecodeConfig(block_n=128, num_splits=3), paged_attention.DecodeConfig(block_n=128),
-                paged_attention.DecodeConfig(num_stages=3, num_splits=1)):   # pick_decode_config's shapes
+                paged_attention.DecodeConfig(num_stages=3, num_splits=1),
+                paged_attention.DecodeConfig(num_warps=2, num_splits=1)):   # pick_decode_config's shapes
         got = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens, d ** -0.5,
                                       None, 300, None, config=cfg)[0]
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{cfg}: {m}")
@@ -372,9 +373,12 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
         "decode_split_window": ("paged_attention._decode_kernel", {**attn, **split},
                                 {**dec, "SPLIT": True, "USE_WINDOW": True, "AMAX": False}, attn_opts),
         # pick_decode_config's other shapes: unsplit three stages deep, long splits in 128-key tiles
-        "decode_amax_3_stages": ("paged_attention._decode_kernel", {**attn, **split},
-                                 {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True},
-                                 {"num_warps": 4, "num_stages": 3}),
+        "decode_3_stages": ("paged_attention._decode_kernel", {**attn, **split},
+                            {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": False},
+                            {"num_warps": 4, "num_stages": 3}),
+        "decode_amax_2_warps": ("paged_attention._decode_kernel", {**attn, **split},
+                                {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True},
+                                {"num_warps": 2, "num_stages": 2}),
         "decode_split_128": ("paged_attention._decode_kernel", {**attn, **split},
                              {**dec, "BLOCK_N": 128, "SPLIT": True, "USE_WINDOW": False, "AMAX": False}, attn_opts),
         "merge_splits": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
@@ -427,7 +431,8 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
 
 
 def test_pick_decode_config() -> None:
-    """Unsplit batches pipeline three stages deep (two when the kernel stores maxima for fp8);
+    """Unsplit batches pipeline three stages deep (two warps, two stages when the kernel stores
+    maxima for fp8);
     splits of >= LONG_SPLIT_KEYS keys take 128-key tiles; short splits keep session 10's shape. (On
     the CPU default_num_splits counts 4 SMs: two waves are 8 programs.)"""
     if importlib.util.find_spec("triton") is None:
@@ -437,7 +442,7 @@ def test_pick_decode_config() -> None:
     cpu = torch.device("cpu")
     assert pick_decode_config(8, 1, 1024, cpu) == DecodeConfig(num_stages=3, num_splits=1)
     assert pick_decode_config(64, 8, 4096, cpu) == DecodeConfig(num_stages=3, num_splits=1)
-    assert pick_decode_config(64, 8, 4096, cpu, amax=True) == DecodeConfig(num_stages=2, num_splits=1)
+    assert pick_decode_config(64, 8, 4096, cpu, amax=True) == DecodeConfig(num_warps=2, num_stages=2, num_splits=1)
     assert pick_decode_config(1, 1, 8192, cpu, amax=True) == DecodeConfig(block_n=128, num_splits=8)
     assert pick_decode_config(1, 1, 8192, cpu) == DecodeConfig(block_n=128, num_splits=8)
     assert pick_decode_config(1, 1, 1536, cpu) == DecodeConfig(block_n=128, num_splits=8)   # 192 keys a split

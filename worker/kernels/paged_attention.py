@@ -252,12 +252,13 @@ def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: 
     docs/benchmarks.md "Session 11"): unsplit batches (batch x kv heads fill two waves) pipeline
     64-key tiles three deep (batch 64: 68.2 -> 67.0 us at 1k context, 247.8 -> 244.3 us at 4k),
     except the variant that stores max |out| (`amax`, paged_attention_fp8), which three stages
-    make slower (69.3 -> 84.9 us at 1k, 250.1 -> 316.7 us at 4k): it keeps two; splits of >=
+    of four warps make slower (69.3 -> 84.9 us at 1k, 250.1 -> 316.7 us at 4k): it runs two
+    warps, two stages (68.4 -> 66.3 us at 1k, 244.5 -> 241.4 us at 4k); splits of >=
     LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us, batch 8 at 1k:
-    15.0 -> 13.1 us); short splits keep 64-key tiles, two stages."""
+    15.0 -> 13.1 us); short splits keep 64-key tiles, four warps, two stages."""
     splits = default_num_splits(batch, num_kv_heads, max_seq_len, device)
     if splits == 1:
-        return DecodeConfig(num_stages=2 if amax else 3, num_splits=1)
+        return DecodeConfig(num_warps=2, num_splits=1) if amax else DecodeConfig(num_stages=3, num_splits=1)
     if triton.cdiv(max(1, max_seq_len), splits) >= LONG_SPLIT_KEYS:
         return DecodeConfig(block_n=128, num_splits=default_num_splits(batch, num_kv_heads, max_seq_len, device, 128))
     return DecodeConfig(num_splits=splits)
