@@ -372,10 +372,10 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
                         {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True}, attn_opts),
         "decode_split_window": ("paged_attention._decode_kernel", {**attn, **split},
                                 {**dec, "SPLIT": True, "USE_WINDOW": True, "AMAX": False}, attn_opts),
-        # pick_decode_config's other shapes: unsplit three stages deep, long splits in 128-key tiles
-        "decode_3_stages": ("paged_attention._decode_kernel", {**attn, **split},
-                            {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": False},
-                            {"num_warps": 4, "num_stages": 3}),
+        # pick_decode_config's other shapes: unsplit in two warps, long splits in 128-key tiles
+        "decode_2_warps": ("paged_attention._decode_kernel", {**attn, **split},
+                           {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": False},
+                           {"num_warps": 2, "num_stages": 2}),
         "decode_amax_2_warps": ("paged_attention._decode_kernel", {**attn, **split},
                                 {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True},
                                 {"num_warps": 2, "num_stages": 2}),
@@ -431,19 +431,17 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
 
 
 def test_pick_decode_config() -> None:
-    """Unsplit batches pipeline three stages deep (two warps, two stages when the kernel stores
-    maxima for fp8);
-    splits of >= LONG_SPLIT_KEYS keys take 128-key tiles; short splits keep session 10's shape. (On
-    the CPU default_num_splits counts 4 SMs: two waves are 8 programs.)"""
+    """Unsplit batches run two warps, two stages (the fp8 variant's best, taken by the plain
+    kernel too so that the two stay bit-identical); splits of >= LONG_SPLIT_KEYS keys take 128-key
+    tiles; short splits keep session 10's shape. (On the CPU default_num_splits counts 4 SMs: two
+    waves are 8 programs.)"""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     from resident.worker.kernels.paged_attention import DecodeConfig, pick_decode_config
 
     cpu = torch.device("cpu")
-    assert pick_decode_config(8, 1, 1024, cpu) == DecodeConfig(num_stages=3, num_splits=1)
-    assert pick_decode_config(64, 8, 4096, cpu) == DecodeConfig(num_stages=3, num_splits=1)
-    assert pick_decode_config(64, 8, 4096, cpu, amax=True) == DecodeConfig(num_warps=2, num_stages=2, num_splits=1)
-    assert pick_decode_config(1, 1, 8192, cpu, amax=True) == DecodeConfig(block_n=128, num_splits=8)
+    assert pick_decode_config(8, 1, 1024, cpu) == DecodeConfig(num_warps=2, num_stages=2, num_splits=1)
+    assert pick_decode_config(64, 8, 4096, cpu) == DecodeConfig(num_warps=2, num_stages=2, num_splits=1)
     assert pick_decode_config(1, 1, 8192, cpu) == DecodeConfig(block_n=128, num_splits=8)
     assert pick_decode_config(1, 1, 1536, cpu) == DecodeConfig(block_n=128, num_splits=8)   # 192 keys a split
     assert pick_decode_config(1, 1, 1528, cpu) == DecodeConfig(num_splits=8)

@@ -246,19 +246,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: 
     return max(1, min(want, triton.cdiv(max(1, max_seq_len), block_n), MAX_SPLITS))
 
 
-def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                       amax: bool = False) -> DecodeConfig:
-    """The launch shape for a decode batch (H200 sweep, `tests/gpu_decode_probes.py attention`,
-    docs/benchmarks.md "Session 11"): unsplit batches (batch x kv heads fill two waves) pipeline
-    64-key tiles three deep (batch 64: 68.2 -> 67.0 us at 1k context, 247.8 -> 244.3 us at 4k),
-    except the variant that stores max |out| (`amax`, paged_attention_fp8), which three stages
-    of four warps make slower (69.3 -> 84.9 us at 1k, 250.1 -> 316.7 us at 4k): it runs two
-    warps, two stages (68.4 -> 66.3 us at 1k, 244.5 -> 241.4 us at 4k); splits of >=
-    LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us, batch 8 at 1k:
-    15.0 -> 13.1 us); short splits keep 64-key tiles, four warps, two stages."""
+def pick_decode_config(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> DecodeConfig:
+    """The launch shape for a decode batch (H200 sweeps, `tests/gpu_decode_probes.py attention` and
+    `attention-fp8`, docs/benchmarks.md "Session 11"): unsplit batches (batch x kv heads fill two
+    waves) run two warps, two stages — the variant that stores max |out| (paged_attention_fp8)
+    68.4 -> 66.3 us at batch 64 and 1k context, 244.5 -> 241.4 us at 4k, where three stages of four
+    warps, the plain kernel's best by a hair (67.0 us), made it 84.9 / 316.7 us; both variants take
+    the same shape, so the fp8 one stays bit for bit the plain one (warps change the sums' order);
+    splits of >= LONG_SPLIT_KEYS keys take 128-key tiles (batch 1 at 8k: 14.8 -> 12.2 us, batch 8
+    at 1k: 15.0 -> 13.1 us); short splits keep 64-key tiles, four warps, two stages."""
     splits = default_num_splits(batch, num_kv_heads, max_seq_len, device)
     if splits == 1:
-        return DecodeConfig(num_warps=2, num_splits=1) if amax else DecodeConfig(num_stages=3, num_splits=1)
+        return DecodeConfig(num_warps=2, num_splits=1)
     if triton.cdiv(max(1, max_seq_len), splits) >= LONG_SPLIT_KEYS:
         return DecodeConfig(block_n=128, num_splits=default_num_splits(batch, num_kv_heads, max_seq_len, device, 128))
     return DecodeConfig(num_splits=splits)
@@ -295,7 +294,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     if config is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        config = pick_decode_config(batch, n_kh, max_seq_len, q.device, amax)
+        config = pick_decode_config(batch, n_kh, max_seq_len, q.device)
     num_splits = config.num_splits or default_num_splits(batch, n_kh, max_seq_len or int(seq_lens.max()), q.device,
                                                          config.block_n)
     if not 1 <= num_splits <= MAX_SPLITS:
