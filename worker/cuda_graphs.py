@@ -2,8 +2,9 @@
 
 A decode batch of B requests is padded to the smallest captured batch size >= B (the
 buckets: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs, and max_num_seqs) and
-replays that size's graph. The graph covers the whole forward pass and the logits; the
-sampler runs outside it. Inputs live in static buffers: one int64 [4, max_batch] tensor
+replays that size's graph. The graph covers the whole forward pass and the logits, in the
+LM head's dtype (`ModelRunner.forward_logits` hands greedy rows those and the sampler a
+float32 copy); the sampler runs outside it. Inputs live in static buffers: one int64 [4, max_batch] tensor
 (token ids, positions, cache slots, sequence lengths) and a block table [max_batch,
 max_blocks_per_seq] spanning max_model_len; each step copies the staged inputs into them
 (two device-to-device copies). Padded rows decode token 0 at position 0 into the runner's
