@@ -17,7 +17,8 @@
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   probes (not in the default; ~2-3 min): tests/gpu_decode_probes.py, PROBES (default l2-prefetch fp8-gemm
-#      small-kernels), one probe-NAME.json each (session 10's decode probes: L2 prefetch, fp8 GEMM sweep, small kernels)
+#      small-kernels), one probe-NAME.json each (session 10's decode probes: L2 prefetch, fp8 GEMM sweep, small kernels;
+#      session 11's: attention, attention-fp8, bf16-gemm — name them in PROBES)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
 #   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter;
