@@ -4,7 +4,7 @@
     python3 tests/gpu_decode_probes.py fp8-gemm      --json OUT.json   (~60-90 s: Triton compiles)
     python3 tests/gpu_decode_probes.py small-kernels --json OUT.json   (~30 s)
     python3 tests/gpu_decode_probes.py attention     --json OUT.json   (~90 s: Triton compiles)
-    python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~20 s)
+    python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~60 s: Triton compiles)
     python3 tests/gpu_decode_probes.py attention-fp8 --json OUT.json   (~40 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
@@ -27,7 +27,8 @@
 - attention-fp8 (session 11): the same for the kernel variant that stores max |out| (fp8 o_proj
   input), at batch 64, over tiles, warps and stages.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
-  layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks.
+  layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
+  GEMV over launch shapes (added after the session-11 run: not run yet).
 
 The session-10 figures were taken with these probes as scratch scripts; this is them cleaned
 up, not re-run as committed.
@@ -327,8 +328,14 @@ def attention_fp8() -> dict:
 
 def bf16_gemm() -> dict:
     """bf16 GEMMs of a decode step (the LM head, and a layer's four for bf16 checkpoints) by form:
-    F.linear as the model calls it, the transposed product W @ x^T, and the LM head in N-chunks."""
+    F.linear as the model calls it, the transposed product W @ x^T, the LM head in N-chunks, and
+    the Triton GEMV (`kernels/gemv.py`, opt-in `RESIDENT_GEMV=on`) at its picked launch shape and
+    over a few others (M up to its limit, MAX_SUPPORTED_TOKENS)."""
+    from resident.worker.kernels.fp8_gemv import MAX_SUPPORTED_TOKENS
+    from resident.worker.kernels.gemv import gemv, pick_config
+
     bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, n, k in (("lm_head", 128256, 4096),) + SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -341,13 +348,39 @@ def bf16_gemm() -> dict:
                     out = torch.empty(chunks, m, parts[0].shape[0], device="cuda", dtype=torch.bfloat16)
                     forms[f"{chunks} chunks"] = lambda parts=parts, out=out: [
                         torch.mm(x, p.t(), out=out[i]) for i, p in enumerate(parts)]
+            if m <= MAX_SUPPORTED_TOKENS:
+                picked = pick_config(m, n, k, sms)
+                shapes = {f"gemv picked {picked}": picked}
+                for block_n in (64, 128):
+                    for split in (1, 2, 4):
+                        for stages in (3, 4):
+                            cfg = dataclasses.replace(picked, block_n=block_n, split_k=split, num_stages=stages)
+                            shapes.setdefault(f"gemv {cfg}", cfg)
+                for label, cfg in shapes.items():
+                    forms[label] = lambda cfg=cfg: gemv(x, w, config=cfg)
             row = {"name": name, "n": n, "k": k, "m": m}
+            ref = F.linear(x.float(), w.float())
             for label, fn in forms.items():
-                us = _graph_us(fn, reps=10)
+                try:
+                    got = fn()
+                    if isinstance(got, torch.Tensor):
+                        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                    us = _graph_us(fn, reps=10)
+                except Exception as e:  # noqa: BLE001 - a launch shape that does not build here: listed
+                    row[label] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                    continue
                 row[label] = {"us": us, "of_copy_bandwidth": n * k * 2 / (us * 1e-6) / bw}
+                if isinstance(got, torch.Tensor):
+                    row[label]["max_error_of_max_out"] = err
             rows.append(row)
-            print(f"{name} m={m}: " + ", ".join(f"{lbl} {v['us']:.1f} us ({v['of_copy_bandwidth']:.0%})"
-                                                for lbl, v in row.items() if isinstance(v, dict)), file=sys.stderr)
+            timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+            best_gemv = min((lbl for lbl in timed if lbl.startswith("gemv ")), key=lambda lbl: timed[lbl]["us"],
+                            default=None)
+            shown = [lbl for lbl in timed if not lbl.startswith("gemv ")] + [
+                lbl for lbl in timed if lbl.startswith("gemv picked")] + ([best_gemv] if best_gemv else [])
+            print(f"{name} m={m}: " + ", ".join(f"{lbl} {timed[lbl]['us']:.1f} us "
+                                                f"({timed[lbl]['of_copy_bandwidth']:.0%})"
+                                                for lbl in dict.fromkeys(shown)), file=sys.stderr)
     return {"copy_bw": bw, "rows": rows}
 
 
