@@ -14,7 +14,8 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/h200-out}"; mkdir -p "$OUT"
 for t in h p; do rm -rf "/tmp/ab-$t" && mkdir -p "/tmp/ab-$t/resident"; done
-tar xf build/head.tar -C /tmp/ab-h && tar xf build/prev.tar -C /tmp/ab-p || { echo "build/head.tar and build/prev.tar needed" >&2; exit 2; }
+tar xf build/head.tar -C /tmp/ab-h && tar xf build/prev.tar -C /tmp/ab-p ||
+  { echo "build/head.tar and build/prev.tar needed" >&2; exit 2; }
 for t in h p; do
   mkdir -p "/tmp/abrp-$t/resident"
   for d in daemon worker cli protos; do ln -sfn "/tmp/ab-$t/$d" "/tmp/abrp-$t/resident/$d"; done
