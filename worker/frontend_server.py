@@ -13,9 +13,9 @@ on this process's path (the front-end logs its own load time).
 
 Stopping: SIGTERM/SIGINT -> "drain" to the front-end (which also drains on a signal of its
 own or the admin socket's /drain): it stops accepting, finishes its requests within
---drain-timeout and says "drained"; then the engine shuts down and the process exits 0. The front-end gone without draining (killed,
-crashed): its requests are aborted, and this process exits 1, so a service manager
-restarts the pair. A front-end that cannot start (bad tokenizer files) ends the start-up
+--drain-timeout and says "drained"; then the engine shuts down and the process exits 0. The
+front-end gone without draining (killed, crashed): its requests are aborted, and this process
+exits 1, so a service manager restarts the pair. A front-end that cannot start (bad tokenizer files) ends the start-up
 with its reason and exit 1.
 """
 from __future__ import annotations

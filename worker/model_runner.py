@@ -150,7 +150,7 @@ class ModelRunner:
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors))
+        return self._forward_raw_logits(input_ids, positions, meta).to(torch.float32)
 
     def _forward_raw_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                             meta: AttentionMetadata) -> torch.Tensor:

@@ -291,12 +291,11 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     n_kh = kv_cache.shape[3]
     if config is None and num_splits is not None:
         config = DecodeConfig(num_splits=num_splits)
+    if (config is None or config.num_splits is None) and max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
     if config is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
         config = pick_decode_config(batch, n_kh, max_seq_len, q.device)
-    num_splits = config.num_splits or default_num_splits(batch, n_kh, max_seq_len or int(seq_lens.max()), q.device,
-                                                         config.block_n)
+    num_splits = config.num_splits or default_num_splits(batch, n_kh, max_seq_len, q.device, config.block_n)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     # Slots: one per program that stores out — (sequence, kv head), or (sequence, query head) after a split.
