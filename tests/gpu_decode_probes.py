@@ -228,24 +228,38 @@ def small_kernels() -> dict:
     return out
 
 
+#: Llama-3-8B's attention heads (query, kv), head dim; KV blocks of 16 tokens.
+ATTN_SHAPE = (32, 8, 128, 16)
+
+
+def _decode_case(batch: int, ctx: int, min_bytes: int = 0):
+    """(q, kv cache, block tables, seq lens, bytes of keys and values a call reads) for `batch`
+    sequences of `ctx` tokens at ATTN_SHAPE, bf16. The tables index disjoint copies of the batch's
+    cache, >= `min_bytes` in all (one at least)."""
+    n_qh, n_kh, head_dim, block = ATTN_SHAPE
+    blocks_per_seq = ctx // block
+    nbytes = 2 * batch * ctx * n_kh * head_dim * 2
+    copies = max(1, -(-min_bytes // nbytes))
+    n = batch * blocks_per_seq
+    kv = torch.randn(2, copies * n + 1, block, n_kh, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = [torch.arange(i * n, (i + 1) * n, device="cuda", dtype=torch.int64).view(batch, blocks_per_seq)
+              for i in range(copies)]
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
+    q = torch.randn(batch, n_qh, head_dim, device="cuda", dtype=torch.bfloat16)
+    return q, kv, tables, seq_lens, nbytes
+
+
 def attention() -> dict:
     from resident.worker.kernels import paged_attention as pa
 
     bw = _copy_bandwidth()
-    n_qh, n_kh, head_dim, block = 32, 8, 128, 16
+    n_kh, head_dim = ATTN_SHAPE[1:3]
     rows = []
     for batch, ctx in ((1, 1024), (1, 8192), (8, 1024), (64, 1024), (64, 4096)):
-        blocks_per_seq = ctx // block
-        nbytes = 2 * batch * ctx * n_kh * head_dim * 2
-        # Disjoint copies of the batch's cache, >= 256 MiB in all, one call each: keys and values come
-        # from HBM as in a decode step (the weights in between evict them), not from the 50 MB L2.
-        copies = -(-256 * MiB // nbytes)
-        n = batch * blocks_per_seq
-        kv = torch.randn(2, copies * n + 1, block, n_kh, head_dim, device="cuda", dtype=torch.bfloat16)
-        tables = [torch.arange(i * n, (i + 1) * n, device="cuda", dtype=torch.int64).view(batch, blocks_per_seq)
-                  for i in range(copies)]
-        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
-        q = torch.randn(batch, n_qh, head_dim, device="cuda", dtype=torch.bfloat16)
+        # One call per copy of the cache, >= 256 MiB in all: keys and values come from HBM as in a
+        # decode step (the weights in between evict them), not from the 50 MB L2.
+        q, kv, tables, seq_lens, nbytes = _decode_case(batch, ctx, 256 * MiB)
+        copies = len(tables)
         ref = pa._decode(q, kv, tables[0], seq_lens, head_dim ** -0.5, None, ctx, None)[0]
         default_splits = pa.default_num_splits(batch, n_kh, ctx, q.device)
         picked = pa.pick_decode_config(batch, n_kh, ctx, q.device)
@@ -297,16 +311,10 @@ def attention_fp8() -> dict:
     from resident.worker.kernels import paged_attention as pa
 
     bw = _copy_bandwidth()
-    n_qh, n_kh, head_dim, block = 32, 8, 128, 16
+    n_kh, head_dim = ATTN_SHAPE[1:3]
     rows = []
     for batch, ctx in ((64, 1024), (64, 4096)):
-        blocks_per_seq = ctx // block
-        nbytes = 2 * batch * ctx * n_kh * head_dim * 2
-        n = batch * blocks_per_seq
-        kv = torch.randn(2, n + 1, block, n_kh, head_dim, device="cuda", dtype=torch.bfloat16)
-        tables = torch.arange(n, device="cuda", dtype=torch.int64).view(batch, blocks_per_seq)
-        seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int64)
-        q = torch.randn(batch, n_qh, head_dim, device="cuda", dtype=torch.bfloat16)
+        q, kv, (tables,), seq_lens, nbytes = _decode_case(batch, ctx)   # >= 256 MiB of keys and values already
         picked = pa.pick_decode_config(batch, n_kh, ctx, q.device)
         plain = _graph_us(lambda: pa._decode(q, kv, tables, seq_lens, head_dim ** -0.5, None, ctx, None,
                                              config=picked), reps=10)

@@ -193,7 +193,7 @@ def _decode_split_k(dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{splits} splits: {m}")
     for cfg in (paged_attention.DecodeConfig(block_n=128, num_splits=3), paged_attention.DecodeConfig(block_n=128),
                 paged_attention.DecodeConfig(num_stages=3, num_splits=1),
-                paged_attention.DecodeConfig(num_warps=2, num_splits=1)):   # pick_decode_config's shapes
+                paged_attention.DecodeConfig(num_warps=2, num_splits=1)):   # pick_decode_config's shapes, 3 stages
         got = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens, d ** -0.5,
                                       None, 300, None, config=cfg)[0]
         torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=0, msg=lambda m: f"{cfg}: {m}")
