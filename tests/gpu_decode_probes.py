@@ -6,6 +6,7 @@
     python3 tests/gpu_decode_probes.py attention     --json OUT.json   (~90 s: Triton compiles)
     python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~60 s: Triton compiles)
     python3 tests/gpu_decode_probes.py attention-fp8 --json OUT.json   (~40 s)
+    python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -26,6 +27,8 @@
   2 stages) and `pick_decode_config`'s.
 - attention-fp8 (session 11): the same for the kernel variant that stores max |out| (fp8 o_proj
   input), at batch 64, over tiles, warps and stages.
+- pdl-chain (session 12): a batch-1 bf16 decode step of the engine's kernels with and without
+  programmatic dependent launch (kernels/pdl.py), cuBLAS or the Triton GEMV for the linears.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -392,8 +395,98 @@ def bf16_gemm() -> dict:
     return {"copy_bw": bw, "rows": rows}
 
 
+def pdl_chain() -> dict:
+    """Programmatic dependent launch (kernels/pdl.py) on a batch-1 bf16 decode: 32 layers of the
+    engine's kernels at Llama-3-8B shapes (add + RMSNorm, qkv, rotary + KV write, decode attention
+    over 1k keys, o, add + RMSNorm, gate_up, SiLU-and-mul, down; each layer its own weights and
+    cache, so all come from HBM) in one CUDA graph, per form: cuBLAS or the Triton GEMV for the
+    linears, with and without PDL, the GEMV with each program asking its first tiles into L2
+    before its wait; and the four GEMMs alone, chained. Microseconds a step and the share of the
+    copy bandwidth for the bytes read (weights, keys and values); each form's output against the
+    first's of its kind (PDL must not change a bit)."""
+    from resident.worker.kernels import activation, gemv as gemv_mod, paged_attention as pa, pdl, rmsnorm, rotary
+    from resident.worker.kernels.reference import build_cos_sin_cache
+
+    layers, ctx, hidden, eps = 32, 1024, 4096, 1e-5
+    n_qh, n_kh, head_dim, block = ATTN_SHAPE
+    bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = torch.device("cuda")
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.empty(n, k, device=dev, dtype=torch.bfloat16).normal_(0, k ** -0.5)
+    ws = [{name: weight(n, k) for name, n, k in SHAPES} for _ in range(layers)]
+    norms = torch.ones(layers, 2, hidden, device=dev, dtype=torch.bfloat16)
+    q0, kv, tables, seq_lens, kv_bytes = _decode_case(1, ctx, layers * 4 * MiB)
+    slots = [t[0, -1:] * block + (ctx - 1) % block for t in tables]
+    positions = torch.full((1,), ctx - 1, device=dev, dtype=torch.int64)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.float32) / head_dim))
+    cos_sin = build_cos_sin_cache(inv_freq, 4 * ctx, torch.bfloat16)
+    x0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    weight_bytes = sum(n * k * 2 for _, n, k in SHAPES) * layers
+
+    def linear_for(form: str, prefetch: int) -> Callable:
+        if form == "cublas":
+            return F.linear
+        def lin(x, w):
+            cfg = dataclasses.replace(gemv_mod.pick_config(x.shape[0], w.shape[0], w.shape[1], sms),
+                                      prefetch_tiles=prefetch)
+            return gemv_mod.gemv(x, w, config=cfg)
+        return lin
+
+    def full_step(linear: Callable) -> torch.Tensor:
+        h, res = x0, torch.zeros_like(x0)
+        for i in range(layers):
+            w, table = ws[i], tables[i % len(tables)]
+            normed, res = rmsnorm.fused_add_rms_norm(h, res, norms[i, 0], eps)
+            qkv = linear(normed, w["qkv"]).view(1, n_qh + 2 * n_kh, head_dim)
+            q = rotary.rotary_kv_write(positions, qkv[:, :n_qh], qkv[:, n_qh:n_qh + n_kh], qkv[:, n_qh + n_kh:],
+                                       cos_sin, kv, slots[i % len(slots)])
+            attn = pa._decode(q, kv, table, seq_lens, head_dim ** -0.5, None, ctx, None)[0]
+            normed, res = rmsnorm.fused_add_rms_norm(linear(attn.view(1, hidden), w["o"]), res, norms[i, 1], eps)
+            h = linear(activation.silu_and_mul(linear(normed, w["gate_up"])), w["down"])
+        return h
+
+    def gemms_step(linear: Callable) -> torch.Tensor:
+        h = x0
+        for i in range(layers):
+            w = ws[i]
+            h = linear(linear(h, w["qkv"])[:, :hidden], w["o"])
+            h = linear(linear(h, w["gate_up"])[:, :14336], w["down"])
+        return h
+
+    forms = [("cublas", False, 0), ("cublas", True, 0), ("gemv", False, 0), ("gemv", True, 0),
+             ("gemv", True, 1), ("gemv", True, 2), ("gemv", True, 4)]
+    rows, firsts = [], {}
+    for kind, step, nbytes in (("full", full_step, weight_bytes + layers * kv_bytes),
+                               ("gemms", gemms_step, weight_bytes)):
+        for form, use_pdl, prefetch in forms:
+            if kind == "gemms" and form == "cublas" and use_pdl:
+                continue                       # nothing of ours to launch with PDL
+            pdl.PDL_MODE = "on" if use_pdl else "off"
+            label = f"{kind} {form}" + (f" pdl prefetch {prefetch}" if use_pdl else "")
+            fn = lambda step=step, lin=linear_for(form, prefetch): step(lin)   # noqa: E731
+            try:
+                out = fn().float()
+                us = _graph_us(fn, reps=20)
+            except Exception as e:  # noqa: BLE001 - a form that does not build or capture here: listed
+                rows.append({"form": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(f"{label}: {rows[-1]['error']}", file=sys.stderr)
+                continue
+            finally:
+                pdl.PDL_MODE = "off"
+            first = firsts.setdefault((kind, form), out)
+            same = bool(torch.equal(out, first)) or bool(torch.isnan(out).all() and torch.isnan(first).all())
+            rows.append({"form": label, "us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw,
+                         "bytes": nbytes, "same_as_first": same})
+            print(f"{label}: {us:.0f} us a step ({rows[-1]['of_copy_bandwidth']:.1%}), "
+                  f"same output as without PDL: {same}", file=sys.stderr)
+    return {"copy_bw": bw, "layers": layers, "context": ctx, "rows": rows}
+
+
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
-          "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8}
+          "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
+          "pdl-chain": pdl_chain}
 
 
 def main(argv: list[str] | None = None) -> int:

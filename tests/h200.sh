@@ -15,6 +15,9 @@
 #   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
+#   throughput-variants (not in the default; ~40 s a variant): the throughput step once per VARIANTS entry
+#      (NAME:VAR=V,VAR=V: the same tree under other environment variables, back to back; QUANTS default none,
+#      ASYNC_MODES on, BATCHES 1,64, STEPS 32), one throughput-NAME.json each
 #   throughput-gemv (not in the default; < 60 s): the throughput step with RESIDENT_GEMV=on (bf16 and fp8 decode GEMVs)
 #   probes (not in the default; ~2-3 min): tests/gpu_decode_probes.py, PROBES (default l2-prefetch fp8-gemm
 #      small-kernels), one probe-NAME.json each (session 10's decode probes: L2 prefetch, fp8 GEMM sweep, small kernels;
@@ -105,6 +108,16 @@ for s in $steps; do
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       RESIDENT_GEMV=on timeout "${THROUGHPUT_GEMV_TIMEOUT:-90}" $B throughput $M --device cuda --batch-sizes 1,64 \
         --context 1024 --quantization none,fp8_per_tensor --json "$OUT/throughput-gemv.json" >> "$LOG" 2>&1 ;;
+    throughput-variants)   # one tree, environment variants back to back (VARIANTS: NAME or NAME:VAR=V,VAR=V ...),
+      # e.g. VARIANTS="base pdl:RESIDENT_PDL=on gemv-pdl:RESIDENT_GEMV=on,RESIDENT_PDL=on base2"; throughput-NAME.json
+      [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
+      for v in ${VARIANTS:-base}; do
+        name="${v%%:*}"; envs=""; [ "$name" != "$v" ] && envs="$(echo "${v#*:}" | tr ',' ' ')"
+        echo "variant $name: ${envs:-(no variables)}" >> "$LOG"
+        env $envs timeout "${VARIANT_TIMEOUT:-90}" $B throughput $M --device cuda --batch-sizes "${BATCHES:-1,64}" \
+          --context 1024 --quantization "${QUANTS:-none}" --async-scheduling "${ASYNC_MODES:-on}" --steps "${STEPS:-32}" \
+          --json "$OUT/throughput-$name.json" >> "$LOG" 2>&1; echo "variant $name rc=$?" >> "$LOG"
+      done ;;
     criu)     # snapshot tests: the CRIU that `.ci/setup` installed here, carried as .devdata/criu
       mkdir -p /root/.cache/resident && tar xJf .devdata/criu.tar.xz -C /root/.cache/resident >> "$LOG" 2>&1 ;;
     gguf-a)   # first of two calls: keep the GGUF's first half (see tests/h200_transfer.sh)

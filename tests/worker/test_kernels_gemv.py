@@ -283,7 +283,7 @@ def test_pick_config_fills_the_gpu_at_llama3_8b_shapes() -> None:
         assert -(-k // cfg.block_k) // cfg.split_k >= MIN_K_TILES_PER_SPLIT
 
 
-def _hopper_build(constexprs: dict[str, object], dtype: str):
+def _hopper_build(constexprs: dict[str, object], dtype: str, launch_pdl: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -300,7 +300,8 @@ def _hopper_build(constexprs: dict[str, object], dtype: str):
     try:
         return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": fp8_gemv.NUM_WARPS, "num_stages": fp8_gemv.NUM_STAGES})
+                              options={"num_warps": fp8_gemv.NUM_WARPS, "num_stages": fp8_gemv.NUM_STAGES,
+                                       "launch_pdl": launch_pdl})
     except RuntimeError as e:
         if "ptxas" in str(e) and "not found" in str(e).lower():
             pytest.skip(f"this triton has no bundled ptxas: {e}")
@@ -318,7 +319,7 @@ def test_kernel_compiles_for_hopper(variant: str) -> None:
     from resident.worker.kernels import fp8_gemv, gemv
 
     base = {"HAS_BIAS": False, "EVEN_K": True, "ONE_ROW": False, "SPLIT_K": 1, "BLOCK_M": 16,
-            "BLOCK_N": fp8_gemv.BLOCK_N, "BLOCK_K": gemv.BLOCK_K}
+            "BLOCK_N": fp8_gemv.BLOCK_N, "BLOCK_K": gemv.BLOCK_K, "PDL": False, "PREFETCH_TILES": 0}
     extra = {"plain": {}, "split_k": {"SPLIT_K": 4}, "uneven_k_bias": {"EVEN_K": False, "HAS_BIAS": True},
              "one_row": {"ONE_ROW": True, "SPLIT_K": 4}, "fp16_split_k": {"SPLIT_K": 8}}[variant]
     dtype = "*fp16" if variant.startswith("fp16") else "*bf16"
@@ -332,6 +333,33 @@ def test_kernel_compiles_for_hopper(variant: str) -> None:
     assert not any(".tf32" in line for line in mma)
     assert re.search(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], 0x10\b", ptx), \
         "the weight loads are not pipelined (no 16-byte cp.async)"
+    assert "griddepcontrol" not in ptx
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_kernel_with_pdl_waits_before_its_first_load(prefetch: int) -> None:
+    """Launched with PDL (kernels/pdl.py), the kernel lets the next one launch, asks only its own
+    weight tiles into L2 (`prefetch` of them: one line per 128 bytes of each tile row), and waits
+    for the kernel before it ahead of every load (cp.async and plain) and store."""
+    _need_triton()
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
+    from resident.worker.kernels import fp8_gemv, gemv
+
+    constexprs = {"HAS_BIAS": False, "EVEN_K": True, "ONE_ROW": True, "SPLIT_K": 4, "BLOCK_M": 16,
+                  "BLOCK_N": fp8_gemv.BLOCK_N, "BLOCK_K": gemv.BLOCK_K, "PDL": True, "PREFETCH_TILES": prefetch}
+    compiled = _hopper_build(constexprs, "*bf16", launch_pdl=True)
+    assert compiled.metadata.launch_pdl
+    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+    trigger, wait = first(r"^griddepcontrol\.launch_dependents"), first(r"^griddepcontrol\.wait")
+    assert trigger < wait < first(r"^cp\.async") and wait < first(r"^ld\.global") and wait < first(r"^st\.global")
+    prefetches = [i for i, line in enumerate(lines) if line.startswith("prefetch.global.L2")]
+    # 64 rows x 2 lines per tile over 128 threads: one instruction per thread per tile
+    assert len(prefetches) == prefetch and all(trigger < i < wait for i in prefetches)
 
 
 if __name__ == "__main__":

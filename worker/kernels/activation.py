@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous
 from resident.worker.kernels.fp8_quant import (_grid_scale, _large_grid, _quantize_tile, check_fused_output,
                                                coop_block_p, coop_launch_state, quantize_from_partials)
@@ -37,7 +38,8 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -49,10 +51,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, state_ptr, num_partials, M, d, stride_x,
                              stride_out, COOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                             BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
     """A [BLOCK_M, BLOCK_K] tile of silu(gate) * up, its maximum in the program's slot. COOP: after
     the grid barrier, the tile quantized into out (fp8, or float32 in tests); else the tile itself
     (x's dtype), quantized from the slots by `quantize_from_partials`."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,7 +90,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_last_dim_contiguous("x", x2)
     out2 = out.view(-1, d)
     grid = (x2.shape[0], triton.cdiv(d, BLOCK))
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=BLOCK, num_warps=4)
+    use_pdl = pdl.enabled(x.device, x2.shape[0])
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
+                               launch_pdl=use_pdl)
     return out
 
 
@@ -108,10 +113,11 @@ def silu_and_mul_fp8_into(x: torch.Tensor, out: torch.Tensor, *, path: str | Non
     # Without COOP the kernel stores silu(gate) * up (x's dtype), quantized by a second launch.
     dest = out if coop else torch.empty(m, d, dtype=x.dtype, device=x.device)
     buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # the scale, then each tile's maximum
+    use_pdl = pdl.enabled(x.device, m)
     _silu_and_mul_fp8_kernel[grid](x2, dest, buf, buf[1:], state if coop else buf,   # the barrier's, read only if COOP
                                    num_partials, m, d, x2.stride(0), dest.stride(0), COOP=coop, BLOCK_M=block_m,
                                    BLOCK_K=block_k, BLOCK_P=coop_block_p(x2) if coop else 1, FP8_MAX=FP8_MAX,
-                                   MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+                                   MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
     if not coop:
         quantize_from_partials(dest, out, buf, num_partials)
     return buf[0]

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, next_pow2
 
 #: Columns per program of the first launch (128256 -> 32 chunks).
@@ -30,7 +31,8 @@ MAX_COLUMNS = 2**31 - 1 - CHUNK
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr):
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -47,7 +49,8 @@ def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK
 
 
 @triton.jit
-def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     valid = c < n_chunks
@@ -78,9 +81,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         n_chunks = triton.cdiv(vocab, chunk)
         vals = torch.empty(rows * n_chunks, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(rows * n_chunks, dtype=torch.int32, device=logits.device)
+        use_pdl = pdl.enabled(logits.device, rows)
         _argmax_chunk_kernel[(rows, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks,
-                                               CHUNK=chunk, num_warps=NUM_WARPS)
-        _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), num_warps=1)
+                                               CHUNK=chunk, PDL=use_pdl, num_warps=NUM_WARPS, launch_pdl=use_pdl)
+        _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), PDL=use_pdl,
+                                      num_warps=1, launch_pdl=use_pdl)
     return out
 
 

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 from resident.worker.kernels.fp8_quant import _quantize_tile, _scale_from_amax
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
@@ -94,6 +95,9 @@ class GemvConfig:
     #: added to the float32 accumulator (Hopper's fp8 MMA accumulates with fewer mantissa bits;
     #: cuBLAS promotes every 128 or so). 0: block_k.
     imprecise_acc: int = 0
+    #: 16-bit GEMV launched with PDL (kernels/pdl.py): weight tiles each program asks into L2 before
+    #: it waits for the kernel before it (0: none).
+    prefetch_tiles: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -153,7 +157,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, 
                      HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr,
                      SPLIT_K: tl.constexpr, NATIVE_FP8: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                     AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,6 +299,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
     else:
         part = count = out                                  # unused (SPLIT_K == 1 never touches them)
     scale_w = weight_scale.reshape(())
+    use_pdl = pdl.enabled(x.device, x.shape[0])
     _fp8_gemv_kernel[(n_tiles, split)](
         x, weight, out, scale_a if scale_a is not None else scale_w, scale_w,
         bias if bias is not None else scale_w, part, count,
@@ -302,7 +308,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
         SPLIT_K=split, NATIVE_FP8=config.native_fp8, IMPRECISE_ACC=config.imprecise_acc or config.block_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         AMAX_BLOCK=min(next_pow2(k), AMAX_BLOCK), FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl, num_stages=config.num_stages)
     return out
 
 

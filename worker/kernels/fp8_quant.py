@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
@@ -116,7 +117,8 @@ def _quantize_tile(x, scale, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _quantize_small_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, stride_out,
-                           BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                           BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for m in range(M):
         row = m * stride_x
@@ -135,7 +137,8 @@ def _quantize_small_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, stride_out
 
 
 @triton.jit
-def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -147,7 +150,8 @@ def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BL
 @triton.jit
 def _quantize_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, num_partials, M, K, stride_x, stride_out,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr,
-                     MIN_SCALE: tl.constexpr):
+                     MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slots = tl.arange(0, BLOCK_P)
@@ -198,7 +202,8 @@ def _grid_scale(scale_ptr, partial_ptr, state_ptr, num_partials, BLOCK_P: tl.con
 @triton.jit
 def _quantize_coop_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, state_ptr, num_partials, M, K, stride_x,
                           stride_out, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -336,9 +341,10 @@ def quantize_from_partials(x: torch.Tensor, out: torch.Tensor, buf: torch.Tensor
     cover x [M, K] (written by `_absmax_kernel`, or by a fused producer of x); derive the scale into
     buf[0] and quantize x into `out`."""
     block_m, block_k, grid = _large_grid(*x.shape)
+    use_pdl = pdl.enabled(x.device, x.shape[0])
     _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
-                           MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+                           MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
 
 
 def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = None, *,
@@ -364,19 +370,24 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
     # buf[0]: the scale (what the GEMM reads); the large paths' per-program maxima follow it.
     if path == "small":
         buf = torch.empty(2, dtype=torch.float32, device=x.device)
+        use_pdl = pdl.enabled(x.device, m)
         _quantize_small_kernel[(1,)](x, out, buf, m, k, x.stride(0), out.stride(0),
                                      BLOCK_K=min(next_pow2(k), MAX_BLOCK_K), FP8_MAX=FP8_MAX,
-                                     MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+                                     MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
         return buf[0]
     block_m, block_k, grid = _large_grid(m, k)
     num_partials = grid[0] * grid[1]
     buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # every slot is written
     if path == "coop" and (state := coop_launch_state(x, num_partials, forced)) is not None:
+        use_pdl = pdl.enabled(x.device, m)
         _quantize_coop_kernel[grid](x, out, buf, buf[1:], state, num_partials, m, k, x.stride(0), out.stride(0),
                                     BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials),
-                                    FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=8)
+                                    FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8,
+                                    launch_pdl=use_pdl)
         return buf[0]
-    _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=8)
+    use_pdl = pdl.enabled(x.device, m)
+    _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, PDL=use_pdl, num_warps=8,
+                         launch_pdl=use_pdl)
     quantize_from_partials(x, out, buf, num_partials)
     return buf[0]
 

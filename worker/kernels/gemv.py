@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.errors import TritonError
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
 from resident.worker.kernels.fp8_gemv import (
     BLOCK_N, MAX_SPLIT_K, MAX_SUPPORTED_TOKENS, MAX_TOKENS, MIN_K_TILES_PER_SPLIT, TARGET_PROGRAMS_PER_SM,
@@ -83,7 +84,8 @@ def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr,
                  M, N, K, stride_xm, stride_wn, stride_om, k_tiles_per_split,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,6 +99,17 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr,
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_begin = pid_k * k_tiles_per_split
     k_end = tl.minimum(k_begin + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+    # PDL: while the kernel before runs, only the weight (which no kernel writes) may be touched:
+    # its first PREFETCH_TILES tiles are asked into L2, then the program waits (pdl.py).
+    pdl.launch_next(PDL)
+    if PDL:
+        if PREFETCH_TILES > 0:
+            lines = tl.arange(0, BLOCK_K * 2 // 128) * 128        # a tile row's 128-byte lines
+            for t in tl.static_range(PREFETCH_TILES):
+                cols = tl.minimum(tl.minimum(k_begin + t, k_end - 1) * (BLOCK_K * 2) + lines, K * 2 - 1)
+                pdl.prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + w_rows[:, None] * 2
+                                + cols[None, :])
+    pdl.wait_previous(PDL)
     for kt in range(k_begin, k_end):
         ks = kt * BLOCK_K + offs_k
         if EVEN_K:
@@ -173,6 +186,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             num_sms = 132                                   # an H100/H200's (interpreter tests)
         config = pick_config(m, n, k, num_sms)
     block_m = max(16, triton.next_power_of_2(m))
+    use_pdl = pdl.enabled(x.device, m)
     n_tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, config.block_k)
     split = min(config.split_k, k_tiles)
@@ -189,7 +203,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_tiles_per_split,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PDL=use_pdl, PREFETCH_TILES=config.prefetch_tiles if use_pdl else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl)
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor, quantize_from_partials, takes_small_path
 from resident.worker.kernels.rotary import check_kv_cache
@@ -91,9 +92,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
                    amax_ptr, sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
                    REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr, AMAX: tl.constexpr):
+                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr = False):
     # num_splits is a runtime value (one compiled kernel for every split count); SPLIT says
     # whether it is > 1, i.e. whether to write partial results for the merge kernel.
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,7 +138,8 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
 @triton.jit
 def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, amax_ptr, so_b, so_h, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPLITS_P2: tl.constexpr, AMAX: tl.constexpr):
+                         SPLITS_P2: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_P2)
@@ -310,18 +313,20 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     else:
         part_acc = part_m = part_l = out
     kc, vc = kv_cache[0], kv_cache[1]
+    use_pdl = pdl.enabled(q.device, batch)
     _decode_kernel[(batch, n_kh, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
-        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, PDL=use_pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=use_pdl)
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
             part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, num_warps=4)
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, PDL=use_pdl,
+            num_warps=4, launch_pdl=use_pdl)
     return out, buf
 
 

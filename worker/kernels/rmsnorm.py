@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 from resident.worker.kernels.fp8_quant import (_grid_scale, _quantize_tile, _scale_from_amax, check_fused_output,
                                                coop_block_p, coop_grid_unsupported_reason, coop_launch_state,
@@ -62,7 +63,8 @@ def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_res, stride_out, stride_res_out,
                      n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
                                         stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
@@ -73,12 +75,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr,
                          stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols, eps,
                          HAS_RESIDUAL: tl.constexpr, COOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program: the normed row rounded to x's dtype, its maximum in slot `row`.
     COOP: all rows are resident at once; after the grid barrier (none for one row: an n_rows of 1
     is specialized at launch) every program derives the scale and stores its row quantized (out
     fp8, or float32 in tests). Else out (x's dtype) gets the normed row and
     `fp8_quant.quantize_from_partials` quantizes it from the slots."""
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
                                         stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
@@ -140,13 +143,16 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     block, warps = _block_and_warps(n)
+    use_pdl = pdl.enabled(x.device, x2.shape[0])
     if r2 is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-                                         HAS_RESIDUAL=False, BLOCK_N=block, num_warps=warps)
+                                         HAS_RESIDUAL=False, BLOCK_N=block, PDL=use_pdl, num_warps=warps,
+                                         launch_pdl=use_pdl)
         return out.view(x.shape), None
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                     res_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK_N=block, num_warps=warps)
+                                     res_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK_N=block, PDL=use_pdl,
+                                     num_warps=warps, launch_pdl=use_pdl)
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -209,13 +215,14 @@ def add_rms_norm_fp8_into(x: torch.Tensor, residual: torch.Tensor | None, weight
     res_out = dest if r2 is None else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     buf = torch.empty(1 + m, dtype=torch.float32, device=x.device)   # the scale, then each row's maximum
     block, warps = _block_and_warps(n)
+    use_pdl = pdl.enabled(x.device, m)
     _rms_norm_fp8_kernel[(m,)](x2, x2 if r2 is None else r2, weight.contiguous(), dest, res_out, buf, buf[1:],
                                buf if state is None else state,              # the barrier's, read only if used
                                x2.stride(0), 0 if r2 is None else r2.stride(0), dest.stride(0),
                                0 if r2 is None else res_out.stride(0), m, n, eps, HAS_RESIDUAL=r2 is not None,
                                COOP=coop, BLOCK_N=block, BLOCK_P=1 if state is None else coop_block_p(x2),
                                FP8_MAX=FP8_MAX,
-                               MIN_SCALE=FP8_MIN_SCALE, num_warps=warps)
+                               MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
     if not coop:
         quantize_from_partials(dest, out, buf, m)
     return buf[0], x if r2 is None else res_out.view(x.shape)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 
 
@@ -37,7 +38,8 @@ def _rotary_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_cache_p
                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, s_cs,
                       sc_blk, sc_tok, sc_head,
                       n_qh, n_kh, half, block_size,
-                      BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -118,11 +120,13 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return q_out
     half = head_dim // 2
     kc, vc = kv_cache[0], kv_cache[1]
+    use_pdl = pdl.enabled(q.device, num_tokens)
     _rotary_kv_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin_cache, q_out, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         n_qh, n_kh, half, kv_cache.shape[2],
-        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), num_warps=4)
+        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl)
     return q_out

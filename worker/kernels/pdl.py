@@ -1,0 +1,112 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
+
+A batch-1 decode step is ~330 dependent kernels, most of them short; between two of them the
+GPU drains the first grid, then launches and ramps up the second — a gap of a few microseconds
+per boundary, the same inside a CUDA graph. With PDL a kernel is launched with the
+`PROGRAMMATIC_STREAM_SERIALIZATION` attribute (Triton: `launch_pdl=True`): its programs may be
+scheduled as soon as every program of the kernel before it has executed
+`griddepcontrol.launch_dependents`, and they wait in `griddepcontrol.wait` until that kernel has
+completed and its memory is visible. The launch and the programs' start-up then overlap the
+previous kernel's tail instead of following it. CUDA graphs keep the relation (stream capture
+records it as a programmatic edge).
+
+The protocol every PDL kernel here follows (`enter`, the first thing each program does):
+
+1. `griddepcontrol.launch_dependents` — the next kernel may start launching;
+2. `griddepcontrol.wait` — before any load of another kernel's output and before any store.
+
+So a kernel never reads or writes memory while the kernel before it still runs, and since every
+program waits before it ends, a kernel that has passed its wait knows that all earlier kernels
+of the stream have completed (each of them waited for its own predecessor). A kernel launched
+without the attribute (cuBLAS, torch's own) waits for everything before it as usual, and a PDL
+kernel after it launches once it completes (it never triggers early): mixing is safe.
+
+Where it pays (H200, Llama-3-8B shape, 1k-token contexts, docs/benchmarks.md "Session 12"):
+decode steps of few rows. Batch 1: bf16 4.71 -> 4.48 ms a step, fp8 3.26 -> 3.19 ms; batch 64
+lost (bf16 6.91 -> 7.09 ms, fp8 5.53 -> 5.70 ms) with every launch under PDL. So a launch takes
+it only for at most MAX_ROWS rows (tokens, sequences) — decode-sized work, never a prefill chunk.
+
+One switch, RESIDENT_PDL, read once when this module is imported (`PDL_MODE`): `on` (the
+default: launches of at most MAX_ROWS rows), `all` (every launch: for measurements) or `off`.
+GPUs before compute capability 9.0 have no griddepcontrol and never take it; neither does
+Triton's CPU interpreter.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+#: RESIDENT_PDL values.
+PDL_MODES = ("off", "on", "all")
+DEFAULT_PDL_MODE = "on"
+#: `on` launches with PDL only work of at most this many rows.
+MAX_ROWS = 16
+
+
+def pdl_mode(env: Mapping[str, str]) -> str:
+    """The RESIDENT_PDL value in `env` (unset or empty: DEFAULT_PDL_MODE)."""
+    value = env.get("RESIDENT_PDL", "").strip().lower() or DEFAULT_PDL_MODE
+    if value not in PDL_MODES:
+        raise ValueError(f"RESIDENT_PDL={env.get('RESIDENT_PDL')!r} is not a PDL mode; valid: "
+                         f"{', '.join(PDL_MODES)} (default {DEFAULT_PDL_MODE}); fix or unset it")
+    return value
+
+
+#: Read once per process; `enabled` consults it.
+PDL_MODE = pdl_mode(os.environ)
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def enabled(device: torch.device, rows: int) -> bool:
+    """Whether a kernel over `rows` rows (tokens, sequences) on `device` launches with PDL: by
+    RESIDENT_PDL (`on`: rows <= MAX_ROWS), on a CUDA GPU of compute capability 9.0+ (never on the
+    CPU, where only Triton's interpreter runs these kernels)."""
+    if PDL_MODE == "off" or device.type != "cuda" or (PDL_MODE == "on" and rows > MAX_ROWS):
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def enter(PDL: tl.constexpr = False):
+    """A PDL kernel's first step (see the module's protocol): let the next kernel launch, then
+    wait for the previous one. Nothing when PDL is off."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr = False):
+    """`enter`'s first half alone, for kernels that do something before their wait (only loads of
+    memory no kernel writes, such as `prefetch_l2` of a weight)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr = False):
+    """`enter`'s second half (see `launch_next`)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at `ptrs` (a tensor of pointers) to be brought into L2
+    (`prefetch.global.L2`: no registers, no wait; read-only memory only)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+__all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "enabled", "enter", "launch_next", "pdl_mode", "prefetch_l2",
+           "wait_previous"]
