@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py): the RESIDENT_PDL switch, which launches take it,
 and — on a GPU of compute capability 9.0+ — that a CUDA graph of PDL launches (the decode step's
-kernels, rows <= MAX_ROWS) computes bit for bit what the same kernels compute launched plainly.
+kernels, rows <= MAX_ROWS = 32) computes bit for bit what the same kernels compute launched plainly.
 The sm_90 build of the GEMV under PDL (its wait before every load) is checked in test_kernels_gemv.py.
 """
 from __future__ import annotations

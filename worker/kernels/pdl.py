@@ -21,10 +21,11 @@ of the stream have completed (each of them waited for its own predecessor). A ke
 without the attribute (cuBLAS, torch's own) waits for everything before it as usual, and a PDL
 kernel after it launches once it completes (it never triggers early): mixing is safe.
 
-Where it pays (H200, Llama-3-8B shape, 1k-token contexts, docs/benchmarks.md "Session 12"):
-decode steps of few rows. Batch 1: bf16 4.71 -> 4.48 ms a step, fp8 3.26 -> 3.19 ms; batch 64
-lost (bf16 6.91 -> 7.09 ms, fp8 5.53 -> 5.70 ms) with every launch under PDL. So a launch takes
-it only for at most MAX_ROWS rows (tokens, sequences) — decode-sized work, never a prefill chunk.
+Where it pays (H200, Llama-3-8B shape, 1k-token contexts, same host, 96 steps; docs/benchmarks.md
+"Session 12"): decode steps of few rows. With every launch under PDL, batch 1 bf16 4.60 -> 4.37 ms
+a step, fp8 3.21 -> 3.14; batch 32 bf16 6.12 -> 6.01 (fp8 level); batches 8 and 16 level; batch 64
+lost (bf16 6.94 -> 7.09 ms, fp8 5.55 -> 5.71). So a launch takes it only for at most MAX_ROWS rows
+(tokens, sequences): decode batches up to 32 and prefill chunks as short as the warm-up's.
 
 One switch, RESIDENT_PDL, read once when this module is imported (`PDL_MODE`): `on` (the
 default: launches of at most MAX_ROWS rows), `all` (every launch: for measurements) or `off`.
@@ -46,7 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 PDL_MODES = ("off", "on", "all")
 DEFAULT_PDL_MODE = "on"
 #: `on` launches with PDL only work of at most this many rows.
-MAX_ROWS = 16
+MAX_ROWS = 32
 
 
 def pdl_mode(env: Mapping[str, str]) -> str:
