@@ -21,6 +21,11 @@ bandwidth); fp8 232 tokens/s with `fp8_gemv` (its GEMMs at 58 % of the copy band
 `_scaled_mm` had given 274 in an earlier run. They stay as opt-in kernels to tune
 (`resident bench kernels --gemv-tokens`, the launch-shape sweep in the GPU tests).
 
+Under programmatic dependent launch (kernels/pdl.py, decode-sized M on sm_90+) each program may
+ask its first `GemvConfig.prefetch_tiles` weight tiles into L2 before it waits for the kernel
+before it (the weight is the one thing no kernel writes); 0 by default: 1, 2 and 4 tiles made a
+32-layer chain of these GEMVs slower on the H200 (docs/benchmarks.md, session 12).
+
 Triton's CPU interpreter stores bf16 as raw uint16 and multiplies those bits in tl.dot; the
 tests patch its dot and float32 -> bf16 cast to exact equivalents (fp16 runs as is). The
 bf16 tensor-core path itself is checked by the GPU tests.
