@@ -7,6 +7,7 @@
     python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~60 s: Triton compiles)
     python3 tests/gpu_decode_probes.py attention-fp8 --json OUT.json   (~40 s)
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
+    python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~2 min: Triton compiles)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -29,6 +30,9 @@
   input), at batch 64, over tiles, warps and stages.
 - pdl-chain (session 12): a batch-1 bf16 decode step of the engine's kernels with and without
   programmatic dependent launch (kernels/pdl.py), cuBLAS or the Triton GEMV for the linears.
+- gemv-designs (session 12): a register-tiled GEMV without tensor cores or split-K, swept per
+  shape against cuBLAS and kernels/gemv.py, then in the decode chains with and without PDL (and
+  with its first weight tile loaded before PDL's wait).
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -49,6 +53,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from resident.worker.kernels import pdl as _pdl
 
 MiB = 1 << 20
 #: (name, N, K) of a Llama-3-8B layer's GEMMs.
@@ -395,46 +401,41 @@ def bf16_gemm() -> dict:
     return {"copy_bw": bw, "rows": rows}
 
 
-def pdl_chain() -> dict:
-    """Programmatic dependent launch (kernels/pdl.py) on a batch-1 bf16 decode: 32 layers of the
-    engine's kernels at Llama-3-8B shapes (add + RMSNorm, qkv, rotary + KV write, decode attention
-    over 1k keys, o, add + RMSNorm, gate_up, SiLU-and-mul, down; each layer its own weights and
-    cache, so all come from HBM) in one CUDA graph, per form: cuBLAS or the Triton GEMV for the
-    linears, with and without PDL, the GEMV with each program asking its first tiles into L2
-    before its wait; and the four GEMMs alone, chained. Microseconds a step and the share of the
-    copy bandwidth for the bytes read (weights, keys and values); each form's output against the
-    first's of its kind (PDL must not change a bit)."""
-    from resident.worker.kernels import activation, gemv as gemv_mod, paged_attention as pa, pdl, rmsnorm, rotary
+@dataclasses.dataclass
+class _Chain:
+    """A batch-1 bf16 decode step of the engine's kernels at Llama-3-8B shapes, 32 layers, each its
+    own weights and KV cache (all read from HBM): `full(linear)` the layer (add + RMSNorm, qkv,
+    rotary + KV write, decode attention over 1k keys, o, add + RMSNorm, gate_up, SiLU-and-mul,
+    down), `gemms(linear)` the four linears alone, each output the next one's input."""
+    full: Callable[[Callable], torch.Tensor]
+    gemms: Callable[[Callable], torch.Tensor]
+    weights: list[dict[str, torch.Tensor]]
+    weight_bytes: int
+    kv_bytes: int
+    layers: int
+    context: int
+
+
+def _decode_chain(layers: int = 32, ctx: int = 1024) -> _Chain:
+    from resident.worker.kernels import activation, paged_attention as pa, rmsnorm, rotary
     from resident.worker.kernels.reference import build_cos_sin_cache
 
-    layers, ctx, hidden, eps = 32, 1024, 4096, 1e-5
+    hidden, eps = 4096, 1e-5
     n_qh, n_kh, head_dim, block = ATTN_SHAPE
-    bw = _copy_bandwidth()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     dev = torch.device("cuda")
 
     def weight(n: int, k: int) -> torch.Tensor:
         return torch.empty(n, k, device=dev, dtype=torch.bfloat16).normal_(0, k ** -0.5)
     ws = [{name: weight(n, k) for name, n, k in SHAPES} for _ in range(layers)]
     norms = torch.ones(layers, 2, hidden, device=dev, dtype=torch.bfloat16)
-    q0, kv, tables, seq_lens, kv_bytes = _decode_case(1, ctx, layers * 4 * MiB)
+    _, kv, tables, seq_lens, kv_bytes = _decode_case(1, ctx, layers * 4 * MiB)
     slots = [t[0, -1:] * block + (ctx - 1) % block for t in tables]
     positions = torch.full((1,), ctx - 1, device=dev, dtype=torch.int64)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=dev, dtype=torch.float32) / head_dim))
     cos_sin = build_cos_sin_cache(inv_freq, 4 * ctx, torch.bfloat16)
     x0 = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
-    weight_bytes = sum(n * k * 2 for _, n, k in SHAPES) * layers
 
-    def linear_for(form: str, prefetch: int) -> Callable:
-        if form == "cublas":
-            return F.linear
-        def lin(x, w):
-            cfg = dataclasses.replace(gemv_mod.pick_config(x.shape[0], w.shape[0], w.shape[1], sms),
-                                      prefetch_tiles=prefetch)
-            return gemv_mod.gemv(x, w, config=cfg)
-        return lin
-
-    def full_step(linear: Callable) -> torch.Tensor:
+    def full(linear: Callable) -> torch.Tensor:
         h, res = x0, torch.zeros_like(x0)
         for i in range(layers):
             w, table = ws[i], tables[i % len(tables)]
@@ -447,7 +448,7 @@ def pdl_chain() -> dict:
             h = linear(activation.silu_and_mul(linear(normed, w["gate_up"])), w["down"])
         return h
 
-    def gemms_step(linear: Callable) -> torch.Tensor:
+    def gemms(linear: Callable) -> torch.Tensor:
         h = x0
         for i in range(layers):
             w = ws[i]
@@ -455,38 +456,171 @@ def pdl_chain() -> dict:
             h = linear(linear(h, w["gate_up"])[:, :14336], w["down"])
         return h
 
-    forms = [("cublas", False, 0), ("cublas", True, 0), ("gemv", False, 0), ("gemv", True, 0),
-             ("gemv", True, 1), ("gemv", True, 2), ("gemv", True, 4)]
+    return _Chain(full, gemms, ws, sum(n * k * 2 for _, n, k in SHAPES) * layers, layers * kv_bytes, layers, ctx)
+
+
+def _time_chains(chain: _Chain, forms: list[tuple[str, str, Callable, bool]], bw: float) -> list[dict]:
+    """forms: (kind "full" | "gemms", label, linear, PDL on); each step captured in a CUDA graph.
+    Outputs are compared with the first of the same (kind, label without its " pdl..." suffix)."""
+    from resident.worker.kernels import pdl
+
     rows, firsts = [], {}
-    for kind, step, nbytes in (("full", full_step, weight_bytes + layers * kv_bytes),
-                               ("gemms", gemms_step, weight_bytes)):
-        for form, use_pdl, prefetch in forms:
-            if kind == "gemms" and form == "cublas" and use_pdl:
-                continue                       # nothing of ours to launch with PDL
-            pdl.PDL_MODE = "on" if use_pdl else "off"
-            label = f"{kind} {form}" + (f" pdl prefetch {prefetch}" if use_pdl else "")
-            fn = lambda step=step, lin=linear_for(form, prefetch): step(lin)   # noqa: E731
+    for kind, label, linear, use_pdl in forms:
+        step = chain.full if kind == "full" else chain.gemms
+        nbytes = chain.weight_bytes + (chain.kv_bytes if kind == "full" else 0)
+        name = f"{kind} {label}" + (" pdl" if use_pdl else "")
+        pdl.PDL_MODE = "all" if use_pdl else "off"
+        fn = lambda step=step, lin=linear: step(lin)   # noqa: E731
+        try:
+            out = fn().float()
+            us = _graph_us(fn, reps=20)
+        except Exception as e:  # noqa: BLE001 - a form that does not build or capture here: listed
+            rows.append({"form": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"{name}: {rows[-1]['error']}", file=sys.stderr)
+            continue
+        finally:
+            pdl.PDL_MODE = "off"
+        first = firsts.setdefault((kind, label.split(" prefetch")[0]), out)
+        same = bool(torch.equal(out, first)) or bool(torch.isnan(out).all() and torch.isnan(first).all())
+        rows.append({"form": name, "us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "bytes": nbytes,
+                     "same_as_first": same})
+        print(f"{name}: {us:.0f} us a step ({rows[-1]['of_copy_bandwidth']:.1%}), same output as the first of "
+              f"its form: {same}", file=sys.stderr)
+    return rows
+
+
+def pdl_chain() -> dict:
+    """Programmatic dependent launch (kernels/pdl.py) on a batch-1 bf16 decode (`_decode_chain`),
+    per form: cuBLAS or the Triton GEMV for the linears, with and without PDL, the GEMV with each
+    program asking its first tiles into L2 before its wait; and the four GEMMs alone, chained.
+    Microseconds a step and the share of the copy bandwidth for the bytes read (weights, keys and
+    values); each form's output against the first's of its kind (PDL must not change a bit)."""
+    from resident.worker.kernels import gemv as gemv_mod
+
+    bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chain = _decode_chain()
+
+    def gemv_with(prefetch: int) -> Callable:
+        def lin(x, w):
+            cfg = dataclasses.replace(gemv_mod.pick_config(x.shape[0], w.shape[0], w.shape[1], sms),
+                                      prefetch_tiles=prefetch)
+            return gemv_mod.gemv(x, w, config=cfg)
+        return lin
+
+    forms = []
+    for kind in ("full", "gemms"):
+        forms += [(kind, "cublas", F.linear, False)] + ([(kind, "cublas", F.linear, True)] if kind == "full" else [])
+        forms += [(kind, "gemv", gemv_with(0), False)] + [
+            (kind, f"gemv prefetch {p}" if p else "gemv", gemv_with(p), True) for p in (0, 1, 2, 4)]
+    rows = _time_chains(chain, forms, bw)
+    return {"copy_bw": bw, "layers": chain.layers, "context": chain.context, "rows": rows}
+
+
+@triton.jit
+def _fma_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
+                     ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """out[0, rows] = w[rows, :] . x[0, :] for one program's ROWS rows (M = 1, K % BLOCK_K == 0):
+    [ROWS, BLOCK_K] weight tiles in registers (16-byte loads), float32 products summed per tile.
+    EARLY (with PDL): the first tile is loaded before the wait for the kernel before (the weight is
+    never written), the activation after it."""
+    pid = tl.program_id(0)
+    offs = pid * ROWS + tl.arange(0, ROWS)
+    rows = tl.minimum(offs, N - 1)
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    _pdl.launch_next(PDL)
+    if EARLY:
+        w = tl.load(w_ptrs)
+        _pdl.wait_previous(PDL)
+        acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
+        start = BLOCK_K
+    else:
+        _pdl.wait_previous(PDL)
+        acc = tl.zeros([ROWS], dtype=tl.float32)
+        start = 0
+    for k0 in range(start, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0)
+        x = tl.load(x_ptr + k0 + cols)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
+
+
+def _fma_gemv(x: torch.Tensor, w: torch.Tensor, rows: int, block_k: int, warps: int, early: bool = False):
+    from resident.worker.kernels import pdl
+
+    n, k = w.shape
+    assert x.shape[0] == 1 and k % block_k == 0 and x.stride(-1) == 1 and w.stride(-1) == 1
+    use_pdl = pdl.enabled(x.device, 1)
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    _fma_gemv_kernel[(triton.cdiv(n, rows),)](x, w, out, n, k, w.stride(0), ROWS=rows, BLOCK_K=block_k,
+                                              PDL=use_pdl, EARLY=early and use_pdl, num_warps=warps,
+                                              launch_pdl=use_pdl)
+    return out
+
+
+def gemv_designs() -> dict:
+    """A GEMV of another design for batch-1 bf16 decode (`_fma_gemv_kernel`: no tensor cores, no
+    split-K, the weight in registers): per Llama-3-8B shape over ROWS x BLOCK_K x warps against
+    cuBLAS and `kernels/gemv.py` (each over copies of the weight totalling >= 256 MiB, so it comes
+    from HBM); then the best per shape in the 32-layer chains (`_decode_chain`): without PDL, with
+    it, with the first weight tile loaded before the wait — against cuBLAS with and without PDL on
+    the other kernels (the engine's default)."""
+    from resident.worker.kernels import gemv as gemv_mod
+
+    bw = _copy_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes, best = [], {}
+    for name, n, k in SHAPES:
+        nbytes = n * k * 2
+        ws = [torch.empty(n, k, device="cuda", dtype=torch.bfloat16).normal_(0, k ** -0.5)
+              for _ in range(max(1, -(-256 * MiB // nbytes)))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        forms = {"cublas": lambda w: F.linear(x, w),
+                 "gemv picked": lambda w: gemv_mod.gemv(x, w, config=gemv_mod.pick_config(1, n, k, sms))}
+        for rows in (8, 16, 32):
+            for block_k in (512, 1024, 2048):
+                for warps in (4, 8):
+                    if rows * block_k // (32 * warps) > 256:          # > 256 weight elements a thread
+                        continue
+                    forms[f"fma {rows}x{block_k} w{warps}"] = (
+                        lambda w, r=rows, b=block_k, wp=warps: _fma_gemv(x, w, r, b, wp))
+        row = {"name": name, "n": n, "k": k, "copies": len(ws)}
+        for label, f in forms.items():
             try:
-                out = fn().float()
-                us = _graph_us(fn, reps=20)
-            except Exception as e:  # noqa: BLE001 - a form that does not build or capture here: listed
-                rows.append({"form": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                print(f"{label}: {rows[-1]['error']}", file=sys.stderr)
+                err = ((f(ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+                us = _graph_us(lambda f=f, ws=ws: [f(w) for w in ws], reps=10) / len(ws)
+            except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
+                row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
                 continue
-            finally:
-                pdl.PDL_MODE = "off"
-            first = firsts.setdefault((kind, form), out)
-            same = bool(torch.equal(out, first)) or bool(torch.isnan(out).all() and torch.isnan(first).all())
-            rows.append({"form": label, "us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw,
-                         "bytes": nbytes, "same_as_first": same})
-            print(f"{label}: {us:.0f} us a step ({rows[-1]['of_copy_bandwidth']:.1%}), "
-                  f"same output as without PDL: {same}", file=sys.stderr)
-    return {"copy_bw": bw, "layers": layers, "context": ctx, "rows": rows}
+            row[label] = {"us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "max_error_of_max_out": err}
+        timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+        top = min((lbl for lbl in timed if lbl.startswith("fma")), key=lambda lbl: timed[lbl]["us"])
+        best[(n, k)] = tuple(int(v) for v in top.split()[1].split("x")) + (int(top.split()[2][1:]),)
+        row["best_fma"] = top
+        shapes.append(row)
+        print(f"{name}: cublas {timed['cublas']['us']:.1f} us ({timed['cublas']['of_copy_bandwidth']:.0%}), "
+              f"gemv {timed['gemv picked']['us']:.1f}, best {top} {timed[top]['us']:.1f} us "
+              f"({timed[top]['of_copy_bandwidth']:.0%})", file=sys.stderr)
+        del ws
+
+    def fma(early: bool) -> Callable:
+        return lambda x, w: _fma_gemv(x, w, *best[tuple(w.shape)], early=early)
+
+    chain = _decode_chain()
+    forms = []
+    for kind in ("gemms", "full"):
+        forms += [(kind, "cublas", F.linear, False), (kind, "cublas", F.linear, True),
+                  (kind, "fma", fma(False), False), (kind, "fma", fma(False), True),
+                  (kind, "fma prefetch early", fma(True), True)]
+    rows = _time_chains(chain, forms, bw)
+    return {"copy_bw": bw, "shapes": shapes, "best": {f"{n}x{k}": v for (n, k), v in best.items()}, "chains": rows}
 
 
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs}
 
 
 def main(argv: list[str] | None = None) -> int:

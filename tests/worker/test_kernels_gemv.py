@@ -191,10 +191,10 @@ def test_gemv_mode_reads_resident_gemv() -> None:
     _need_triton()
     from resident.worker.kernels.gemv import DEFAULT_GEMV_MODE, gemv_mode
 
-    assert DEFAULT_GEMV_MODE == "off"            # both GEMVs lost to cuBLAS/_scaled_mm on the H200
-    assert gemv_mode({}) == gemv_mode({"RESIDENT_GEMV": " "}) == "off"
-    assert [gemv_mode({"RESIDENT_GEMV": v}) for v in ("off", "FP8", "on ")] == ["off", "fp8", "on"]
-    with pytest.raises(ValueError, match="RESIDENT_GEMV='bf16'.*off, fp8, on"):
+    assert DEFAULT_GEMV_MODE == "auto"           # one-row 16-bit linears: row_gemv, beat cuBLAS on the H200
+    assert gemv_mode({}) == gemv_mode({"RESIDENT_GEMV": " "}) == "auto"
+    assert [gemv_mode({"RESIDENT_GEMV": v}) for v in ("off", "FP8", "on ", "AUTO")] == ["off", "fp8", "on", "auto"]
+    with pytest.raises(ValueError, match="RESIDENT_GEMV='bf16'.*auto, off, fp8, on"):
         gemv_mode({"RESIDENT_GEMV": "bf16"})
 
 
@@ -206,20 +206,23 @@ def test_gemv_mode_is_read_once_at_import(monkeypatch) -> None:
         monkeypatch.setenv("RESIDENT_GEMV", "on")
         importlib.reload(gemv)
         monkeypatch.setenv("RESIDENT_GEMV", "off")            # later changes are not seen
-        assert gemv.GEMV_MODE == "on" and dispatch._triton_kernels().linear is gemv.linear
+        assert gemv.GEMV_MODE == "on" and dispatch._triton_kernels().linear is gemv.decode_linear
+        monkeypatch.setenv("RESIDENT_GEMV", "off")
+        importlib.reload(gemv)
+        assert gemv.GEMV_MODE == "off" and dispatch._triton_kernels().linear is F.linear
     finally:
         monkeypatch.delenv("RESIDENT_GEMV")
         importlib.reload(gemv)
-    assert gemv.GEMV_MODE == "off" and dispatch._triton_kernels().linear is F.linear
+    assert gemv.GEMV_MODE == "auto" and dispatch._triton_kernels().linear is gemv.decode_linear
 
 
-@pytest.mark.parametrize("mode", ["off", "fp8", "on"])
-def test_triton_backend_takes_the_16bit_gemv_only_when_on(mode: str, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
+def test_triton_backend_takes_the_16bit_gemvs_unless_off_or_fp8(mode: str, monkeypatch) -> None:
     _need_triton()
     from resident.worker.kernels import dispatch, gemv
 
     monkeypatch.setattr(gemv, "GEMV_MODE", mode)
-    assert dispatch._triton_kernels().linear is (gemv.linear if mode == "on" else F.linear)
+    assert dispatch._triton_kernels().linear is (gemv.decode_linear if mode in ("auto", "on") else F.linear)
     assert dispatch._torch_kernels().linear is F.linear
 
 

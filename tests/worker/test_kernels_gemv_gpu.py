@@ -87,10 +87,10 @@ def test_gpu_linear_takes_the_gemv_at_decode_sizes_only(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["off", "fp8", "on"])
+@pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
 def test_gpu_resident_gemv_switch_routes_both_linears(mode: str, monkeypatch) -> None:
-    """The engine's unquantized linear (triton backend) takes the 16-bit GEMV only when `on`;
-    the fp8 linear takes fp8_gemv unless `off`."""
+    """The engine's unquantized linear (triton backend) at two rows takes the split-K 16-bit GEMV
+    only when `on`; the fp8 linear takes fp8_gemv when `fp8` or `on`."""
     from resident.worker.kernels import dispatch, fp8_gemv, gemv
     from resident.worker.layers.linear import FP8_DTYPE, make_linear
 
@@ -109,4 +109,4 @@ def test_gpu_resident_gemv_switch_routes_both_linears(mode: str, monkeypatch) ->
     else:
         assert torch.equal(bf16(x), torch.nn.functional.linear(x, w))
     fp8(x)
-    assert used == {"off": [], "fp8": ["fp8_gemv"], "on": ["gemv", "fp8_gemv"]}[mode]
+    assert used == {"auto": [], "off": [], "fp8": ["fp8_gemv"], "on": ["gemv", "fp8_gemv"]}[mode]

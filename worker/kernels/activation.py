@@ -51,7 +51,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, partial_ptr, state_ptr, num_partials, M, d, stride_x,
                              stride_out, COOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """A [BLOCK_M, BLOCK_K] tile of silu(gate) * up, its maximum in the program's slot. COOP: after
     the grid barrier, the tile quantized into out (fp8, or float32 in tests); else the tile itself
     (x's dtype), quantized from the slots by `quantize_from_partials`."""

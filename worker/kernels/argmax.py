@@ -31,7 +31,8 @@ MAX_COLUMNS = 2**31 - 1 - CHUNK
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _argmax_chunk_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, n_chunks, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr = False):
     pdl.enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)

@@ -3,8 +3,8 @@
 Backends:
 - `triton`: the Triton kernels of this package (+ `torch._scaled_mm` for fp8). Needs a
   CUDA device, or a CPU device under Triton's interpreter (TRITON_INTERPRET=1, tests only).
-  Its unquantized `linear` is `gemv.linear` (the decode GEMV) when RESIDENT_GEMV=on, else
-  `F.linear` itself (see `gemv.GEMV_MODE`, read once per process).
+  Its unquantized `linear` is `gemv.decode_linear` (one-row linears through `row_gemv`, see
+  `gemv.GEMV_MODE`, read once per process) unless RESIDENT_GEMV=off or fp8: then `F.linear`.
 - `torch`: the reference layers (`resident.worker.layers`) under the same signatures.
 - `auto`: `triton` on CUDA when triton imports, else `torch`.
 Triton is imported only when the triton backend is chosen, so the CPU path never needs it.
@@ -81,7 +81,8 @@ def _triton_kernels() -> Kernels:
 
     return Kernels("triton", rmsnorm.rms_norm, rmsnorm.fused_add_rms_norm, rotary.rotary_kv_write,
                    activation.silu_and_mul, paged_attention.paged_attention, fp8.fp8_linear,
-                   gemv.linear if gemv.GEMV_MODE == "on" else F.linear, fp8_scaled_mm=fp8.fp8_scaled_mm,
+                   gemv.decode_linear if gemv.GEMV_MODE in ("auto", "on") else F.linear,
+                   fp8_scaled_mm=fp8.fp8_scaled_mm,
                    fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
                    paged_attention_fp8=paged_attention.paged_attention_fp8)
 

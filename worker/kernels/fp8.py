@@ -13,8 +13,8 @@ element. Shapes it cannot take (K or N not a multiple of 16) go through the refe
 math instead, which is exact but slow; a debug log line says so. `fp8_scaled_mm` is the same
 GEMM (and GEMV) on an input already quantized, as the fused norm and SiLU-and-mul emit it.
 
-With RESIDENT_GEMV=fp8 or on (`gemv.GEMV_MODE`, read once per process; default off),
-decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm` for the
+With RESIDENT_GEMV=fp8 or on (`gemv.GEMV_MODE`, read once per process; the default, auto,
+keeps fp8 on `_scaled_mm`), decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm` for the
 split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact products; any N
 and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes
 in-kernel (one launch per linear). Should Triton fail to build or load it (a TritonError),
@@ -72,7 +72,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE != "off":
+    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)
@@ -96,7 +96,7 @@ def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
     shape = x_q.shape
     n_out, k_in = weight.shape
     x_q2 = x_q.reshape(-1, k_in)
-    if x_q2.is_cuda and 0 < x_q2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE != "off":
+    if x_q2.is_cuda and 0 < x_q2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
         out = _gemv_or_none(x_q2.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)

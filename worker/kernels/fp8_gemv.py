@@ -157,7 +157,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, out_ptr, scale_a_ptr, scale_w_ptr, bias_ptr, 
                      HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr,
                      SPLIT_K: tl.constexpr, NATIVE_FP8: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+                     AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -117,7 +117,8 @@ def _quantize_tile(x, scale, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _quantize_small_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, stride_out,
-                           BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                           PDL: tl.constexpr = False):
     pdl.enter(PDL)
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for m in range(M):
@@ -137,7 +138,8 @@ def _quantize_small_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, stride_out
 
 
 @triton.jit
-def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _absmax_kernel(x_ptr, partial_ptr, M, K, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
     pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)

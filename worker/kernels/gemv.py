@@ -12,14 +12,19 @@ rows repeat row M - 1 and are never stored; M = 1 loads one activation vector pe
 Split-K: the last of a tile's SPLIT_K programs to arrive sums the float32 partials in split
 order (bit-reproducible, graph-capturable; counters on the weight, see `fp8_gemv`).
 
-Which decode GEMMs take the GEMV kernels is one switch, RESIDENT_GEMV, read once when this
-module is imported (`GEMV_MODE`): `off` (the default: cuBLAS / `_scaled_mm` everywhere),
-`fp8` (only fp8 weights, through `fp8_gemv`) or `on` (fp8 and 16-bit weights). Off by default
-because both lost on the H200 (session 3, Llama-3-8B shape, decode at batch 1, same host):
-bf16 172 tokens/s with this kernel vs 204 with cuBLAS (whose GEMMs ran at 91 % of the copy
-bandwidth); fp8 232 tokens/s with `fp8_gemv` (its GEMMs at 58 % of the copy bandwidth) where
-`_scaled_mm` had given 274 in an earlier run. They stay as opt-in kernels to tune
-(`resident bench kernels --gemv-tokens`, the launch-shape sweep in the GPU tests).
+Which decode GEMMs take which kernel is one switch, RESIDENT_GEMV, read once when this module
+is imported (`GEMV_MODE`):
+- `auto` (the default): 16-bit linears of one row take `row_gemv` (a register-streaming GEMV,
+  faster than cuBLAS at every Llama-3-8B shape on the H200; on compute capability 9.0+, where it
+  was measured); everything else cuBLAS / `_scaled_mm`;
+- `off`: cuBLAS / `_scaled_mm` everywhere;
+- `fp8`: fp8 weights through `fp8_gemv` (up to 16 rows), 16-bit ones as `off`;
+- `on`: one row through `row_gemv` on any CUDA GPU, 2..16 rows through this module's split-K
+  `gemv`, fp8 through `fp8_gemv`.
+This split-K kernel and `fp8_gemv` are opt-in because both lost on the H200 (session 3, batch 1,
+same host: bf16 172 tokens/s against cuBLAS's 204; fp8 232 where `_scaled_mm` gave 274; session
+12: bf16 5.44 ms a step against 4.68). They stay as kernels to tune (`resident bench kernels
+--gemv-tokens`, the launch-shape sweep in the GPU tests).
 
 Under programmatic dependent launch (kernels/pdl.py, decode-sized M on sm_90+) each program may
 ask its first `GemvConfig.prefetch_tiles` weight tiles into L2 before it waits for the kernel
@@ -43,6 +48,7 @@ import triton.language as tl
 from triton.errors import TritonError
 
 from resident.worker.kernels import pdl
+from resident.worker.kernels import row_gemv as row_gemv_mod
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
 from resident.worker.kernels.fp8_gemv import (
     BLOCK_N, MAX_SPLIT_K, MAX_SUPPORTED_TOKENS, MAX_TOKENS, MIN_K_TILES_PER_SPLIT, TARGET_PROGRAMS_PER_SM,
@@ -51,9 +57,9 @@ from resident.worker.kernels.fp8_gemv import (
 
 logger = logging.getLogger(__name__)
 
-#: RESIDENT_GEMV values: no GEMV kernel, fp8 weights only, fp8 and 16-bit weights.
-GEMV_MODES = ("off", "fp8", "on")
-DEFAULT_GEMV_MODE = "off"
+#: RESIDENT_GEMV values (see the module doc).
+GEMV_MODES = ("auto", "off", "fp8", "on")
+DEFAULT_GEMV_MODE = "auto"
 #: Weight (= activation) dtypes of this kernel; float32 stays on F.linear (tl.dot would use TF32).
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 #: 128 16-bit elements: 256 contiguous bytes per tile row, like fp8_gemv's BLOCK_K of 256.
@@ -213,11 +219,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+def _unavailable(weight: torch.Tensor, what: str, rows: int, e: Exception) -> None:
+    logger.warning("%s unavailable for the %s weight %s (M=%d): %s; using F.linear for it",
+                   what, weight.dtype, tuple(weight.shape), rows, e)
+    try:
+        weight._gemv_unavailable = True
+    except AttributeError:        # a tensor type without attributes: try again next call
+        pass
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: the triton backend's `Kernels.linear` when GEMV_MODE is `auto`
+    or `on`. One row that `row_gemv.eligible` accepts (in `auto` on compute capability 9.0+ only)
+    takes `row_gemv`; in `on`, up to MAX_TOKENS rows take `linear`'s split-K GEMV; the rest, and
+    a weight whose kernel failed to build or launch (TritonError, logged once), F.linear."""
+    if (not getattr(weight, "_gemv_unavailable", False)
+            and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on")):
+        k = x.shape[-1]
+        config = row_gemv_mod.pick_config(weight.shape[0], k)
+        try:
+            out = row_gemv_mod.row_gemv(x.reshape(1, k) if x.is_contiguous() else x.reshape(1, k).contiguous(),
+                                        weight, bias.contiguous() if bias is not None else None, config=config)
+        except TritonError as e:
+            _unavailable(weight, "row GEMV kernel", 1, e)
+        else:
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+    if GEMV_MODE == "on":
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `gemv` for decode sizes: x on CUDA with at most
     MAX_TOKENS rows, 16-bit weight of x's dtype with a contiguous last dimension. Everything else
-    — and a weight whose GEMV failed to build or launch (TritonError, logged once) — takes F.linear.
-    The triton backend's `Kernels.linear` when GEMV_MODE is `on`."""
+    — and a weight whose GEMV failed to build or launch (TritonError, logged once) — takes F.linear."""
     k = x.shape[-1]
     if (x.is_cuda and x.dtype == weight.dtype and x.dtype in GEMV_DTYPES and weight.dim() == 2
             and weight.shape[1] == k and weight.stride(1) == 1 and k > 0
@@ -227,16 +262,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = gemv(x2 if x2.stride(1) == 1 else x2.contiguous(), weight,
                        bias.contiguous() if bias is not None else None)
         except TritonError as e:
-            logger.warning("GEMV kernel unavailable for the %s weight %s (M=%d): %s; using F.linear for it",
-                           weight.dtype, tuple(weight.shape), x2.shape[0], e)
-            try:
-                weight._gemv_unavailable = True
-            except AttributeError:        # a tensor type without attributes: try again next call
-                pass
+            _unavailable(weight, "GEMV kernel", x2.shape[0], e)
         else:
             return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-__all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "gemv", "gemv_mode", "linear",
-           "pick_config"]
+__all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "decode_linear", "gemv",
+           "gemv_mode", "linear", "pick_config"]

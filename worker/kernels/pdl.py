@@ -109,5 +109,6 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
-__all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "enabled", "enter", "launch_next", "pdl_mode", "prefetch_l2",
+__all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "enabled", "enter", "launch_next", "pdl_mode",
+           "prefetch_l2",
            "wait_previous"]

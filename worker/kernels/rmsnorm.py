@@ -75,7 +75,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
 def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr,
                          stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols, eps,
                          HAS_RESIDUAL: tl.constexpr, COOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One row per program: the normed row rounded to x's dtype, its maximum in slot `row`.
     COOP: all rows are resident at once; after the grid barrier (none for one row: an n_rows of 1
     is specialized at launch) every program derives the scale and stores its row quantized (out

@@ -38,7 +38,8 @@ def _rotary_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_cache_p
                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, s_cs,
                       sc_blk, sc_tok, sc_head,
                       n_qh, n_kh, half, block_size,
-                      BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      PDL: tl.constexpr = False):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)

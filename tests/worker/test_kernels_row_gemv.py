@@ -1,0 +1,175 @@
+"""The one-row GEMV (`kernels/row_gemv.py`): against the float64 product in Triton's CPU interpreter
+(float16 and bfloat16, with and without bias, every BLOCK_K and the wide shape, rows past N), its
+launch-shape policy and argument checks, the RESIDENT_GEMV routing of `gemv.decode_linear`; on a
+GPU the Llama-3-8B shapes in bf16, CUDA-graph replays, and which calls the engine's linear sends
+to it (one row, below the LM head's size) and which to cuBLAS.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_kernels import run_cases, run_in_interpreter  # noqa: E402
+from test_kernels_gemv import (  # noqa: E402
+    DTYPES, _exact_bf16_interpreter, _operands, assert_close_to_reference, reference64,
+)
+
+# (N, K): the default 8 x 1024 tile with rows past N, BLOCK_K 128 and 128 (K = 384, 640), the wide
+# shape (16 rows x 512 tiles; BLOCK_K 256 here).
+SHAPES = [(100, 2048), (17, 384), (40, 640), (16400, 256)]
+
+
+def _matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
+    from resident.worker.kernels.row_gemv import row_gemv
+
+    for i, (n, k) in enumerate(SHAPES):
+        x, w = _operands(n, k, 1, dtype, seed=i)
+        bias = (torch.randn(n, generator=torch.Generator().manual_seed(99)) * 0.5).to(dtype) if with_bias else None
+        got = row_gemv(x, w, bias)
+        assert_close_to_reference(got, reference64(x, w, bias), dtype)
+        assert torch.equal(row_gemv(x.reshape(-1), w, bias), got)       # [K] as [1, K]; the same bits again
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    return {f"matches_reference[{dname}-{'bias' if b else 'nobias'}]": (
+        lambda dtype=dtype, b=b: _matches_reference(dtype, b)) for dname, dtype in DTYPES.items() for b in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tmp_path_factory) -> dict[str, str]:
+    return run_in_interpreter(__file__, tmp_path_factory.mktemp("row_gemv"))
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_row_gemv_matches_reference_in_interpreter(case: str, interpreted_results: dict[str, str]) -> None:
+    result = interpreted_results.get(case, "case did not run")
+    assert result == "ok", f"{case}:\n{result}"
+
+
+# --- in-process: the launch-shape policy, argument checks, routing --------------------------------
+def _need_triton() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+
+
+def test_pick_config_is_the_h200_sweeps_policy() -> None:
+    _need_triton()
+    from resident.worker.kernels.row_gemv import RowConfig, pick_config
+
+    assert pick_config(6144, 4096) == pick_config(4096, 4096) == pick_config(4096, 14336) == RowConfig(8, 1024, 8)
+    assert pick_config(28672, 4096) == RowConfig(16, 512, 4)
+    assert pick_config(896, 4864) == RowConfig(8, 256, 8)         # K = 19 x 256
+    assert pick_config(576, 1536 + 128) == RowConfig(8, 128, 8)
+    assert pick_config(576, 100) is None
+    with pytest.raises(ValueError, match="power of two"):
+        RowConfig(rows=6)
+
+
+def test_row_gemv_rejects_what_it_cannot_do() -> None:
+    _need_triton()
+    from resident.worker.kernels.row_gemv import RowConfig, row_gemv
+
+    w = torch.zeros(8, 256, dtype=torch.bfloat16)
+    for call, err, match in (
+        (lambda: row_gemv(torch.zeros(2, 256, dtype=torch.bfloat16), w), ValueError, r"x \[1, K\]"),
+        (lambda: row_gemv(torch.zeros(1, 256), w.float()), TypeError, "F.linear"),
+        (lambda: row_gemv(torch.zeros(1, 256, dtype=torch.float16), w), TypeError, "same dtype"),
+        (lambda: row_gemv(torch.zeros(1, 200, dtype=torch.bfloat16), torch.zeros(8, 200, dtype=torch.bfloat16)),
+         ValueError, "multiple of the tile's BLOCK_K.*F.linear"),
+        (lambda: row_gemv(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=RowConfig(8, 512, 8)),
+         ValueError, r"K \(256\)"),
+        (lambda: row_gemv(torch.zeros(1, 256, dtype=torch.bfloat16), w, torch.zeros(9, dtype=torch.bfloat16)),
+         ValueError, "bias"),
+    ):
+        with pytest.raises(err, match=match):
+            call()
+
+
+def test_cpu_tensors_are_never_eligible_and_take_f_linear(monkeypatch) -> None:
+    _need_triton()
+    from resident.worker.kernels import gemv, row_gemv
+
+    x, w = torch.randn(1, 256, dtype=torch.bfloat16), torch.randn(8, 256, dtype=torch.bfloat16)
+    assert not row_gemv.eligible(x, w, hopper_only=False)
+    for mode in ("auto", "on"):
+        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+        assert torch.equal(gemv.decode_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
+def test_triton_backend_linear_by_mode(mode: str, monkeypatch) -> None:
+    _need_triton()
+    from resident.worker.kernels import dispatch, gemv
+
+    monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+    assert dispatch._triton_kernels().linear is (gemv.decode_linear if mode in ("auto", "on") else F.linear)
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _cuda_operands(n: int, k: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(1, k, generator=g, device="cuda").to(dtype),
+            (0.02 * torch.randn(n, k, generator=g, device="cuda")).to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", LLAMA3_8B)
+def test_gpu_row_gemv_matches_float64_product(shape: tuple[int, int]) -> None:
+    """bf16 at each Llama-3-8B layer shape (and fp16 with a bias at one): within one rounding of
+    the float64 product (float32 summation aside); replays of a CUDA graph of it give its bits."""
+    from resident.worker.kernels.row_gemv import row_gemv
+
+    n, k = shape
+    x, w = _cuda_operands(n, k)
+    got = row_gemv(x, w)
+    assert_close_to_reference(got, reference64(x, w, None), torch.bfloat16)
+    if shape == (6144, 4096):
+        xh, wh = x.half(), w.half()
+        bias = torch.randn(n, device="cuda", dtype=torch.float16)
+        assert_close_to_reference(row_gemv(xh, wh, bias), reference64(xh, wh, bias), torch.float16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = row_gemv(x, w)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_linear_routes_one_row_below_lm_head_size(monkeypatch) -> None:
+    """RESIDENT_GEMV=auto (the default) on a 9.0+ GPU: one row of a layer-sized weight goes
+    through row_gemv; two rows, an LM-head-sized weight (N >= MAX_N) and `off` give F.linear's bits."""
+    from resident.worker.kernels import dispatch, gemv, row_gemv
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("auto takes the row GEMV on compute capability 9.0+ only")
+    used = []
+    real = row_gemv.row_gemv
+    monkeypatch.setattr(row_gemv, "row_gemv", lambda *a, **kw: used.append(tuple(a[1].shape)) or real(*a, **kw))
+    monkeypatch.setattr(gemv, "GEMV_MODE", "auto")
+    linear = dispatch.get_kernels("cuda", "triton").linear
+    x, w = _cuda_operands(4096, 4096)
+    assert_close_to_reference(linear(x, w), reference64(x, w, None), torch.bfloat16)
+    assert used == [(4096, 4096)]
+    x2 = torch.cat([x, x])
+    assert torch.equal(linear(x2, w), F.linear(x2, w))
+    head = torch.randn(row_gemv.MAX_N, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear(x, head), F.linear(x, head))
+    assert used == [(4096, 4096)]
+
+
+if __name__ == "__main__":
+    _exact_bf16_interpreter()
+    run_cases(_cases(), sys.argv[1])

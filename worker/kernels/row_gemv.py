@@ -1,0 +1,140 @@
+"""bf16/fp16 GEMV for one token (Triton): each program streams a few whole weight rows through registers.
+
+A batch-1 decode step's linears are pure streams of their [N, K] 16-bit weights. This kernel
+gives each program ROWS consecutive rows of the weight and walks K in [ROWS, BLOCK_K] tiles:
+16-byte loads straight into registers (no shared memory, no tensor cores, no split-K and so no
+partials to merge), products in float32 — exact for two 16-bit floats — summed per tile and
+accumulated in float32 (the float32 sum of exact products up to summation order), plus the
+bias in float32, one final cast. The grid is ceil(N / ROWS) programs: thousands for the wide
+projections, 512 for a 4096-row one, several resident per SM, each with a tile's worth of
+loads in flight.
+
+Under programmatic dependent launch (kernels/pdl.py) the first weight tile is loaded before the
+program waits for the kernel before it (the weight is the one thing no kernel writes) and the
+activation after, so the weight stream starts while the previous kernel finishes.
+
+On the H200 (Llama-3-8B shapes, each over >= 256 MiB of weight copies; docs/benchmarks.md,
+session 12) against cuBLAS at M = 1: qkv 14.3-14.7 vs 15.4 us, o 10.3 vs 12.6, gate_up 56.1-57.7
+vs 61.7, down 29.4 vs 31.7 (98 % of the copy bandwidth for gate_up); 32 layers of the four
+chained, 3356 us (97.5 %) against cuBLAS's 3764 (86.9 %). `pick_config` is that sweep's
+policy. The LM head (N >= MAX_N) stays on cuBLAS, which streams it at the copy bandwidth.
+
+Used by `gemv.decode_linear` (the triton backend's linear under RESIDENT_GEMV=auto, the default,
+and on) for 16-bit inputs of one row; `eligible` says which.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from resident.worker.kernels import pdl
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
+
+#: Weights of at least this many rows (an LM head) are left to cuBLAS.
+MAX_N = 65536
+#: Rows at or above which the wide-projection shape is used.
+WIDE_N = 16384
+#: K must be a multiple of one of these (the largest that divides it is taken, up to the config's).
+BLOCK_KS = (1024, 512, 256, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    rows: int = 8
+    block_k: int = 1024
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"RowConfig.{name} must be a power of two, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"RowConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+def pick_config(n: int, k: int) -> RowConfig | None:
+    """The H200 sweep's best shapes: 16 rows x 512 in 4 warps for wide weights (gate_up), else 8
+    rows x 1024 in 8 warps; BLOCK_K drops to the largest of BLOCK_KS dividing K. None: no
+    BLOCK_KS divides K (the caller takes another GEMM)."""
+    rows, block_k, warps = (16, 512, 4) if n >= WIDE_N else (8, 1024, 8)
+    for b in BLOCK_KS:
+        if b <= block_k and k % b == 0:
+            return RowConfig(rows, b, warps)
+    return None
+
+
+@functools.cache
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
+    """One row of a 16-bit x on CUDA against a 2-D weight of its dtype with a contiguous last
+    dimension, fewer than MAX_N rows and a K some BLOCK_KS divides (`hopper_only`: on compute
+    capability 9.0+, where the kernel was measured)."""
+    k = x.shape[-1]
+    if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.shape[1] == k and weight.stride(1) == 1 and x.numel() == k and 0 < weight.shape[0] < MAX_N
+            and k % BLOCK_KS[-1] == 0):
+        return False
+    return not hopper_only or _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * ROWS + tl.arange(0, ROWS)
+    rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    pdl.launch_next(PDL)
+    w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
+    pdl.wait_previous(PDL)
+    acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0)
+        x = tl.load(x_ptr + k0 + cols)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
+
+
+def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             config: RowConfig | None = None) -> torch.Tensor:
+    """out [1, N] = x @ weight.T (+ bias) for x [1, K] (or [K]) of weight's 16-bit dtype: float32
+    sums of exact products, bias added in float32, one rounding. K must be a multiple of the
+    config's block_k (`pick_config`'s default: a ValueError when none fits)."""
+    if x.numel() != x.shape[-1] or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"row_gemv takes a float16 or bfloat16 weight and x of the same dtype, got weight "
+                        f"{weight.dtype} and x {x.dtype}; use F.linear for other dtypes")
+    check_last_dim_contiguous("weight", weight)
+    x1 = x.reshape(-1)
+    check_last_dim_contiguous("x", x1)
+    n, k = weight.shape
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    check_same_device(x=x, weight=weight, **({"bias": bias} if bias is not None else {}))
+    config = config or pick_config(n, k)
+    if config is None or k % config.block_k:
+        raise ValueError(f"row_gemv needs K ({k}) to be a multiple of the tile's BLOCK_K "
+                         f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    use_pdl = pdl.enabled(x.device, 1)
+    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
+        x1, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, ROWS=config.rows, BLOCK_K=config.block_k, PDL=use_pdl,
+        num_warps=config.num_warps, launch_pdl=use_pdl)
+    return out
+
+
+__all__ = ["BLOCK_KS", "DTYPES", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv"]
