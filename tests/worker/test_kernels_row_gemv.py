@@ -39,8 +39,10 @@ def _matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
 
 
 def _cases() -> dict[str, Callable[[], None]]:
-    return {f"matches_reference[{dname}-{'bias' if b else 'nobias'}]": (
-        lambda dtype=dtype, b=b: _matches_reference(dtype, b)) for dname, dtype in DTYPES.items() for b in (False, True)}
+    def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
+        return lambda: _matches_reference(dtype, with_bias)
+    return {f"matches_reference[{dname}-{'bias' if b else 'nobias'}]": case(dtype, b)
+            for dname, dtype in DTYPES.items() for b in (False, True)}
 
 
 @pytest.fixture(scope="module")
