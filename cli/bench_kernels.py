@@ -22,10 +22,11 @@ A second table compares, at `--gemv-tokens` (decode batch sizes), the decode GEM
 the quantize kernel + `_scaled_mm`: microseconds, weight bytes read per second (GB/s) and
 that rate's share of the copy bandwidth, with the split-K factor the GEMV picked.
 
-A third table does the same for bf16 weights (2 bytes per element): the 16-bit GEMV
-(`kernels/gemv.py`, taken at decode sizes when RESIDENT_GEMV=on) against `torch.matmul`
-(cuBLAS, what `F.linear` runs), at the four shapes and the LM head (128256x4096), to decide
-whether the GEMV beats cuBLAS on this GPU.
+A third table does the same for bf16 weights (2 bytes per element): the split-K 16-bit GEMV
+(`kernels/gemv.py`, taken at 2..16 tokens when RESIDENT_GEMV=on) and, at one token, the row
+GEMV (`kernels/row_gemv.py`, what RESIDENT_GEMV=auto, the default, runs there on Hopper and
+later) against `torch.matmul` (cuBLAS, what `F.linear` runs), at the four shapes and the LM
+head (128256x4096; left to cuBLAS by the engine), to decide whether they beat cuBLAS on this GPU.
 
 Calls are captured `--reps` at a time in a CUDA graph (as decode steps run in the engine)
 and replayed `--iters` times between CUDA events; `--eager` times plain launches instead.
@@ -171,6 +172,7 @@ def _gemv16_rows(name: str, w: Any, token_counts: list[int], bw: float, reps: in
     """The 16-bit GEMV vs `torch.matmul` at each token count, for one bf16 weight."""
     import torch
 
+    from resident.worker.kernels import row_gemv
     from resident.worker.kernels.fp8_gemv import MAX_SUPPORTED_TOKENS
     from resident.worker.kernels.gemv import gemv, pick_config
 
@@ -184,8 +186,10 @@ def _gemv16_rows(name: str, w: Any, token_counts: list[int], bw: float, reps: in
         x = torch.randn(m, k, device="cuda", dtype=w.dtype)
         row: dict[str, Any] = {"linear": name, "n": n, "k": k, "tokens": m,
                                "split_k": pick_config(m, n, k, sms).split_k}
-        _time_into(row, (("matmul", lambda: torch.matmul(x, w.t())), ("gemv", lambda: gemv(x, w))),
-                   nbytes, bw, reps, iters, graph)
+        fns = [("matmul", lambda: torch.matmul(x, w.t())), ("gemv", lambda: gemv(x, w))]
+        if m == 1 and row_gemv.pick_config(n, k) is not None:
+            fns.append(("row_gemv", lambda: row_gemv.row_gemv(x, w)))
+        _time_into(row, fns, nbytes, bw, reps, iters, graph)
         rows.append(row)
     return rows
 
@@ -273,13 +277,17 @@ def bench_kernels(token_counts: list[int], gemv_tokens: list[int], reps: int, it
           *(v for key in ("scaled_mm", "gemv", "gemv_fused")
             for v in (f"{r[key + '_us']:.1f}", f"{r[key + '_gb_s']:.0f}", f"{100 * r[key + '_of_copy']:.0f} %")),
           r["split_k"]] for r in doc["gemv_rows"]]))
-    click.echo("\nbf16 decode GEMV vs torch.matmul: microseconds per call, weight GB/s, % of copy bandwidth")
+    click.echo("\nbf16 decode GEMVs vs torch.matmul: microseconds per call, weight GB/s, % of copy bandwidth "
+               "(row GEMV: one token)")
     click.echo(format_table(
-        ["LINEAR", "N x K", "TOKENS", "MATMUL", "GB/S", "OF COPY", "GEMV", "GB/S", "OF COPY", "SPLIT K"],
+        ["LINEAR", "N x K", "TOKENS", "MATMUL", "GB/S", "OF COPY", "GEMV", "GB/S", "OF COPY", "SPLIT K", "ROW GEMV",
+         "GB/S", "OF COPY"],
         [[r["linear"], f"{r['n']}x{r['k']}", r["tokens"],
           *(v for key in ("matmul", "gemv")
             for v in (f"{r[key + '_us']:.1f}", f"{r[key + '_gb_s']:.0f}", f"{100 * r[key + '_of_copy']:.0f} %")),
-          r["split_k"]] for r in doc["gemv16_rows"]]))
+          r["split_k"],
+          *((f"{r['row_gemv_us']:.1f}", f"{r['row_gemv_gb_s']:.0f}", f"{100 * r['row_gemv_of_copy']:.0f} %")
+            if "row_gemv_us" in r else ("-", "-", "-"))] for r in doc["gemv16_rows"]]))
     if json_path:
         json_path.write_text(json.dumps(doc, indent=2))
         click.echo(f"wrote {json_path}")

@@ -356,6 +356,9 @@ def test_gpu_bench_kernels_measures_every_shape() -> None:
         x = torch.empty(row["tokens"], row["k"], dtype=torch.bfloat16, device="cuda")
         fits = coop_unsupported_reason(x) is None          # on an H200 (132 SMs): all four (32, 112 programs)
         assert row["quant_two_us"] > 0 and (row["quant_coop_us"] > 0 if fits else row["quant_coop_us"] is None)
+    # the bf16 table: the row GEMV at one token (the LM head too: the engine leaves it to cuBLAS)
+    for row in doc["gemv16_rows"]:
+        assert ("row_gemv_us" in row) == (row["tokens"] == 1), row
 
 
 if __name__ == "__main__":

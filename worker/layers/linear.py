@@ -2,7 +2,8 @@
 
 Two methods sit behind one small registry:
 - `unquantized`: `F.linear(x, w, b)` in the weights' dtype (with `kernels`, `kernels.linear`:
-  on the triton backend with RESIDENT_GEMV=on, the decode-size GEMV of `kernels/gemv.py`).
+  on the triton backend `kernels/gemv.decode_linear` — one-row inputs through the row GEMV of
+  `kernels/row_gemv.py` — unless RESIDENT_GEMV=off or fp8).
 - `fp8_per_tensor`: W8A8 as vLLM does it. The weight is float8_e4m3fn with a float32
   per-tensor scale (`<prefix>.weight_scale`, w ~ q * scale); activations are quantized per
   tensor on the fly (scale_a = amax|x| / 448). The reference performs exactly the steps of
