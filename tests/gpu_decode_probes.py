@@ -7,7 +7,8 @@
     python3 tests/gpu_decode_probes.py bf16-gemm     --json OUT.json   (~60 s: Triton compiles)
     python3 tests/gpu_decode_probes.py attention-fp8 --json OUT.json   (~40 s)
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
-    python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~2 min: Triton compiles)
+    python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~30 s on the H200)
+    python3 tests/gpu_decode_probes.py fp8-row-gemv  --json OUT.json   (~30 s; not run yet)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -33,6 +34,8 @@
 - gemv-designs (session 12): a register-tiled GEMV without tensor cores or split-K, swept per
   shape against cuBLAS and kernels/gemv.py, then in the decode chains with and without PDL (and
   with its first weight tile loaded before PDL's wait).
+- fp8-row-gemv (session 12, not run yet): `row_gemv_fp8` per shape over launch shapes against
+  `_scaled_mm`.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -618,9 +621,57 @@ def gemv_designs() -> dict:
     return {"copy_bw": bw, "shapes": shapes, "best": {f"{n}x{k}": v for (n, k), v in best.items()}, "chains": rows}
 
 
+def fp8_row_gemv() -> dict:
+    """The one-row GEMV over fp8 weights (`row_gemv.row_gemv_fp8`, opt-in under RESIDENT_GEMV=on)
+    per Llama-3-8B shape over ROWS x BLOCK_K x warps against `torch._scaled_mm` (what the engine
+    runs), each over copies of the weight totalling >= 256 MiB: microseconds, share of the copy
+    bandwidth, error against the float64 product of the same fp8 operands."""
+    from resident.worker.kernels import row_gemv
+    from resident.worker.layers.linear import fp8_fast_accum
+
+    bw = _copy_bandwidth()
+    f8 = torch.float8_e4m3fn
+    rows_out = []
+    for name, n, k in SHAPES:
+        nbytes = n * k
+        ws = [(torch.randn(n, k, device="cuda") * 100).clamp(-440, 440).to(f8)
+              for _ in range(max(1, -(-256 * MiB // nbytes)))]
+        x_q = (torch.randn(1, k, device="cuda") * 100).clamp(-440, 440).to(f8)
+        s_a, s_w = torch.tensor(0.013, device="cuda"), torch.tensor(0.0007, device="cuda")
+        ref = (x_q.double() @ ws[0].double().T) * (0.013 * 0.0007)
+        forms = {"scaled_mm": lambda w: torch._scaled_mm(x_q, w.t(), scale_a=s_a, scale_b=s_w, out_dtype=torch.bfloat16,
+                                                         use_fast_accum=fp8_fast_accum(1)),
+                 f"row picked {row_gemv.pick_config(n, k, fp8=True)}":
+                     lambda w: row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16)}
+        for rows in (8, 16, 32):
+            for block_k in (1024, 2048, 4096):
+                for warps in (4, 8):
+                    if k % block_k or rows * block_k // (32 * warps) > 512:
+                        continue
+                    cfg = row_gemv.RowConfig(rows, block_k, warps)
+                    forms[f"row {rows}x{block_k} w{warps}"] = (
+                        lambda w, cfg=cfg: row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16, config=cfg))
+        row = {"name": name, "n": n, "k": k, "copies": len(ws)}
+        for label, f in forms.items():
+            try:
+                err = ((f(ws[0]).double() - ref).abs().max() / ref.abs().max()).item()
+                us = _graph_us(lambda f=f, ws=ws: [f(w) for w in ws], reps=10) / len(ws)
+            except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
+                row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+                continue
+            row[label] = {"us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "max_error_of_max_out": err}
+        timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+        top = min((lbl for lbl in timed if lbl.startswith("row ")), key=lambda lbl: timed[lbl]["us"])
+        rows_out.append(row)
+        print(f"{name}: scaled_mm {timed['scaled_mm']['us']:.1f} us ({timed['scaled_mm']['of_copy_bandwidth']:.0%}), "
+              f"best {top} {timed[top]['us']:.1f} us ({timed[top]['of_copy_bandwidth']:.0%})", file=sys.stderr)
+        del ws
+    return {"copy_bw": bw, "shapes": rows_out}
+
+
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,11 +38,47 @@ def _matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
         assert torch.equal(row_gemv(x.reshape(-1), w, bias), got)       # [K] as [1, K]; the same bits again
 
 
+def fp8_operands(n: int, k: int, seed: int, device: str = "cpu"):
+    """(x_q [1, K], scale_a, w_q [N, K], scale_w): float8_e4m3fn values well inside their range."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, k, generator=g, device=device) * 100
+    w = torch.randn(n, k, generator=g, device=device) * 100
+    f8 = torch.float8_e4m3fn
+    return (x.clamp(-440, 440).to(f8), torch.tensor(0.013, device=device), w.clamp(-440, 440).to(f8),
+            torch.tensor(0.0007, device=device))
+
+
+def fp8_reference64(x_q, scale_a, w_q, scale_w, bias) -> torch.Tensor:
+    out = (x_q.double() @ w_q.double().T) * (scale_a.double() * scale_w.double())
+    return out + bias.double() if bias is not None else out
+
+
+def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
+    from resident.worker.kernels.row_gemv import row_gemv_fp8
+
+    for i, (n, k) in enumerate([(100, 4096), (17, 384), (16400, 256)]):
+        x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=i)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16) if with_bias else None
+        got = row_gemv_fp8(x_q, s_a, w_q, s_w, bias, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (1, n)
+        want = fp8_reference64(x_q, s_a, w_q, s_w, bias)
+        if out_dtype == torch.float32:     # float32 sums of exact products: summation order only
+            assert ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
+        else:
+            assert_close_to_reference(got, want, out_dtype)
+
+
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
-    return {f"matches_reference[{dname}-{'bias' if b else 'nobias'}]": case(dtype, b)
-            for dname, dtype in DTYPES.items() for b in (False, True)}
+
+    def fp8_case(out_dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
+        return lambda: _fp8_matches_reference(out_dtype, with_bias)
+    cases = {f"matches_reference[{dname}-{'bias' if b else 'nobias'}]": case(dtype, b)
+             for dname, dtype in DTYPES.items() for b in (False, True)}
+    cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
+    cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +107,9 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
     assert pick_config(896, 4864) == RowConfig(8, 256, 8)         # K = 19 x 256
     assert pick_config(576, 1536 + 128) == RowConfig(8, 128, 8)
     assert pick_config(576, 100) is None
+    assert pick_config(6144, 4096, fp8=True) == pick_config(4096, 14336, fp8=True) == RowConfig(8, 2048, 8)
+    assert pick_config(28672, 4096, fp8=True) == RowConfig(16, 1024, 4)     # the same bytes a tile as bf16
+    assert pick_config(896, 4864, fp8=True) == RowConfig(8, 256, 8)
     with pytest.raises(ValueError, match="power of two"):
         RowConfig(rows=6)
 
@@ -104,6 +143,24 @@ def test_cpu_tensors_are_never_eligible_and_take_f_linear(monkeypatch) -> None:
     for mode in ("auto", "on"):
         monkeypatch.setattr(gemv, "GEMV_MODE", mode)
         assert torch.equal(gemv.decode_linear(x, w), F.linear(x, w))
+
+
+def test_row_gemv_fp8_rejects_what_it_cannot_do() -> None:
+    _need_triton()
+    from resident.worker.kernels.row_gemv import row_gemv_fp8
+
+    x_q, s_a, w_q, s_w = fp8_operands(8, 256, seed=0)
+    for call, err, match in (
+        (lambda: row_gemv_fp8(x_q.float(), s_a, w_q, s_w, None, torch.bfloat16), TypeError, "float8_e4m3fn"),
+        (lambda: row_gemv_fp8(torch.cat([x_q, x_q]), s_a, w_q, s_w, None, torch.bfloat16), ValueError,
+         r"x_q \[1, K\]"),
+        (lambda: row_gemv_fp8(x_q, s_a.double(), w_q, s_w, None, torch.bfloat16), ValueError, "scale_a"),
+        (lambda: row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.int8), TypeError, "out_dtype"),
+        (lambda: row_gemv_fp8(x_q[:, :200], s_a, w_q[:, :200], s_w, None, torch.bfloat16), ValueError,
+         "_scaled_mm"),
+    ):
+        with pytest.raises(err, match=match):
+            call()
 
 
 @pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
@@ -170,6 +227,40 @@ def test_gpu_engine_linear_routes_one_row_below_lm_head_size(monkeypatch) -> Non
     head = torch.randn(row_gemv.MAX_N, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear(x, head), F.linear(x, head))
     assert used == [(4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", LLAMA3_8B)
+def test_gpu_row_gemv_fp8_matches_the_reference(shape: tuple[int, int]) -> None:
+    """fp8 at each Llama-3-8B layer shape, bf16 out: within one rounding of the float64 product
+    of the same fp8 operands (float32 summation aside); graph replays give its bits."""
+    from resident.worker.kernels.row_gemv import row_gemv_fp8
+
+    n, k = shape
+    x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=1, device="cuda")
+    got = row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.bfloat16)
+    assert_close_to_reference(got, fp8_reference64(x_q, s_a, w_q, s_w, None), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.bfloat16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_gpu_fp8_one_row_takes_the_row_gemv_only_when_on(mode: str, monkeypatch) -> None:
+    from resident.worker.kernels import fp8, gemv, row_gemv
+
+    used = []
+    real = row_gemv.row_gemv_fp8
+    monkeypatch.setattr(row_gemv, "row_gemv_fp8", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+    x_q, s_a, w_q, s_w = fp8_operands(4096, 4096, seed=2, device="cuda")
+    got = fp8.fp8_scaled_mm(x_q, s_a, w_q, s_w, None, torch.bfloat16)
+    assert_close_to_reference(got, fp8_reference64(x_q, s_a, w_q, s_w, None), torch.bfloat16)
+    assert used == ([1] if mode == "on" else [])
 
 
 if __name__ == "__main__":

@@ -14,13 +14,15 @@ math instead, which is exact but slow; a debug log line says so. `fp8_scaled_mm`
 GEMM (and GEMV) on an input already quantized, as the fused norm and SiLU-and-mul emit it.
 
 With RESIDENT_GEMV=fp8 or on (`gemv.GEMV_MODE`, read once per process; the default, auto,
-keeps fp8 on `_scaled_mm`), decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip `_scaled_mm` for the
-split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact products; any N
-and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also quantizes
-in-kernel (one launch per linear). Should Triton fail to build or load it (a TritonError),
-the call logs a warning and takes the `_scaled_mm` path instead. Off by default: on the H200
-decode was slower than with `_scaled_mm` (docs/benchmarks.md: session 3 with float16 upcasts, 58 %
-of the copy bandwidth; session 10 on the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
+keeps fp8 on `_scaled_mm`), decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
+`_scaled_mm` for the split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact
+products; any N and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also
+quantizes in-kernel (one launch per linear). Under `on`, one row already quantized (the fused
+producers' output) takes `row_gemv.row_gemv_fp8` instead (not yet measured on a GPU). Should
+Triton fail to build or load them (a TritonError), the call logs a warning and takes the
+`_scaled_mm` path instead. Off by default: on the H200 decode was slower than with `_scaled_mm`
+(docs/benchmarks.md: session 3 with float16 upcasts, 58 % of the copy bandwidth; session 10 on
+the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import logging
 import torch
 from triton.errors import TritonError
 
-from resident.worker.kernels import fp8_gemv, gemv
+from resident.worker.kernels import fp8_gemv, gemv, row_gemv
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -124,6 +126,9 @@ def _gemv_or_none(x2: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.
     or fp8 with its scale_a); None if Triton cannot run it here."""
     bias = bias.contiguous() if bias is not None else None
     try:
+        if scale_a is not None and x2.shape[0] == 1 and gemv.GEMV_MODE == "on" and (
+                row_gemv.pick_config(weight.shape[0], weight.shape[1], fp8=True) is not None):
+            return row_gemv.row_gemv_fp8(x2, scale_a, weight, weight_scale.reshape(()), bias, out_dtype)
         if scale_a is not None:
             return fp8_gemv.fp8_gemv(x2, scale_a, weight, weight_scale, bias, out_dtype)
         if x2.numel() <= fp8_gemv.FUSED_QUANT_MAX_NUMEL:

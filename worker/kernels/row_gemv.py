@@ -1,4 +1,4 @@
-"""bf16/fp16 GEMV for one token (Triton): each program streams a few whole weight rows through registers.
+"""GEMV for one token (Triton): each program streams a few whole weight rows through registers.
 
 A batch-1 decode step's linears are pure streams of their [N, K] 16-bit weights. This kernel
 gives each program ROWS consecutive rows of the weight and walks K in [ROWS, BLOCK_K] tiles:
@@ -21,6 +21,14 @@ policy. The LM head (N >= MAX_N) stays on cuBLAS, which streams it at the copy b
 
 Used by `gemv.decode_linear` (the triton backend's linear under RESIDENT_GEMV=auto, the default,
 and on) for 16-bit inputs of one row; `eligible` says which.
+
+fp8 (W8A8 per tensor, `row_gemv_fp8`): the same kernel over a float8_e4m3fn weight and an
+activation already quantized (what the fused norm / SiLU / attention kernels emit): products of
+two e4m3 values are exact in float32, so the sum is `_scaled_mm`'s up to summation order, then
+(acc * (scale_a * scale_w)) + bias in float32 and one cast, the reference's order
+(`layers.linear.fp8_scaled_mm_reference`). Its tiles hold as many bytes as the 16-bit ones
+(`pick_config(..., fp8=True)`: twice the BLOCK_K). Opt-in (`fp8.fp8_scaled_mm` takes it for one
+row under RESIDENT_GEMV=on only): not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ WIDE_N = 16384
 #: K must be a multiple of one of these (the largest that divides it is taken, up to the config's).
 BLOCK_KS = (1024, 512, 256, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+FP8_BLOCK_KS = (2048, 1024, 512, 256, 128)
 
 
 @dataclass(frozen=True)
@@ -58,12 +67,15 @@ class RowConfig:
             raise ValueError(f"RowConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
 
 
-def pick_config(n: int, k: int) -> RowConfig | None:
+def pick_config(n: int, k: int, fp8: bool = False) -> RowConfig | None:
     """The H200 sweep's best shapes: 16 rows x 512 in 4 warps for wide weights (gate_up), else 8
     rows x 1024 in 8 warps; BLOCK_K drops to the largest of BLOCK_KS dividing K. None: no
-    BLOCK_KS divides K (the caller takes another GEMM)."""
+    BLOCK_KS divides K (the caller takes another GEMM). `fp8`: the same bytes per tile (BLOCK_K
+    doubled, from FP8_BLOCK_KS; not swept yet)."""
     rows, block_k, warps = (16, 512, 4) if n >= WIDE_N else (8, 1024, 8)
-    for b in BLOCK_KS:
+    if fp8:
+        block_k *= 2
+    for b in FP8_BLOCK_KS if fp8 else BLOCK_KS:
         if b <= block_k and k % b == 0:
             return RowConfig(rows, b, warps)
     return None
@@ -87,8 +99,9 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -102,6 +115,8 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
         w = tl.load(w_ptrs + k0)
         x = tl.load(x_ptr + k0 + cols)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
@@ -129,12 +144,54 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         raise ValueError(f"row_gemv needs K ({k}) to be a multiple of the tile's BLOCK_K "
                          f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x.device, 1)
-    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
-        x1, weight, bias if bias is not None else out, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, ROWS=config.rows, BLOCK_K=config.block_k, PDL=use_pdl,
-        num_warps=config.num_warps, launch_pdl=use_pdl)
+    _launch(x1, weight, bias, out, None, None, config)
     return out
 
 
-__all__ = ["BLOCK_KS", "DTYPES", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv"]
+def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
+    n, k = weight.shape
+    use_pdl = pdl.enabled(x1.device, 1)
+    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
+        x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
+        scale_w if scale_w is not None else out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
+        PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+
+
+def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: RowConfig | None = None) -> torch.Tensor:
+    """out [1, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [1, K]
+    (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
+    bias [N] of any float dtype. K must be a multiple of the config's block_k (default
+    `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
+    fp8 = torch.float8_e4m3fn
+    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x_q.dtype != fp8 or weight.dtype != fp8:
+        raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
+    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    check_last_dim_contiguous("weight", weight)
+    x1 = x_q.reshape(-1)
+    check_last_dim_contiguous("x_q", x1)
+    n, k = weight.shape
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    check_same_device(x_q=x_q, weight=weight, scale_a=scale_a, weight_scale=weight_scale,
+                      **({"bias": bias} if bias is not None else {}))
+    config = config or pick_config(n, k, fp8=True)
+    if config is None or k % config.block_k:
+        raise ValueError(f"row_gemv_fp8 needs K ({k}) to be a multiple of the tile's BLOCK_K "
+                         f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
+    out = torch.empty((1, n), dtype=out_dtype, device=x_q.device)
+    _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
+    return out
+
+
+__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
+           "row_gemv_fp8"]
