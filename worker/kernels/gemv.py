@@ -233,7 +233,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     or `on`. One row that `row_gemv.eligible` accepts (in `auto` on compute capability 9.0+ only)
     takes `row_gemv`; in `on`, up to MAX_TOKENS rows take `linear`'s split-K GEMV; the rest, and
     a weight whose kernel failed to build or launch (TritonError, logged once), F.linear."""
-    if (not getattr(weight, "_gemv_unavailable", False)
+    if (x.numel() == x.shape[-1] and not getattr(weight, "_gemv_unavailable", False)   # one row: cheap test first
             and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on")):
         k = x.shape[-1]
         config = row_gemv_mod.pick_config(weight.shape[0], k)
