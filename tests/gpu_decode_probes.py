@@ -520,6 +520,22 @@ def pdl_chain() -> dict:
     return {"copy_bw": bw, "layers": chain.layers, "context": chain.context, "rows": rows}
 
 
+def _time_forms(row: dict, forms: dict[str, Callable], ws: list[torch.Tensor], ref: torch.Tensor, nbytes: int,
+                bw: float) -> dict[str, dict]:
+    """Time each form (a function of one weight) over all of `ws` in a CUDA graph into `row`
+    (µs per call, share of the copy bandwidth for `nbytes`, max error against `ref` relative to its
+    largest value; a form that does not build: its error); returns the timed ones."""
+    for label, f in forms.items():
+        try:
+            err = ((f(ws[0]).double() - ref.double()).abs().max() / ref.abs().max()).item()
+            us = _graph_us(lambda f=f: [f(w) for w in ws], reps=10) / len(ws)
+        except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
+            row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            continue
+        row[label] = {"us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "max_error_of_max_out": err}
+    return {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+
+
 @triton.jit
 def _fma_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
@@ -590,15 +606,7 @@ def gemv_designs() -> dict:
                     forms[f"fma {rows}x{block_k} w{warps}"] = (
                         lambda w, r=rows, b=block_k, wp=warps: _fma_gemv(x, w, r, b, wp))
         row = {"name": name, "n": n, "k": k, "copies": len(ws)}
-        for label, f in forms.items():
-            try:
-                err = ((f(ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
-                us = _graph_us(lambda f=f, ws=ws: [f(w) for w in ws], reps=10) / len(ws)
-            except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
-                row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-                continue
-            row[label] = {"us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "max_error_of_max_out": err}
-        timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+        timed = _time_forms(row, forms, ws, ref, nbytes, bw)
         top = min((lbl for lbl in timed if lbl.startswith("fma")), key=lambda lbl: timed[lbl]["us"])
         best[(n, k)] = tuple(int(v) for v in top.split()[1].split("x")) + (int(top.split()[2][1:]),)
         row["best_fma"] = top
@@ -652,15 +660,7 @@ def fp8_row_gemv() -> dict:
                     forms[f"row {rows}x{block_k} w{warps}"] = (
                         lambda w, cfg=cfg: row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16, config=cfg))
         row = {"name": name, "n": n, "k": k, "copies": len(ws)}
-        for label, f in forms.items():
-            try:
-                err = ((f(ws[0]).double() - ref).abs().max() / ref.abs().max()).item()
-                us = _graph_us(lambda f=f, ws=ws: [f(w) for w in ws], reps=10) / len(ws)
-            except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
-                row[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-                continue
-            row[label] = {"us": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw, "max_error_of_max_out": err}
-        timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
+        timed = _time_forms(row, forms, ws, ref, nbytes, bw)
         top = min((lbl for lbl in timed if lbl.startswith("row ")), key=lambda lbl: timed[lbl]["us"])
         rows_out.append(row)
         print(f"{name}: scaled_mm {timed['scaled_mm']['us']:.1f} us ({timed['scaled_mm']['of_copy_bandwidth']:.0%}), "

@@ -122,6 +122,19 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
+def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                  **others: torch.Tensor) -> torch.Tensor:
+    """Contiguous last dimensions, a contiguous [N] bias, one device; x as a [K] view."""
+    check_last_dim_contiguous("weight", weight)
+    x1 = x.reshape(-1)
+    check_last_dim_contiguous(x_name, x1)
+    n = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
+    check_same_device(**{x_name: x}, weight=weight, **others, **({"bias": bias} if bias is not None else {}))
+    return x1
+
+
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              config: RowConfig | None = None) -> torch.Tensor:
     """out [1, N] = x @ weight.T (+ bias) for x [1, K] (or [K]) of weight's 16-bit dtype: float32
@@ -132,13 +145,8 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise TypeError(f"row_gemv takes a float16 or bfloat16 weight and x of the same dtype, got weight "
                         f"{weight.dtype} and x {x.dtype}; use F.linear for other dtypes")
-    check_last_dim_contiguous("weight", weight)
-    x1 = x.reshape(-1)
-    check_last_dim_contiguous("x", x1)
+    x1 = _check_layout(x, "x", weight, bias)
     n, k = weight.shape
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
-    check_same_device(x=x, weight=weight, **({"bias": bias} if bias is not None else {}))
     config = config or pick_config(n, k)
     if config is None or k % config.block_k:
         raise ValueError(f"row_gemv needs K ({k}) to be a multiple of the tile's BLOCK_K "
@@ -176,14 +184,8 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
             raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
     if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    check_last_dim_contiguous("weight", weight)
-    x1 = x_q.reshape(-1)
-    check_last_dim_contiguous("x_q", x1)
+    x1 = _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
     n, k = weight.shape
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous [{n}]")
-    check_same_device(x_q=x_q, weight=weight, scale_a=scale_a, weight_scale=weight_scale,
-                      **({"bias": bias} if bias is not None else {}))
     config = config or pick_config(n, k, fp8=True)
     if config is None or k % config.block_k:
         raise ValueError(f"row_gemv_fp8 needs K ({k}) to be a multiple of the tile's BLOCK_K "
