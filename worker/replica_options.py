@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -46,8 +47,8 @@ class ReplicaOptions:
         if len(self.admin_socket.encode()) > 107:
             raise ValueError(f"admin socket path {self.admin_socket!r} is longer than a Unix socket allows "
                              "(107 bytes); set a shorter $RESIDENT_RUNTIME_DIR")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if not 0 <= self.drain_grace_s < math.inf:
+            raise ValueError(f"drain_grace_s must be a finite number >= 0, got {self.drain_grace_s}")
 
 
 def replica_main(run: Callable[[ServeConfig, ReplicaOptions, float], int], env: Mapping[str, str] | None = None) -> int:
