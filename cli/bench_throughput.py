@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from resident.cli.common import format_table
 log = logging.getLogger(__name__)
 
 EMBED = "model.embed_tokens.weight"
+#: Environment switches that choose decode kernels (kernels/gemv.py, kernels/pdl.py), recorded in the JSON.
+KERNEL_SWITCHES = ("RESIDENT_GEMV", "RESIDENT_PDL")
 
 
 def copy_bandwidth(device, nbytes: int, repeats: int) -> float:
@@ -261,7 +264,9 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
     bw = copy_bandwidth(dev, (2 << 30) if device == "cuda" else (64 << 20), 10 if device == "cuda" else 3)
     doc = {"benchmark": "throughput", "model": model, "device": device,
            "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else "", "context": context,
-           "copy_bandwidth_bytes_per_s": bw, "variants": []}
+           "copy_bandwidth_bytes_per_s": bw, "variants": [],
+           # the kernel switches this run saw (None: unset, the default), so results say what ran
+           "kernel_switches": {k: os.environ.get(k) for k in KERNEL_SWITCHES}}
     run = partial(run_throughput, profile=profile, async_modes=modes)
     if tensor_parallel_size > 1:
         from resident.cli.bench_tp import run_tp_throughput
@@ -277,8 +282,9 @@ def bench_throughput(model: str, device: str, batch_sizes: str, context: int, qu
             raise click.ClickException(f"{e}; here: lower --context or the largest --batch-sizes") from None
         except ModelConfigError as e:   # e.g. a --tensor-parallel-size that does not divide the heads
             raise click.UsageError(str(e)) from None
+    switches = ", ".join(f"{k}={v}" for k, v in doc["kernel_switches"].items() if v is not None)
     click.echo(f"{model} on {doc['gpu'] or device}; copy bandwidth {bw / 1e9:.0f} GB/s; context {context}; "
-               f"{steps} timed decode steps after {warmup_steps}")
+               f"{steps} timed decode steps after {warmup_steps}" + (f"; {switches}" if switches else ""))
     rows = []
     for v in doc["variants"]:
         for r in v["results"]:

@@ -3,6 +3,7 @@ bytes per step from the weights and KV actually read, and the roofline fraction.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,12 +13,14 @@ import torch
 from resident.cli.bench_throughput import copy_bandwidth, weight_bytes_per_step
 
 
-def _bench_throughput(folder, out, *args: str) -> subprocess.CompletedProcess:
+def _bench_throughput(folder, out, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`resident bench throughput` at batch 1 and 3 over 3 timed steps after 1, JSON to `out`;
     asserts it exited 0."""
     r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "throughput", str(folder),
                         "--batch-sizes", "1,3", "--steps", "3", "--warmup-steps", "1", *args, "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k not in ("RESIDENT_GEMV", "RESIDENT_PDL")}
+                       | (env or {}))
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -25,9 +28,11 @@ def _bench_throughput(folder, out, *args: str) -> subprocess.CompletedProcess:
 def test_throughput_bf16_and_fp8_on_cpu(tiny_model, tmp_path):
     folder = tiny_model("llama", dtype="bfloat16")
     out = tmp_path / "tp.json"
-    r = _bench_throughput(folder, out, "--context", "40", "--quantization", "none,fp8_per_tensor")
-    assert "OF ROOFLINE" in r.stdout and "fp8_per_tensor" in r.stdout
+    r = _bench_throughput(folder, out, "--context", "40", "--quantization", "none,fp8_per_tensor",
+                          env={"RESIDENT_PDL": "off"})
+    assert "OF ROOFLINE" in r.stdout and "fp8_per_tensor" in r.stdout and "; RESIDENT_PDL=off" in r.stdout
     doc = json.loads(out.read_text())
+    assert doc["kernel_switches"] == {"RESIDENT_GEMV": None, "RESIDENT_PDL": "off"}     # what ran, recorded
     assert doc["copy_bandwidth_bytes_per_s"] > 1e8
     by_q = {v["quantization"]: v for v in doc["variants"]}
     assert set(by_q) == {"none", "fp8_per_tensor"}
