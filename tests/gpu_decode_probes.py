@@ -574,7 +574,7 @@ def _fma_gemv(x: torch.Tensor, w: torch.Tensor, rows: int, block_k: int, warps: 
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     _fma_gemv_kernel[(triton.cdiv(n, rows),)](x, w, out, n, k, w.stride(0), ROWS=rows, BLOCK_K=block_k,
                                               PDL=use_pdl, EARLY=early and use_pdl, num_warps=warps,
-                                              launch_pdl=use_pdl)
+                                              **_pdl.options(use_pdl))
     return out
 
 

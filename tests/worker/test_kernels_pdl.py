@@ -37,6 +37,14 @@ def test_which_launches_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pdl, "PDL_MODE", "on")
     monkeypatch.setattr(pdl, "_supported", lambda index: False)      # an A100: no griddepcontrol
     assert not pdl.enabled(cuda, 1)
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    monkeypatch.setattr(pdl, "TRITON_HAS_PDL", False)                 # Triton 3.2: no launch_pdl option
+    assert not pdl.enabled(cuda, 1)
+
+
+def test_launch_options_name_launch_pdl_only_when_on() -> None:
+    """Off, a launch passes no PDL option at all: Triton before 3.3 rejects unknown launch keywords."""
+    assert pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
 
 
 def _needs_hopper() -> None:

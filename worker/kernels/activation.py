@@ -93,7 +93,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     grid = (x2.shape[0], triton.cdiv(d, BLOCK))
     use_pdl = pdl.enabled(x.device, x2.shape[0])
     _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
-                               launch_pdl=use_pdl)
+                               **pdl.options(use_pdl))
     return out
 
 
@@ -118,7 +118,7 @@ def silu_and_mul_fp8_into(x: torch.Tensor, out: torch.Tensor, *, path: str | Non
     _silu_and_mul_fp8_kernel[grid](x2, dest, buf, buf[1:], state if coop else buf,   # the barrier's, read only if COOP
                                    num_partials, m, d, x2.stride(0), dest.stride(0), COOP=coop, BLOCK_M=block_m,
                                    BLOCK_K=block_k, BLOCK_P=coop_block_p(x2) if coop else 1, FP8_MAX=FP8_MAX,
-                                   MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
+                                   MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
     if not coop:
         quantize_from_partials(dest, out, buf, num_partials)
     return buf[0]

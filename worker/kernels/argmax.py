@@ -84,9 +84,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         idxs = torch.empty(rows * n_chunks, dtype=torch.int32, device=logits.device)
         use_pdl = pdl.enabled(logits.device, rows)
         _argmax_chunk_kernel[(rows, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks,
-                                               CHUNK=chunk, PDL=use_pdl, num_warps=NUM_WARPS, launch_pdl=use_pdl)
+                                               CHUNK=chunk, PDL=use_pdl, num_warps=NUM_WARPS, **pdl.options(use_pdl))
         _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), PDL=use_pdl,
-                                      num_warps=1, launch_pdl=use_pdl)
+                                      num_warps=1, **pdl.options(use_pdl))
     return out
 
 

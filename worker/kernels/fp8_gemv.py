@@ -309,7 +309,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
         SPLIT_K=split, NATIVE_FP8=config.native_fp8, IMPRECISE_ACC=config.imprecise_acc or config.block_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         AMAX_BLOCK=min(next_pow2(k), AMAX_BLOCK), FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-        PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl, num_stages=config.num_stages)
+        PDL=use_pdl, num_warps=config.num_warps, **pdl.options(use_pdl), num_stages=config.num_stages)
     return out
 
 

@@ -346,7 +346,7 @@ def quantize_from_partials(x: torch.Tensor, out: torch.Tensor, buf: torch.Tensor
     use_pdl = pdl.enabled(x.device, x.shape[0])
     _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
-                           MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
+                           MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
 
 
 def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = None, *,
@@ -375,7 +375,7 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
         use_pdl = pdl.enabled(x.device, m)
         _quantize_small_kernel[(1,)](x, out, buf, m, k, x.stride(0), out.stride(0),
                                      BLOCK_K=min(next_pow2(k), MAX_BLOCK_K), FP8_MAX=FP8_MAX,
-                                     MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, launch_pdl=use_pdl)
+                                     MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
         return buf[0]
     block_m, block_k, grid = _large_grid(m, k)
     num_partials = grid[0] * grid[1]
@@ -385,11 +385,11 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
         _quantize_coop_kernel[grid](x, out, buf, buf[1:], state, num_partials, m, k, x.stride(0), out.stride(0),
                                     BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials),
                                     FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8,
-                                    launch_pdl=use_pdl)
+                                    **pdl.options(use_pdl))
         return buf[0]
     use_pdl = pdl.enabled(x.device, m)
     _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, PDL=use_pdl, num_warps=8,
-                         launch_pdl=use_pdl)
+                         **pdl.options(use_pdl))
     quantize_from_partials(x, out, buf, num_partials)
     return buf[0]
 

@@ -215,7 +215,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         PDL=use_pdl, PREFETCH_TILES=config.prefetch_tiles if use_pdl else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(use_pdl))
     return out
 
 

@@ -321,12 +321,12 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
         PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, PDL=use_pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=use_pdl)
+        num_stages=config.num_stages, **pdl.options(use_pdl))
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
             part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
             NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, PDL=use_pdl,
-            num_warps=4, launch_pdl=use_pdl)
+            num_warps=4, **pdl.options(use_pdl))
     return out, buf
 
 

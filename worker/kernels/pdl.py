@@ -30,7 +30,8 @@ lost (bf16 6.94 -> 7.09 ms, fp8 5.55 -> 5.71). So a launch takes it only for at 
 One switch, RESIDENT_PDL, read once when this module is imported (`PDL_MODE`): `on` (the
 default: launches of at most MAX_ROWS rows), `all` (every launch: for measurements) or `off`.
 GPUs before compute capability 9.0 have no griddepcontrol and never take it; neither does
-Triton's CPU interpreter.
+Triton's CPU interpreter, nor a Triton without the `launch_pdl` option (before 3.3). Launch
+sites pass `**options(on)`: nothing at all when off, so older Tritons never see the option.
 """
 from __future__ import annotations
 
@@ -41,7 +42,21 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:   # Triton 3.3+; the project allows 3.2, whose launcher has no PDL option: PDL is then never used
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    TRITON_HAS_PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:
+    TRITON_HAS_PDL = False
+
+    @triton.jit
+    def gdc_launch_dependents():   # never reached: `enabled` is False without TRITON_HAS_PDL
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 #: RESIDENT_PDL values.
 PDL_MODES = ("off", "on", "all")
@@ -72,9 +87,15 @@ def enabled(device: torch.device, rows: int) -> bool:
     """Whether a kernel over `rows` rows (tokens, sequences) on `device` launches with PDL: by
     RESIDENT_PDL (`on`: rows <= MAX_ROWS), on a CUDA GPU of compute capability 9.0+ (never on the
     CPU, where only Triton's interpreter runs these kernels)."""
-    if PDL_MODE == "off" or device.type != "cuda" or (PDL_MODE == "on" and rows > MAX_ROWS):
+    if (PDL_MODE == "off" or not TRITON_HAS_PDL or device.type != "cuda"
+            or (PDL_MODE == "on" and rows > MAX_ROWS)):
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def options(on: bool) -> dict[str, bool]:
+    """A launch's keyword options for PDL `on` (`kernel[grid](..., **options(on))`): {} when off."""
+    return {"launch_pdl": True} if on else {}
 
 
 @triton.jit
@@ -109,6 +130,5 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
-__all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "enabled", "enter", "launch_next", "pdl_mode",
-           "prefetch_l2",
-           "wait_previous"]
+__all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "TRITON_HAS_PDL", "enabled", "enter",
+           "launch_next", "options", "pdl_mode", "prefetch_l2", "wait_previous"]

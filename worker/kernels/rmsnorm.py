@@ -148,12 +148,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if r2 is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
                                          HAS_RESIDUAL=False, BLOCK_N=block, PDL=use_pdl, num_warps=warps,
-                                         launch_pdl=use_pdl)
+                                         **pdl.options(use_pdl))
         return out.view(x.shape), None
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
                                      res_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK_N=block, PDL=use_pdl,
-                                     num_warps=warps, launch_pdl=use_pdl)
+                                     num_warps=warps, **pdl.options(use_pdl))
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -223,7 +223,7 @@ def add_rms_norm_fp8_into(x: torch.Tensor, residual: torch.Tensor | None, weight
                                0 if r2 is None else res_out.stride(0), m, n, eps, HAS_RESIDUAL=r2 is not None,
                                COOP=coop, BLOCK_N=block, BLOCK_P=1 if state is None else coop_block_p(x2),
                                FP8_MAX=FP8_MAX,
-                               MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
+                               MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
     if not coop:
         quantize_from_partials(dest, out, buf, m)
     return buf[0], x if r2 is None else res_out.view(x.shape)

@@ -129,5 +129,5 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         kc.stride(0), kc.stride(1), kc.stride(2),
         n_qh, n_kh, half, kv_cache.shape[2],
         BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl)
+        **pdl.options(use_pdl))
     return q_out

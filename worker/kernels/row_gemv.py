@@ -164,7 +164,7 @@ def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        PDL=use_pdl, num_warps=config.num_warps, launch_pdl=use_pdl)
+        PDL=use_pdl, num_warps=config.num_warps, **pdl.options(use_pdl))
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
