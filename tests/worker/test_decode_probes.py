@@ -36,7 +36,11 @@ def test_the_l2_prefetch_kernel_builds_for_hopper_with_the_bulk_prefetch() -> No
 
     spec = importlib.util.spec_from_file_location("gpu_decode_probes", SCRIPT)
     probes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probes)
+    sys.modules[spec.name] = probes          # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(probes)
+    finally:
+        del sys.modules[spec.name]
     try:
         compiled = triton.compile(ASTSource(fn=probes._l2_prefetch_kernel,
                                             signature={"base": "i64", "nbytes": "i64", "chunk": "i32"}),
