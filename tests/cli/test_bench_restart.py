@@ -93,8 +93,9 @@ def test_restart_cold_and_warm_with_json_and_plot(tiny_ckpt, tmp_path):
         assert run0["above_floor_s"] == pytest.approx(run0["ready_s"] - run0["floor_s"])
         assert run0["after_imports_s"] == pytest.approx(run0["ready_s"] - run0["phases"]["import"])
         assert doc[v]["above_floor_s"] == pytest.approx(run0["above_floor_s"])   # the median of one run
-    assert re.search(r"ready - floor \(a floor process right before each run\): [0-9.]+ s median \(per run "
-                     r"[0-9.]+\); after the imports [0-9.]+ s \(per run [0-9.]+\)", r.stdout), r.stdout
+    # ready - floor goes negative when the floor process itself ran slow (a busy box): a figure all the same
+    assert re.search(r"ready - floor \(a floor process right before each run\): -?[0-9.]+ s median \(per run "
+                     r"-?[0-9.]+\); after the imports [0-9.]+ s \(per run [0-9.]+\)", r.stdout), r.stdout
     assert re.fullmatch(r"rpc [0-9.]+, fds [0-9.]+, map [0-9.]+, views [0-9.]+ ms",
                         doc["warm"]["runs"][0]["attach_breakdown"])
     assert re.fullmatch(r"device\+modules [0-9.]+, key [0-9.]+, client [0-9.]+, store [0-9.]+ \(of which the attach "
