@@ -22,20 +22,20 @@ from test_kernels_gemv import (  # noqa: E402
     DTYPES, _exact_bf16_interpreter, _operands, assert_close_to_reference, reference64,
 )
 
-# (N, K): the default 8 x 1024 tile with rows past N, BLOCK_K 128 and 128 (K = 384, 640), the wide
-# shape (16 rows x 512 tiles; BLOCK_K 256 here).
-SHAPES = [(100, 2048), (17, 384), (40, 640), (16400, 256)]
+# (N, K, config): the default 8 x 1024 tile with rows past N, BLOCK_K 128 (K = 384, 640), the wide
+# shape's 16 rows in 4 warps (given: a wide N would make the interpreter run thousands of programs).
+SHAPES = [(100, 2048, None), (17, 384, None), (40, 640, None), (50, 512, (16, 256, 4))]
 
 
 def _matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
-    from resident.worker.kernels.row_gemv import row_gemv
+    from resident.worker.kernels.row_gemv import RowConfig, row_gemv
 
-    for i, (n, k) in enumerate(SHAPES):
+    for i, (n, k, cfg) in enumerate(SHAPES):
         x, w = _operands(n, k, 1, dtype, seed=i)
         bias = (torch.randn(n, generator=torch.Generator().manual_seed(99)) * 0.5).to(dtype) if with_bias else None
-        got = row_gemv(x, w, bias)
+        got = row_gemv(x, w, bias, config=RowConfig(*cfg) if cfg else None)
         assert_close_to_reference(got, reference64(x, w, bias), dtype)
-        assert torch.equal(row_gemv(x.reshape(-1), w, bias), got)       # [K] as [1, K]; the same bits again
+        assert torch.equal(row_gemv(x.reshape(-1), w, bias, config=RowConfig(*cfg) if cfg else None), got)  # [K]
 
 
 def fp8_operands(n: int, k: int, seed: int, device: str = "cpu"):
@@ -54,12 +54,12 @@ def fp8_reference64(x_q, scale_a, w_q, scale_w, bias) -> torch.Tensor:
 
 
 def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
-    from resident.worker.kernels.row_gemv import row_gemv_fp8
+    from resident.worker.kernels.row_gemv import RowConfig, row_gemv_fp8
 
-    for i, (n, k) in enumerate([(100, 4096), (17, 384), (16400, 256)]):
+    for i, (n, k, cfg) in enumerate([(100, 4096, None), (17, 384, None), (50, 1024, (16, 512, 4))]):
         x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=i)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16) if with_bias else None
-        got = row_gemv_fp8(x_q, s_a, w_q, s_w, bias, out_dtype)
+        got = row_gemv_fp8(x_q, s_a, w_q, s_w, bias, out_dtype, config=RowConfig(*cfg) if cfg else None)
         assert got.dtype == out_dtype and got.shape == (1, n)
         want = fp8_reference64(x_q, s_a, w_q, s_w, bias)
         if out_dtype == torch.float32:     # float32 sums of exact products: summation order only
