@@ -1,6 +1,8 @@
 """Checks shared by the kernel wrappers (nano-vllm style: assert layout before launch)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 #: Activation dtypes the kernels accept (bf16 computes correctly only on a real GPU, not
@@ -10,6 +12,16 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def env_mode(env: Mapping[str, str], name: str, what: str, modes: tuple[str, ...], default: str) -> str:
+    """The value of the switch `name` in `env`, case and blanks aside (unset or empty: `default`);
+    anything outside `modes` is a ValueError naming the valid values."""
+    value = env.get(name, "").strip().lower() or default
+    if value not in modes:
+        raise ValueError(f"{name}={env.get(name)!r} is not a {what}; valid: {', '.join(modes)} "
+                         f"(default {default}); fix or unset it")
+    return value
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:

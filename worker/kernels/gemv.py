@@ -49,7 +49,7 @@ from triton.errors import TritonError
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels import row_gemv as row_gemv_mod
-from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, env_mode
 from resident.worker.kernels.fp8_gemv import (
     BLOCK_N, MAX_SPLIT_K, MAX_SUPPORTED_TOKENS, MAX_TOKENS, MIN_K_TILES_PER_SPLIT, TARGET_PROGRAMS_PER_SM,
     GemvConfig, _num_sms, _tile_counters,
@@ -68,11 +68,7 @@ BLOCK_K = 128
 
 def gemv_mode(env: Mapping[str, str]) -> str:
     """The RESIDENT_GEMV value in `env` (unset or empty: DEFAULT_GEMV_MODE)."""
-    value = env.get("RESIDENT_GEMV", "").strip().lower() or DEFAULT_GEMV_MODE
-    if value not in GEMV_MODES:
-        raise ValueError(f"RESIDENT_GEMV={env.get('RESIDENT_GEMV')!r} is not a GEMV mode; valid: "
-                         f"{', '.join(GEMV_MODES)} (default {DEFAULT_GEMV_MODE}); fix or unset it")
-    return value
+    return env_mode(env, "RESIDENT_GEMV", "GEMV mode", GEMV_MODES, DEFAULT_GEMV_MODE)
 
 
 #: Read once per process; fp8.fp8_linear and dispatch.get_kernels consult it.

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from resident.worker.kernels._util import env_mode
+
 try:   # Triton 3.3+; the project allows 3.2, whose launcher has no PDL option: PDL is then never used
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -67,11 +69,7 @@ MAX_ROWS = 32
 
 def pdl_mode(env: Mapping[str, str]) -> str:
     """The RESIDENT_PDL value in `env` (unset or empty: DEFAULT_PDL_MODE)."""
-    value = env.get("RESIDENT_PDL", "").strip().lower() or DEFAULT_PDL_MODE
-    if value not in PDL_MODES:
-        raise ValueError(f"RESIDENT_PDL={env.get('RESIDENT_PDL')!r} is not a PDL mode; valid: "
-                         f"{', '.join(PDL_MODES)} (default {DEFAULT_PDL_MODE}); fix or unset it")
-    return value
+    return env_mode(env, "RESIDENT_PDL", "PDL mode", PDL_MODES, DEFAULT_PDL_MODE)
 
 
 #: Read once per process; `enabled` consults it.
