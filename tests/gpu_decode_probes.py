@@ -566,15 +566,12 @@ def _fma_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
 
 
 def _fma_gemv(x: torch.Tensor, w: torch.Tensor, rows: int, block_k: int, warps: int, early: bool = False):
-    from resident.worker.kernels import pdl
-
     n, k = w.shape
     assert x.shape[0] == 1 and k % block_k == 0 and x.stride(-1) == 1 and w.stride(-1) == 1
-    use_pdl = pdl.enabled(x.device, 1)
+    pdl_opts = _pdl.launch(x.device, 1)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     _fma_gemv_kernel[(triton.cdiv(n, rows),)](x, w, out, n, k, w.stride(0), ROWS=rows, BLOCK_K=block_k,
-                                              PDL=use_pdl, EARLY=early and use_pdl, num_warps=warps,
-                                              **_pdl.options(use_pdl))
+                                              EARLY=early and pdl_opts["PDL"], num_warps=warps, **pdl_opts)
     return out
 
 

@@ -25,7 +25,7 @@ def test_which_launches_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """`on`: decode-sized launches (rows <= MAX_ROWS) on a 9.0+ GPU; `all`: any rows; `off` and the
     CPU (Triton's interpreter) and older GPUs: never."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    monkeypatch.setattr(pdl, "sm90_or_later", lambda device: True)
     monkeypatch.setattr(pdl, "PDL_MODE", "on")
     assert pdl.enabled(cuda, 1) and pdl.enabled(cuda, pdl.MAX_ROWS)
     assert not pdl.enabled(cuda, pdl.MAX_ROWS + 1)
@@ -35,16 +35,21 @@ def test_which_launches_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pdl, "PDL_MODE", "off")
     assert not pdl.enabled(cuda, 1)
     monkeypatch.setattr(pdl, "PDL_MODE", "on")
-    monkeypatch.setattr(pdl, "_supported", lambda index: False)      # an A100: no griddepcontrol
+    monkeypatch.setattr(pdl, "sm90_or_later", lambda device: False)      # an A100: no griddepcontrol
     assert not pdl.enabled(cuda, 1)
-    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    monkeypatch.setattr(pdl, "sm90_or_later", lambda device: True)
     monkeypatch.setattr(pdl, "TRITON_HAS_PDL", False)                 # Triton 3.2: no launch_pdl option
     assert not pdl.enabled(cuda, 1)
 
 
-def test_launch_options_name_launch_pdl_only_when_on() -> None:
-    """Off, a launch passes no PDL option at all: Triton before 3.3 rejects unknown launch keywords."""
-    assert pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
+def test_launch_keywords_name_launch_pdl_only_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off, a launch passes no PDL option at all (Triton before 3.3 rejects unknown launch
+    keywords); the kernel's PDL constexpr always agrees with the launch option."""
+    monkeypatch.setattr(pdl, "sm90_or_later", lambda device: True)
+    monkeypatch.setattr(pdl, "PDL_MODE", "on")
+    assert pdl.launch(torch.device("cuda", 0), 1) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch(torch.device("cuda", 0), pdl.MAX_ROWS + 1) == {"PDL": False}
+    assert pdl.launch(torch.device("cpu"), 1) == {"PDL": False}
 
 
 def _needs_hopper() -> None:

@@ -1,6 +1,7 @@
 """Checks shared by the kernel wrappers (nano-vllm style: assert layout before launch)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -22,6 +23,19 @@ def env_mode(env: Mapping[str, str], name: str, what: str, modes: tuple[str, ...
         raise ValueError(f"{name}={env.get(name)!r} is not a {what}; valid: {', '.join(modes)} "
                          f"(default {default}); fix or unset it")
     return value
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def sm90_or_later(device: torch.device | int) -> bool:
+    """Whether the CUDA device (or device index) has compute capability 9.0+ (Hopper and later:
+    wgmma, griddepcontrol); asked of the driver once per device."""
+    if isinstance(device, torch.device):
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(device) >= (9, 0)
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:

@@ -91,9 +91,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     check_last_dim_contiguous("x", x2)
     out2 = out.view(-1, d)
     grid = (x2.shape[0], triton.cdiv(d, BLOCK))
-    use_pdl = pdl.enabled(x.device, x2.shape[0])
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=BLOCK, PDL=use_pdl, num_warps=4,
-                               **pdl.options(use_pdl))
+    pdl_opts = pdl.launch(x.device, x2.shape[0])
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=BLOCK, **pdl_opts, num_warps=4)
     return out
 
 
@@ -114,11 +113,11 @@ def silu_and_mul_fp8_into(x: torch.Tensor, out: torch.Tensor, *, path: str | Non
     # Without COOP the kernel stores silu(gate) * up (x's dtype), quantized by a second launch.
     dest = out if coop else torch.empty(m, d, dtype=x.dtype, device=x.device)
     buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # the scale, then each tile's maximum
-    use_pdl = pdl.enabled(x.device, m)
+    pdl_opts = pdl.launch(x.device, m)
     _silu_and_mul_fp8_kernel[grid](x2, dest, buf, buf[1:], state if coop else buf,   # the barrier's, read only if COOP
                                    num_partials, m, d, x2.stride(0), dest.stride(0), COOP=coop, BLOCK_M=block_m,
                                    BLOCK_K=block_k, BLOCK_P=coop_block_p(x2) if coop else 1, FP8_MAX=FP8_MAX,
-                                   MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
+                                   MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=8)
     if not coop:
         quantize_from_partials(dest, out, buf, num_partials)
     return buf[0]

@@ -82,11 +82,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         n_chunks = triton.cdiv(vocab, chunk)
         vals = torch.empty(rows * n_chunks, dtype=torch.float32, device=logits.device)
         idxs = torch.empty(rows * n_chunks, dtype=torch.int32, device=logits.device)
-        use_pdl = pdl.enabled(logits.device, rows)
+        pdl_opts = pdl.launch(logits.device, rows)
         _argmax_chunk_kernel[(rows, n_chunks)](logits, vals, idxs, vocab, logits.stride(0), n_chunks,
-                                               CHUNK=chunk, PDL=use_pdl, num_warps=NUM_WARPS, **pdl.options(use_pdl))
-        _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), PDL=use_pdl,
-                                      num_warps=1, **pdl.options(use_pdl))
+                                               CHUNK=chunk, **pdl_opts, num_warps=NUM_WARPS)
+        _argmax_merge_kernel[(rows,)](vals, idxs, out, n_chunks, BLOCK_C=next_pow2(n_chunks), **pdl_opts,
+                                      num_warps=1)
     return out
 
 

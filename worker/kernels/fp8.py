@@ -126,9 +126,11 @@ def _gemv_or_none(x2: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.
     or fp8 with its scale_a); None if Triton cannot run it here."""
     bias = bias.contiguous() if bias is not None else None
     try:
-        if scale_a is not None and x2.shape[0] == 1 and gemv.GEMV_MODE == "on" and (
-                row_gemv.pick_config(weight.shape[0], weight.shape[1], fp8=True) is not None):
-            return row_gemv.row_gemv_fp8(x2, scale_a, weight, weight_scale.reshape(()), bias, out_dtype)
+        row_config = (row_gemv.pick_config(weight.shape[0], weight.shape[1], fp8=True)
+                      if scale_a is not None and x2.shape[0] == 1 and gemv.GEMV_MODE == "on" else None)
+        if row_config is not None:
+            return row_gemv.row_gemv_fp8(x2, scale_a, weight, weight_scale.reshape(()), bias, out_dtype,
+                                         config=row_config)
         if scale_a is not None:
             return fp8_gemv.fp8_gemv(x2, scale_a, weight, weight_scale, bias, out_dtype)
         if x2.numel() <= fp8_gemv.FUSED_QUANT_MAX_NUMEL:

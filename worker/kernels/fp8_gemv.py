@@ -55,7 +55,9 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels import pdl
-from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
+from resident.worker.kernels._util import (
+    check_dtype, check_last_dim_contiguous, check_same_device, next_pow2, sm90_or_later,
+)
 from resident.worker.kernels.fp8_quant import _quantize_tile, _scale_from_amax
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
@@ -116,11 +118,10 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
 def native_fp8_supported(device_index: int) -> bool:
     """Whether the GPU multiplies fp8 on its tensor cores the way the native path needs (wgmma:
     compute capability 9.0 and later)."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return sm90_or_later(device_index)
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int, native: bool = False) -> GemvConfig:
@@ -300,7 +301,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
     else:
         part = count = out                                  # unused (SPLIT_K == 1 never touches them)
     scale_w = weight_scale.reshape(())
-    use_pdl = pdl.enabled(x.device, x.shape[0])
+    pdl_opts = pdl.launch(x.device, x.shape[0])
     _fp8_gemv_kernel[(n_tiles, split)](
         x, weight, out, scale_a if scale_a is not None else scale_w, scale_w,
         bias if bias is not None else scale_w, part, count,
@@ -309,7 +310,7 @@ def fp8_gemv(x: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor
         SPLIT_K=split, NATIVE_FP8=config.native_fp8, IMPRECISE_ACC=config.imprecise_acc or config.block_k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         AMAX_BLOCK=min(next_pow2(k), AMAX_BLOCK), FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-        PDL=use_pdl, num_warps=config.num_warps, **pdl.options(use_pdl), num_stages=config.num_stages)
+        **pdl_opts, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

@@ -343,10 +343,10 @@ def quantize_from_partials(x: torch.Tensor, out: torch.Tensor, buf: torch.Tensor
     cover x [M, K] (written by `_absmax_kernel`, or by a fused producer of x); derive the scale into
     buf[0] and quantize x into `out`."""
     block_m, block_k, grid = _large_grid(*x.shape)
-    use_pdl = pdl.enabled(x.device, x.shape[0])
+    pdl_opts = pdl.launch(x.device, x.shape[0])
     _quantize_kernel[grid](x, out, buf, buf[1:], num_partials, x.shape[0], x.shape[1], x.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials), FP8_MAX=FP8_MAX,
-                           MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
+                           MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=8)
 
 
 def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = None, *,
@@ -372,24 +372,22 @@ def quantize_fp8_into(x: torch.Tensor, out: torch.Tensor, small: bool | None = N
     # buf[0]: the scale (what the GEMM reads); the large paths' per-program maxima follow it.
     if path == "small":
         buf = torch.empty(2, dtype=torch.float32, device=x.device)
-        use_pdl = pdl.enabled(x.device, m)
+        pdl_opts = pdl.launch(x.device, m)
         _quantize_small_kernel[(1,)](x, out, buf, m, k, x.stride(0), out.stride(0),
                                      BLOCK_K=min(next_pow2(k), MAX_BLOCK_K), FP8_MAX=FP8_MAX,
-                                     MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8, **pdl.options(use_pdl))
+                                     MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=8)
         return buf[0]
     block_m, block_k, grid = _large_grid(m, k)
     num_partials = grid[0] * grid[1]
     buf = torch.empty(1 + num_partials, dtype=torch.float32, device=x.device)   # every slot is written
     if path == "coop" and (state := coop_launch_state(x, num_partials, forced)) is not None:
-        use_pdl = pdl.enabled(x.device, m)
+        pdl_opts = pdl.launch(x.device, m)
         _quantize_coop_kernel[grid](x, out, buf, buf[1:], state, num_partials, m, k, x.stride(0), out.stride(0),
                                     BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=next_pow2(num_partials),
-                                    FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=8,
-                                    **pdl.options(use_pdl))
+                                    FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=8)
         return buf[0]
-    use_pdl = pdl.enabled(x.device, m)
-    _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, PDL=use_pdl, num_warps=8,
-                         **pdl.options(use_pdl))
+    pdl_opts = pdl.launch(x.device, m)
+    _absmax_kernel[grid](x, buf[1:], m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, **pdl_opts, num_warps=8)
     quantize_from_partials(x, out, buf, num_partials)
     return buf[0]
 

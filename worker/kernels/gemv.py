@@ -193,7 +193,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             num_sms = 132                                   # an H100/H200's (interpreter tests)
         config = pick_config(m, n, k, num_sms)
     block_m = max(16, triton.next_power_of_2(m))
-    use_pdl = pdl.enabled(x.device, m)
+    pdl_opts = pdl.launch(x.device, m)
     n_tiles = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, config.block_k)
     split = min(config.split_k, k_tiles)
@@ -210,8 +210,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_tiles_per_split,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, ONE_ROW=m == 1, SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        PDL=use_pdl, PREFETCH_TILES=config.prefetch_tiles if use_pdl else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(use_pdl))
+        **pdl_opts, PREFETCH_TILES=config.prefetch_tiles if pdl_opts["PDL"] else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -231,11 +231,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     a weight whose kernel failed to build or launch (TritonError, logged once), F.linear."""
     if (x.numel() == x.shape[-1] and not getattr(weight, "_gemv_unavailable", False)   # one row: cheap test first
             and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on")):
-        k = x.shape[-1]
-        config = row_gemv_mod.pick_config(weight.shape[0], k)
         try:
-            out = row_gemv_mod.row_gemv(x.reshape(1, k) if x.is_contiguous() else x.reshape(1, k).contiguous(),
-                                        weight, bias.contiguous() if bias is not None else None, config=config)
+            out = row_gemv_mod.row_gemv(x.reshape(1, x.shape[-1]).contiguous(), weight,
+                                        bias.contiguous() if bias is not None else None)
         except TritonError as e:
             _unavailable(weight, "row GEMV kernel", 1, e)
         else:

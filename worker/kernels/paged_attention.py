@@ -313,20 +313,20 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     else:
         part_acc = part_m = part_l = out
     kc, vc = kv_cache[0], kv_cache[1]
-    use_pdl = pdl.enabled(q.device, batch)
+    pdl_opts = pdl.launch(q.device, batch)
     _decode_kernel[(batch, n_kh, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
-        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, PDL=use_pdl, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.options(use_pdl))
+        PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, **pdl_opts, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch, n_qh)](
             part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, PDL=use_pdl,
-            num_warps=4, **pdl.options(use_pdl))
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, **pdl_opts,
+            num_warps=4)
     return out, buf
 
 

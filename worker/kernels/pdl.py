@@ -31,11 +31,10 @@ One switch, RESIDENT_PDL, read once when this module is imported (`PDL_MODE`): `
 default: launches of at most MAX_ROWS rows), `all` (every launch: for measurements) or `off`.
 GPUs before compute capability 9.0 have no griddepcontrol and never take it; neither does
 Triton's CPU interpreter, nor a Triton without the `launch_pdl` option (before 3.3). Launch
-sites pass `**options(on)`: nothing at all when off, so older Tritons never see the option.
+sites pass `**launch(device, rows)`: the kernel's PDL constexpr and, only when on, the option.
 """
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
 
@@ -43,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from resident.worker.kernels._util import env_mode
+from resident.worker.kernels._util import env_mode, sm90_or_later
 
 try:   # Triton 3.3+; the project allows 3.2, whose launcher has no PDL option: PDL is then never used
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -76,11 +75,6 @@ def pdl_mode(env: Mapping[str, str]) -> str:
 PDL_MODE = pdl_mode(os.environ)
 
 
-@functools.cache
-def _supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def enabled(device: torch.device, rows: int) -> bool:
     """Whether a kernel over `rows` rows (tokens, sequences) on `device` launches with PDL: by
     RESIDENT_PDL (`on`: rows <= MAX_ROWS), on a CUDA GPU of compute capability 9.0+ (never on the
@@ -88,12 +82,15 @@ def enabled(device: torch.device, rows: int) -> bool:
     if (PDL_MODE == "off" or not TRITON_HAS_PDL or device.type != "cuda"
             or (PDL_MODE == "on" and rows > MAX_ROWS)):
         return False
-    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+    return sm90_or_later(device)
 
 
-def options(on: bool) -> dict[str, bool]:
-    """A launch's keyword options for PDL `on` (`kernel[grid](..., **options(on))`): {} when off."""
-    return {"launch_pdl": True} if on else {}
+def launch(device: torch.device, rows: int) -> dict[str, bool]:
+    """A PDL kernel's launch keywords for `rows` rows on `device` (`kernel[grid](..., **launch(...))`):
+    its PDL constexpr and, when on, `launch_pdl` — the two always agree; off, no `launch_pdl` at all
+    (Triton before 3.3 rejects it)."""
+    on = enabled(device, rows)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 @triton.jit
@@ -129,4 +126,4 @@ def prefetch_l2(ptrs):
 
 
 __all__ = ["DEFAULT_PDL_MODE", "MAX_ROWS", "PDL_MODE", "PDL_MODES", "TRITON_HAS_PDL", "enabled", "enter",
-           "launch_next", "options", "pdl_mode", "prefetch_l2", "wait_previous"]
+           "launch", "launch_next", "pdl_mode", "prefetch_l2", "wait_previous"]

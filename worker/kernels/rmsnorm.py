@@ -144,16 +144,15 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     block, warps = _block_and_warps(n)
-    use_pdl = pdl.enabled(x.device, x2.shape[0])
+    pdl_opts = pdl.launch(x.device, x2.shape[0])
     if r2 is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-                                         HAS_RESIDUAL=False, BLOCK_N=block, PDL=use_pdl, num_warps=warps,
-                                         **pdl.options(use_pdl))
+                                         HAS_RESIDUAL=False, BLOCK_N=block, **pdl_opts, num_warps=warps)
         return out.view(x.shape), None
     res_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                     res_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK_N=block, PDL=use_pdl,
-                                     num_warps=warps, **pdl.options(use_pdl))
+                                     res_out.stride(0), n, eps, HAS_RESIDUAL=True, BLOCK_N=block, **pdl_opts,
+                                     num_warps=warps)
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -216,14 +215,14 @@ def add_rms_norm_fp8_into(x: torch.Tensor, residual: torch.Tensor | None, weight
     res_out = dest if r2 is None else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     buf = torch.empty(1 + m, dtype=torch.float32, device=x.device)   # the scale, then each row's maximum
     block, warps = _block_and_warps(n)
-    use_pdl = pdl.enabled(x.device, m)
+    pdl_opts = pdl.launch(x.device, m)
     _rms_norm_fp8_kernel[(m,)](x2, x2 if r2 is None else r2, weight.contiguous(), dest, res_out, buf, buf[1:],
                                buf if state is None else state,              # the barrier's, read only if used
                                x2.stride(0), 0 if r2 is None else r2.stride(0), dest.stride(0),
                                0 if r2 is None else res_out.stride(0), m, n, eps, HAS_RESIDUAL=r2 is not None,
                                COOP=coop, BLOCK_N=block, BLOCK_P=1 if state is None else coop_block_p(x2),
                                FP8_MAX=FP8_MAX,
-                               MIN_SCALE=FP8_MIN_SCALE, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
+                               MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=warps)
     if not coop:
         quantize_from_partials(dest, out, buf, m)
     return buf[0], x if r2 is None else res_out.view(x.shape)

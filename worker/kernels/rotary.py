@@ -121,13 +121,12 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         return q_out
     half = head_dim // 2
     kc, vc = kv_cache[0], kv_cache[1]
-    use_pdl = pdl.enabled(q.device, num_tokens)
+    pdl_opts = pdl.launch(q.device, num_tokens)
     _rotary_kv_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin_cache, q_out, kc, vc, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         n_qh, n_kh, half, kv_cache.shape[2],
-        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), PDL=use_pdl, num_warps=4,
-        **pdl.options(use_pdl))
+        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), **pdl_opts, num_warps=4)
     return q_out

@@ -32,7 +32,6 @@ row under RESIDENT_GEMV=on only): not yet measured on a GPU.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,7 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels import pdl
-from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
@@ -81,11 +80,6 @@ def pick_config(n: int, k: int, fp8: bool = False) -> RowConfig | None:
     return None
 
 
-@functools.cache
-def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
     """One row of a 16-bit x on CUDA against a 2-D weight of its dtype with a contiguous last
     dimension, fewer than MAX_N rows and a K some BLOCK_KS divides (`hopper_only`: on compute
@@ -95,7 +89,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
             and weight.shape[1] == k and weight.stride(1) == 1 and x.numel() == k and 0 < weight.shape[0] < MAX_N
             and k % BLOCK_KS[-1] == 0):
         return False
-    return not hopper_only or _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return not hopper_only or sm90_or_later(x.device)
 
 
 @triton.jit
@@ -159,12 +153,12 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
     n, k = weight.shape
-    use_pdl = pdl.enabled(x1.device, 1)
+    pdl_opts = pdl.launch(x1.device, 1)
     _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        PDL=use_pdl, num_warps=config.num_warps, **pdl.options(use_pdl))
+        **pdl_opts, num_warps=config.num_warps)
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
