@@ -79,7 +79,10 @@ class StackSampler:
         self.folder = folder
         self.interval_s = interval_s
         self.sections: list[_Section] = []
-        self.names: dict[int, str] = {}
+        # A thread is (ident, name) as read: the OS recycles idents, so a thread that starts
+        # after another ended may take its ident; keyed by both, neither takes the other's samples.
+        self.names: dict[int, str] = {}   # thread key -> name
+        self._threads: dict[tuple[int, str], int] = {}
         self._stacks: dict[tuple[Frame, ...], int] = {}
         self._samples: list[tuple[float, int, int, float]] = []   # (t, thread, stack id, seconds)
         self._lock = threading.Lock()
@@ -107,14 +110,20 @@ class StackSampler:
         names = {t.ident: t.name for t in threading.enumerate()}
         with self._lock:
             for ident, stack in stacks.items():
-                self._samples.append((now, ident, self._stacks.setdefault(stack, len(self._stacks)), charge))
-            self.names.update(names)
+                thread = self._key(ident, names.get(ident, str(ident)))
+                self._samples.append((now, thread, self._stacks.setdefault(stack, len(self._stacks)), charge))
+
+    def _key(self, ident: int, name: str) -> int:
+        """The thread key of (ident, name); call with the lock held."""
+        key = self._threads.setdefault((ident, name), len(self._threads))
+        self.names[key] = name
+        return key
 
     def open(self, name: str) -> _Section:
-        section = _Section(name, threading.get_ident(), time.monotonic())
         with self._lock:
+            thread = self._key(threading.get_ident(), threading.current_thread().name)
+            section = _Section(name, thread, time.monotonic())
             self.sections.append(section)
-            self.names[section.thread] = threading.current_thread().name
         return section
 
     def close(self, section: _Section) -> None:
@@ -146,8 +155,8 @@ class StackSampler:
 
     def _charges(self, by_id: list[tuple[Frame, ...]], thread: int, start: float,
                  end: float) -> Iterator[tuple[tuple[Frame, ...], float]]:
-        for t, ident, stack, seconds in self._samples:
-            if ident == thread and start < t <= end + self.interval_s:
+        for t, key, stack, seconds in self._samples:
+            if key == thread and start < t <= end + self.interval_s:
                 yield by_id[stack], seconds
 
     def report(self) -> str:
@@ -157,14 +166,14 @@ class StackSampler:
         final = next((s for s in self.sections if s.name == FINAL_SECTION and s.end is not None), None)
         for s in self.sections:
             end = s.end if s.end is not None else (self._samples[-1][0] if self._samples else s.start)
-            lines += ["", f"== section {s.name} on thread {self.names.get(s.thread, s.thread)}: "
+            lines += ["", f"== section {s.name} on thread {self.names[s.thread]}: "
                       f"{end - s.start:.3f} s wall"]
             lines += _summary(self._charges(by_id, s.thread, s.start, end))
         if final is not None:
-            for ident, name in sorted(self.names.items(), key=lambda kv: kv[1]):
-                if ident == final.thread:
+            for thread, name in sorted(self.names.items(), key=lambda kv: kv[1]):
+                if thread == final.thread:
                     continue
-                charges = list(self._charges(by_id, ident, final.start, final.end))
+                charges = list(self._charges(by_id, thread, final.start, final.end))
                 if charges:
                     lines += ["", f"== thread {name} during {FINAL_SECTION} ({final.end - final.start:.3f} s)"]
                     lines += _summary(charges)
@@ -174,19 +183,22 @@ class StackSampler:
         """Per thread: its stacks as "outer;...;inner <microseconds>" lines."""
         by_id = self._by_id()
         per: dict[int, Counter] = defaultdict(Counter)
-        for _t, ident, stack, seconds in self._samples:
-            per[ident][stack] += seconds
-        return {ident: "".join(f"{';'.join(_label(f) for f in by_id[stack])} {round(s * 1e6)}\n"
-                               for stack, s in counts.most_common())
-                for ident, counts in per.items()}
+        for _t, thread, stack, seconds in self._samples:
+            per[thread][stack] += seconds
+        return {thread: "".join(f"{';'.join(_label(f) for f in by_id[stack])} {round(s * 1e6)}\n"
+                                for stack, s in counts.most_common())
+                for thread, counts in per.items()}
 
     def _write(self) -> None:
         stem = self.folder / f"{os.getpid()}"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             Path(f"{stem}-samples.txt").write_text(self.report())
-            for ident, text in self.folded().items():
-                name = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.names.get(ident, str(ident)))
+            taken: set[str] = set()
+            for thread, text in self.folded().items():
+                name = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.names[thread])
+                name = name if name not in taken else f"{name}-{thread}"   # two threads of one name
+                taken.add(name)
                 Path(f"{stem}-{name}.folded").write_text(text)
         except OSError as e:
             logger.warning("could not write the start-up profile to %s: %s", self.folder, e)

@@ -58,6 +58,35 @@ def test_the_sampler_charges_wall_time_to_each_threads_functions(tmp_path):
     assert any(line.rsplit(" ", 1)[0].endswith(")") and "_busy (" in line for line in folded.splitlines())
 
 
+def test_a_recycled_thread_ident_does_not_relabel_the_ended_threads_samples(tmp_path, monkeypatch):
+    # The OS reuses an ended thread's ident for a later thread; the sampler must keep the
+    # first thread's samples under its own name (it once reported them under the later one's).
+    import types
+
+    import resident.worker.startup_profile as startup_profile
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="first", daemon=True)
+    other.start()
+    sampler = StackSampler(tmp_path)   # not started: readings are made by hand
+    section = sampler.open("build")
+    try:
+        for name in ("first", "first", "second"):   # one ident, then another thread's name
+            fake = [types.SimpleNamespace(ident=other.ident, name=name)]
+            monkeypatch.setattr(startup_profile.threading, "enumerate", lambda fake=fake: fake)
+            sampler._read(-1, time.monotonic(), 0.01)
+    finally:
+        monkeypatch.undo()
+        stop.set()
+        other.join()
+    section.end = time.monotonic()
+    report = sampler.report()
+    assert "== thread first during build" in report and "== thread second during build" in report, report
+    sampler.finish()
+    assert {p.name for p in tmp_path.glob("*.folded")} >= {f"{os.getpid()}-first.folded", f"{os.getpid()}-second.folded"}
+    assert "0.020 s" in report.split("== thread first during build")[1].split("== thread second")[0], report
+
+
 def test_a_profiled_block_is_a_section_of_the_processs_sampler(tmp_path):
     folder = tmp_path / "profiles"   # created on demand
     with profiled("prepare", {ENV: str(folder)}):
