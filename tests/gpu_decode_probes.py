@@ -656,8 +656,23 @@ def fp8_row_gemv() -> dict:
                     cfg = row_gemv.RowConfig(rows, block_k, warps)
                     forms[f"row {rows}x{block_k} w{warps}"] = (
                         lambda w, cfg=cfg: row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16, config=cfg))
+        # W8A16: the same fp8 weights against a bf16 activation (x_q's values exactly, so the same
+        # reference): no activation quantization at all; `_launch` takes any x dtype
+        x16 = x_q.to(torch.bfloat16).reshape(-1)
+        for rows, block_k, warps in ((8, 1024, 8), (8, 2048, 8), (16, 1024, 4), (16, 2048, 8), (32, 1024, 8)):
+            if k % block_k == 0:
+                cfg = row_gemv.RowConfig(rows, block_k, warps)
+
+                def w8a16(w, cfg=cfg):
+                    out = torch.empty((1, w.shape[0]), dtype=torch.bfloat16, device="cuda")
+                    row_gemv._launch(x16, w, None, out, s_a.reshape(1), s_w.reshape(1), cfg)
+                    return out
+                forms[f"w8a16 {rows}x{block_k} w{warps}"] = w8a16
         row = {"name": name, "n": n, "k": k, "copies": len(ws)}
         timed = _time_forms(row, forms, ws, ref, nbytes, bw)
+        best16 = min((lbl for lbl in timed if lbl.startswith("w8a16 ")), key=lambda lbl: timed[lbl]["us"], default=None)
+        if best16:
+            print(f"{name}: best {best16} {timed[best16]['us']:.1f} us", file=sys.stderr)
         top = min((lbl for lbl in timed if lbl.startswith("row ")), key=lambda lbl: timed[lbl]["us"])
         rows_out.append(row)
         print(f"{name}: scaled_mm {timed['scaled_mm']['us']:.1f} us ({timed['scaled_mm']['of_copy_bandwidth']:.0%}), "

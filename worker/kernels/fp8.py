@@ -13,14 +13,16 @@ element. Shapes it cannot take (K or N not a multiple of 16) go through the refe
 math instead, which is exact but slow; a debug log line says so. `fp8_scaled_mm` is the same
 GEMM (and GEMV) on an input already quantized, as the fused norm and SiLU-and-mul emit it.
 
-With RESIDENT_GEMV=fp8 or on (`gemv.GEMV_MODE`, read once per process; the default, auto,
-keeps fp8 on `_scaled_mm`), decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
+One row already quantized (the fused producers' output in a batch-1 decode step) takes
+`row_gemv.row_gemv_fp8` under RESIDENT_GEMV=auto (`gemv.GEMV_MODE`, read once per process; the
+default) on compute capability 9.0+ and under `on` on any GPU: a register-streaming GEMV, faster
+than `_scaled_mm` at every Llama-3-8B shape on the H200 (row_gemv's docstring); `off` keeps
+`_scaled_mm`. With RESIDENT_GEMV=fp8 or on, decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
 `_scaled_mm` for the split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact
 products; any N and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also
-quantizes in-kernel (one launch per linear). Under `on`, one row already quantized (the fused
-producers' output) takes `row_gemv.row_gemv_fp8` instead (not yet measured on a GPU). Should
-Triton fail to build or load them (a TritonError), the call logs a warning and takes the
-`_scaled_mm` path instead. Off by default: on the H200 decode was slower than with `_scaled_mm`
+quantizes in-kernel (one launch per linear). Should Triton fail to build or load them (a
+TritonError), the call logs a warning and takes the `_scaled_mm` path instead. Off by default:
+on the H200 decode was slower than with `_scaled_mm`
 (docs/benchmarks.md: session 3 with float16 upcasts, 58 % of the copy bandwidth; session 10 on
 the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
 """
@@ -32,6 +34,7 @@ import torch
 from triton.errors import TritonError
 
 from resident.worker.kernels import fp8_gemv, gemv, row_gemv
+from resident.worker.kernels._util import sm90_or_later
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -98,6 +101,10 @@ def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
     shape = x_q.shape
     n_out, k_in = weight.shape
     x_q2 = x_q.reshape(-1, k_in)
+    if x_q2.is_cuda and x_q2.shape[0] == 1 and gemv.GEMV_MODE in ("auto", "on"):
+        out = _row_or_none(x_q2.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
+        if out is not None:
+            return out.reshape(*shape[:-1], n_out)
     if x_q2.is_cuda and 0 < x_q2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
         out = _gemv_or_none(x_q2.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
@@ -120,17 +127,33 @@ def _gemm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, scale_
                             use_fast_accum=fp8_fast_accum(x_q.shape[0]))
 
 
+def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """`row_gemv.row_gemv_fp8` of one quantized row (GEMV_MODE auto: on compute capability 9.0+,
+    where it was measured; on: any GPU); None where it does not apply (a K no tile divides, an LM
+    head's size, another GPU) or Triton cannot run it (a TritonError, logged once per weight)."""
+    n, k = weight.shape
+    if (getattr(weight, "_row_gemv_unavailable", False) or n >= row_gemv.MAX_N
+            or (gemv.GEMV_MODE == "auto" and not sm90_or_later(x_q.device))):
+        return None
+    config = row_gemv.pick_config(n, k, fp8=True)
+    if config is None:
+        return None
+    try:
+        return row_gemv.row_gemv_fp8(x_q, scale_a, weight, weight_scale.reshape(()),
+                                     bias.contiguous() if bias is not None else None, out_dtype, config=config)
+    except TritonError as e:
+        logger.warning("fp8 row GEMV kernel unavailable for %s x %s: %s; using torch._scaled_mm", n, k, e)
+        weight._row_gemv_unavailable = True
+        return None
+
+
 def _gemv_or_none(x2: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
     """The decode-size GEMV of x2 (activations, scale_a None: quantized here, fused when x2 is small;
     or fp8 with its scale_a); None if Triton cannot run it here."""
     bias = bias.contiguous() if bias is not None else None
     try:
-        row_config = (row_gemv.pick_config(weight.shape[0], weight.shape[1], fp8=True)
-                      if scale_a is not None and x2.shape[0] == 1 and gemv.GEMV_MODE == "on" else None)
-        if row_config is not None:
-            return row_gemv.row_gemv_fp8(x2, scale_a, weight, weight_scale.reshape(()), bias, out_dtype,
-                                         config=row_config)
         if scale_a is not None:
             return fp8_gemv.fp8_gemv(x2, scale_a, weight, weight_scale, bias, out_dtype)
         if x2.numel() <= fp8_gemv.FUSED_QUANT_MAX_NUMEL:

@@ -14,13 +14,15 @@ order (bit-reproducible, graph-capturable; counters on the weight, see `fp8_gemv
 
 Which decode GEMMs take which kernel is one switch, RESIDENT_GEMV, read once when this module
 is imported (`GEMV_MODE`):
-- `auto` (the default): 16-bit linears of one row take `row_gemv` (a register-streaming GEMV,
-  faster than cuBLAS at every Llama-3-8B shape on the H200; on compute capability 9.0+, where it
-  was measured); everything else cuBLAS / `_scaled_mm`;
+- `auto` (the default): linears of one row take `row_gemv` (a register-streaming GEMV, faster
+  than cuBLAS and `_scaled_mm` at every Llama-3-8B shape on the H200; on compute capability
+  9.0+, where it was measured): 16-bit ones through this module's `decode_linear`, fp8 ones on
+  their fused producers' quantized input through `fp8.fp8_scaled_mm`; everything else cuBLAS /
+  `_scaled_mm`;
 - `off`: cuBLAS / `_scaled_mm` everywhere;
 - `fp8`: fp8 weights through `fp8_gemv` (up to 16 rows), 16-bit ones as `off`;
 - `on`: one row through `row_gemv` on any CUDA GPU, 2..16 rows through this module's split-K
-  `gemv`, fp8 through `fp8_gemv`.
+  `gemv`, fp8 through `fp8_gemv` (one quantized row through `row_gemv_fp8`).
 This split-K kernel and `fp8_gemv` are opt-in because both lost on the H200 (session 3, batch 1,
 same host: bf16 172 tokens/s against cuBLAS's 204; fp8 232 where `_scaled_mm` gave 274; session
 12: bf16 5.44 ms a step against 4.68). They stay as kernels to tune (`resident bench kernels
