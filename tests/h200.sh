@@ -8,6 +8,7 @@
 #   tp (not in the default; needs 2 GPUs, ~300 s): `tests/h200.sh checkpoint tp` on nvidia-h200-x2 (TP_TESTS: its
 #      GPU test files; "" skips them)
 #   profile (not in the default; < 240 s): the throughput step with --profile: time per kernel category per row
+#      (BATCHES default 1,64; QUANTS default none,fp8_per_tensor)
 #   restart-profile (not in the default; ~150 s on a fresh host): one attached start (PROFILE_VARIANTS: warm, or
 #      warm-fe for --frontend process) with RESIDENT_STARTUP_PROFILE:
 #      a stack sampler's report (wall time per function, per thread and section) and flame-graph stacks in logs.tgz
@@ -44,6 +45,8 @@ B="python3 -m resident.cli.main bench"; M=/tmp/llama3-8b-random; LOG="$OUT/log.t
 step() { echo "=== $1 ($(date +%T))" >> "$LOG"; }
 # Processes a step leaves behind (a test killed by its timeout leaves its serve/daemon children,
 # which run in their own sessions and hold GPU memory) would skew every later step: end them.
+# (The pattern matches any command line naming those modules: call this script from a command
+# that does not, or the caller is ended too.)
 cleanup() {
   pkill -9 -f 'resident\.(cli\.main|daemon|worker)' 2>/dev/null && echo "(ended processes left by $1)" >> "$LOG"
   sleep 1; nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' ' >> "$LOG"; echo >> "$LOG"
@@ -72,8 +75,8 @@ for s in $steps; do
         --json "$OUT/throughput.json" >> "$LOG" 2>&1 ;;
     profile)  # issue 4: where the decode step's time goes (cli/bench_profile.py); the profile runs after the timed steps
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
-      timeout "${PROFILE_TIMEOUT:-240}" $B throughput $M --device cuda --batch-sizes 1,64 --context 1024 \
-        --quantization none,fp8_per_tensor --async-scheduling "${ASYNC_MODES:-on,off}" --profile \
+      timeout "${PROFILE_TIMEOUT:-240}" $B throughput $M --device cuda --batch-sizes "${BATCHES:-1,64}" --context 1024 \
+        --quantization "${QUANTS:-none,fp8_per_tensor}" --async-scheduling "${ASYNC_MODES:-on,off}" --profile \
         --json "$OUT/throughput-profile.json" >> "$LOG" 2>&1 ;;
     handover)
       timeout "${HANDOVER_TIMEOUT:-90}" $B handover $M --device cuda --workers 1 --json "$OUT/handover.json" >> "$LOG" 2>&1 ;;

@@ -284,10 +284,11 @@ def test_gpu_fused_quantization_is_bit_identical(dtype: torch.dtype, shape: tupl
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 300])
 def test_gpu_fp8_linear_uses_the_fused_quantization_and_equals_the_eager_path(tokens: int, monkeypatch) -> None:
-    from resident.worker.kernels import fp8, fp8_gemv
+    from resident.worker.kernels import fp8, fp8_gemv, gemv
     from resident.worker.kernels.dispatch import get_kernels
 
-    monkeypatch.setattr(fp8_gemv, "MAX_TOKENS", 0)       # the _scaled_mm path at every size (GEMV: its own tests)
+    monkeypatch.setattr(fp8_gemv, "MAX_TOKENS", 0)       # the _scaled_mm path at every size (GEMVs: their own tests)
+    monkeypatch.setattr(gemv, "GEMV_MODE", "off")         # (one row: the row GEMV under auto)
     g = torch.Generator().manual_seed(tokens)
     w = 0.05 * torch.randn(1024, 4096, generator=g)
     ws = (w.abs().amax() / FP8_MAX).to(torch.float32)

@@ -77,7 +77,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    if x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
+    # One row under `on` is quantized first, then takes the row GEMV as fp8_scaled_mm does.
+    if (x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on")
+            and not (x2.shape[0] == 1 and gemv.GEMV_MODE == "on")):
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)
@@ -85,7 +87,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x_q, scale_a = quantize_fp8_per_tensor(x2 if x2.stride(-1) == 1 else x2.contiguous())
     else:
         x_q, scale_a = quantize_fp8_per_tensor_dynamic(x2)
-    return _gemm(x_q, scale_a, weight, weight_scale.reshape(()), bias, x.dtype).reshape(*shape[:-1], n_out)
+    return _quantized_mm(x_q, scale_a, weight, weight_scale, bias, x.dtype).reshape(*shape[:-1], n_out)
 
 
 def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -100,16 +102,23 @@ def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
                          f"{scale_a.dtype} {tuple(scale_a.shape)}")
     shape = x_q.shape
     n_out, k_in = weight.shape
-    x_q2 = x_q.reshape(-1, k_in)
-    if x_q2.is_cuda and x_q2.shape[0] == 1 and gemv.GEMV_MODE in ("auto", "on"):
-        out = _row_or_none(x_q2.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
+    return _quantized_mm(x_q.reshape(-1, k_in), scale_a, weight, weight_scale, bias, out_dtype).reshape(
+        *shape[:-1], n_out)
+
+
+def _quantized_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM of a quantized x_q [M, K], by GEMV_MODE: one row the row GEMV (auto, on), decode
+    sizes `fp8_gemv` (fp8, on), else (or where those do not apply) `_scaled_mm`."""
+    if x_q.is_cuda and x_q.shape[0] == 1 and gemv.GEMV_MODE in ("auto", "on"):
+        out = _row_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
-            return out.reshape(*shape[:-1], n_out)
-    if x_q2.is_cuda and 0 < x_q2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
-        out = _gemv_or_none(x_q2.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
+            return out
+    if x_q.is_cuda and 0 < x_q.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
+        out = _gemv_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
-            return out.reshape(*shape[:-1], n_out)
-    return _gemm(x_q2, scale_a, weight, weight_scale.reshape(()), bias, out_dtype).reshape(*shape[:-1], n_out)
+            return out
+    return _gemm(x_q, scale_a, weight, weight_scale.reshape(()), bias, out_dtype)
 
 
 def _gemm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, scale_w: torch.Tensor,
