@@ -370,45 +370,6 @@ def test_torch_backend_fp8_model_logits_equal_with_and_without_the_fused_ops(tin
         assert g.dtype == torch.float32 and torch.equal(g, w)
 
 
-@pytest.mark.parametrize("mode", ["all", "o", "producers"])
-def test_one_row_steps_leave_the_quantization_to_the_row_gemv_as_the_kernels_say(tiny_model, mode, monkeypatch) -> None:
-    """`Kernels.fp8_row_quant` (the triton backend's: RESIDENT_FP8_ROW_QUANT where the row GEMV
-    applies): at one row "all" runs the layer unfused (the linears quantize), "o" only skips the
-    attention's quantization, "producers" changes nothing; more rows always fuse. Logits equal."""
-    from resident.worker.engine_config import EngineConfig
-    from resident.worker.kernels import dispatch
-    from resident.worker.model_runner import ModelRunner
-    from resident.worker.outputs import ScheduledRequest, SchedulerOutput
-    from resident.worker.sampling_params import SamplingParams
-
-    config, weights = _fp8_tiny_llama(tiny_model("llama", init_std=0.05), torch.float32)
-    base = dispatch._torch_kernels()
-    calls = []
-
-    def spy(name):
-        real = getattr(base, name)
-        return lambda *a, **kw: calls.append((name, a[0].shape[0])) or real(*a, **kw)
-    spied = {name: spy(name) for name in ("fused_add_rms_norm_fp8", "silu_and_mul_fp8", "paged_attention_fp8")}
-    greedy = SamplingParams(temperature=0.0)
-    logits = {}
-    for row_quant in (None, lambda device: mode):
-        monkeypatch.setattr(dispatch, "_torch_kernels",
-                            lambda rq=row_quant: dataclasses.replace(base, **spied, fp8_row_quant=rq))
-        runner = ModelRunner(config, EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=32,
-                                                  max_num_batched_tokens=64), weights, kernel_backend="torch")
-        calls.clear()
-        p = [3, 14, 15, 92, 65]
-        out = [runner.logits(SchedulerOutput([ScheduledRequest("a", p, 0, [0, 1], False, greedy, p, [])], 5))]
-        out.append(runner.logits(SchedulerOutput([ScheduledRequest("a", [7], 5, [0, 1], False, greedy, p, [])], 1)))
-        logits[row_quant is None] = out
-    one_row = {name for name, rows in calls if rows == 1}
-    expect = {"all": set(), "o": {"fused_add_rms_norm_fp8", "silu_and_mul_fp8"},
-              "producers": {"fused_add_rms_norm_fp8", "silu_and_mul_fp8", "paged_attention_fp8"}}[mode]
-    assert one_row == expect and {name for name, rows in calls if rows == 5} == set(spied)
-    for g, w in zip(logits[False], logits[True]):
-        assert torch.equal(g, w)
-
-
 def test_layers_fuse_the_quantization_only_for_fp8_linears_and_the_plain_add_norm(tiny_model) -> None:
     from weights_util import fused_weights_from_hf_folder
 

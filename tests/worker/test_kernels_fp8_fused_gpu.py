@@ -376,37 +376,3 @@ def test_gpu_fp8_model_decode_logits_are_identical_with_the_fused_ops(monkeypatc
     assert runners["fused"].graphs.num_replays == len(schedule)
     for g, w in zip(got, want):
         assert torch.equal(g, w), f"max |diff| {(g - w).abs().max().item()}"
-
-
-def test_gpu_fp8_one_row_steps_are_identical_whoever_quantizes(monkeypatch) -> None:
-    """RESIDENT_FP8_ROW_QUANT: at one row the row GEMV may quantize the linears' inputs itself
-    (all, o) instead of the fused producers: the same logits, bit for bit, eager and in the decode
-    graph (on the H200 the row GEMV applies; elsewhere every mode is the producers')."""
-    from resident.worker.engine_config import EngineConfig
-    from resident.worker.kernels import fp8
-    from resident.worker.model_runner import ModelRunner
-    from resident.worker.outputs import ScheduledRequest, SchedulerOutput
-    from resident.worker.sampling_params import SamplingParams
-
-    config, weights = _fp8_llama8b_wide()
-    ec = EngineConfig(block_size=16, num_kv_blocks=8, max_model_len=96, max_num_seqs=1, max_num_batched_tokens=256)
-    greedy = SamplingParams(temperature=0.0)
-    prompt = [random.Random(1).randrange(32000) for _ in range(9)]
-    got = {}
-    for mode in fp8.FP8_ROW_QUANT_MODES:
-        monkeypatch.setattr(fp8, "FP8_ROW_QUANT", mode)
-        runner = ModelRunner(config, ec, weights, device="cuda", cuda_graphs="eager")
-        runner.capture_graphs()
-        seq, outs = list(prompt), []
-        outs.append(runner.logits(SchedulerOutput([ScheduledRequest("r", seq, 0, [0, 1, 2, 3], True, greedy,
-                                                                     seq, [])], len(seq))).cpu())
-        for i in range(6):
-            tok = (prompt[i] * 7 + i) % 32000
-            step = [ScheduledRequest("r", [tok], len(seq), [0, 1, 2, 3], True, greedy, seq, [])]
-            seq.append(tok)
-            outs.append(runner.logits(SchedulerOutput(step, 1)).cpu())
-        assert runner.graphs.num_replays == 6
-        got[mode] = outs
-    for mode in ("all", "o"):
-        for i, (g, w) in enumerate(zip(got[mode], got["producers"])):
-            assert torch.equal(g, w), f"{mode}, step {i}: max |diff| {(g - w).abs().max().item()}"

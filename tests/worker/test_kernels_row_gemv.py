@@ -7,7 +7,6 @@ to it (one row, below the LM head's size) and which to cuBLAS.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,31 +68,6 @@ def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
             assert_close_to_reference(got, want, out_dtype)
 
 
-def fp8_quantizes_in_kernel(dtype: torch.dtype, device: str = "cpu", exact_in_fp8: bool = True) -> None:
-    """scale_a None: the 16-bit row quantized in the kernel gives, bit for bit, the kernel on the
-    reference quantization's output (an all-zero row: the minimum scale, zeros). `exact_in_fp8`:
-    x / scale lands on fp8 values (x = x_q / 8 with max |x_q| = 448), for Triton 3.6's
-    interpreter, whose float32 -> fp8 cast misrounds values just below a power of two (7.995 -> 4);
-    else random rows, whose quantization rounds (GPU)."""
-    from resident.worker.kernels.row_gemv import RowConfig, row_gemv_fp8
-    from resident.worker.layers.linear import quantize_fp8_per_tensor_dynamic
-
-    for i, (n, k, cfg) in enumerate([(100, 4096, None), (17, 384, None), (50, 1024, (16, 512, 4))]):
-        x_fp8, _, w_q, s_w = fp8_operands(n, k, seed=i, device=device)
-        if exact_in_fp8:
-            x_fp8[0, 5] = 448.0
-            x = (x_fp8.float() / 8).to(dtype)
-        else:
-            x = (3 * torch.randn(1, k, generator=torch.Generator().manual_seed(i))).to(dtype).to(device)
-            x[0, 5] = 40.0        # one large value: most of the row quantizes to small fp8 values
-        config = RowConfig(*cfg) if cfg else None
-        x_q, s_a = quantize_fp8_per_tensor_dynamic(x)
-        got = row_gemv_fp8(x, None, w_q, s_w, None, dtype, config=config)
-        assert torch.equal(got, row_gemv_fp8(x_q, s_a, w_q, s_w, None, dtype, config=config)), (n, k)
-        zero = row_gemv_fp8(torch.zeros_like(x), None, w_q, s_w, None, dtype, config=config)
-        assert not zero.any()
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
@@ -104,8 +78,6 @@ def _cases() -> dict[str, Callable[[], None]]:
              for dname, dtype in DTYPES.items() for b in (False, True)}
     cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
-    for dname, dtype in DTYPES.items():
-        cases[f"fp8_quantizes_in_kernel[{dname}]"] = lambda dtype=dtype: fp8_quantizes_in_kernel(dtype)
     return cases
 
 
@@ -141,43 +113,6 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
     assert pick_config(28672, 4096 + 2048, fp8=True) == RowConfig(8, 2048, 8)
     with pytest.raises(ValueError, match="power of two"):
         RowConfig(rows=6)
-
-
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_quant_x"])
-def test_row_gemv_builds_for_hopper(variant: str) -> None:
-    """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
-    PDL: no shared-memory tiles beyond the reductions', no spills; the in-kernel quantization
-    divides exactly (div.rn), as fp8_quant does."""
-    _need_triton()
-    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from resident.worker.kernels import row_gemv
-
-    fn = row_gemv._row_gemv_kernel
-    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv"),
-                      "fp8_quant_x": ("*bf16", "*fp8e4nv")}[variant]
-    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
-    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
-                  "PDL": True, "QUANT_X": variant == "fp8_quant_x", "FP8_MAX": 448.0, "MIN_SCALE": 1e-12}
-    pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                "scale_w_ptr": "*fp32"}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
-    try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-    except RuntimeError as e:
-        if "ptxas" in str(e) and "not found" in str(e).lower():
-            pytest.skip(f"this triton has no bundled ptxas: {e}")
-        raise
-    assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
-    ptx = compiled.asm["ptx"]
-    assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
-    assert ("div.rn.f32" in ptx) == (variant == "fp8_quant_x")
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:
@@ -315,23 +250,6 @@ def test_gpu_row_gemv_fp8_matches_the_reference(shape: tuple[int, int]) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_row_gemv_fp8_quantizes_in_kernel_as_fp8_quant_does(dtype: torch.dtype) -> None:
-    """Random 16-bit rows (their quantization rounds), the interpreter case's shapes and the
-    Llama-3-8B ones: bit for bit the kernel on `quantize_fp8_per_tensor`'s output (the Triton
-    quantization the engine runs, itself the reference's bits)."""
-    from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
-    from resident.worker.kernels.row_gemv import row_gemv_fp8
-
-    fp8_quantizes_in_kernel(dtype, "cuda", exact_in_fp8=False)
-    for n, k in LLAMA3_8B:
-        _, _, w_q, s_w = fp8_operands(n, k, seed=n + k, device="cuda")
-        x = (2 * torch.randn(1, k, device="cuda")).to(dtype)
-        x_q, s_a = quantize_fp8_per_tensor(x)
-        assert torch.equal(row_gemv_fp8(x, None, w_q, s_w, None, dtype), row_gemv_fp8(x_q, s_a, w_q, s_w, None, dtype))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["auto", "on", "off"])
 def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -> None:
     """One quantized row below the LM head's size: row_gemv_fp8 under auto (on the H200: sm_90)
@@ -359,10 +277,9 @@ def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -
 
 
 def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
-    """`fp8.row_quantizes` (auto needs sm_90+, on takes any GPU, the other modes none) and
-    `fp8._row_or_none` (CPU tensors stand in; the kernel call is recorded): the LM head's size and
-    a K no tile divides go elsewhere, a TritonError is logged once per weight and that weight is
-    not tried again."""
+    """`fp8._row_or_none` (CPU tensors stand in; the kernel call is recorded): auto needs sm_90+,
+    the LM head's size and a K no tile divides go elsewhere, a TritonError is logged once per
+    weight and that weight is not tried again."""
     _need_triton()
     from triton.errors import TritonError
 
@@ -377,19 +294,15 @@ def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None
         return torch.zeros(1, w.shape[0])
 
     monkeypatch.setattr(row_gemv, "row_gemv_fp8", fake)
-    cuda = torch.device("cuda", 0)
-    for mode, sm90, expect in (("auto", False, False), ("auto", True, True), ("on", False, True),
-                               ("off", True, False), ("fp8", True, False)):
-        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
-        monkeypatch.setattr(fp8, "sm90_or_later", lambda device, sm90=sm90: sm90)
-        assert fp8.row_quantizes(cuda) is expect and not fp8.row_quantizes(torch.device("cpu")), (mode, sm90)
     x_q, s_a = torch.zeros(1, 4096), torch.ones(())
     w, s_w = torch.zeros(4096, 4096), torch.ones(())
-    for applies in (False, True):
-        monkeypatch.setattr(fp8, "row_quantizes", lambda device, applies=applies: applies)
+    for mode, sm90, expect in (("auto", False, None), ("auto", True, (4096, row_gemv.RowConfig(8, 2048, 8))),
+                               ("on", False, (4096, row_gemv.RowConfig(8, 2048, 8)))):
+        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+        monkeypatch.setattr(fp8, "sm90_or_later", lambda device, sm90=sm90: sm90)
         calls.clear()
         out = fp8._row_or_none(x_q, s_a, w, s_w, None, torch.bfloat16)
-        assert calls == ([(4096, row_gemv.RowConfig(8, 2048, 8))] if applies else []) and (out is None) != applies
+        assert calls == ([expect] if expect else []) and (out is None) == (expect is None), (mode, sm90)
     calls.clear()
     assert fp8._row_or_none(x_q, s_a, torch.zeros(row_gemv.MAX_N, 4096), s_w, None, torch.bfloat16) is None
     assert fp8._row_or_none(torch.zeros(1, 100), s_a, torch.zeros(64, 100), s_w, None, torch.bfloat16) is None

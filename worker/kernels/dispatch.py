@@ -58,10 +58,6 @@ class Kernels:
     #: (q, kv_cache, meta, scale, sliding_window=None) -> (x_q [T, Hq*D] fp8, scale_a float32 ()):
     #: paged_attention's output flattened and quantized as fp8_linear would (o_proj's input)
     paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    #: (device) -> which fp8 linears of a one-row step quantize their 16-bit input themselves, inside
-    #: fp8_linear's row GEMV, so their producers emit 16-bit: "all", "o" (o_proj) or "producers"
-    #: (none; also where fp8_linear would quantize in a kernel of its own). None: "producers"
-    fp8_row_quant: Callable[[torch.device], str] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -88,7 +84,7 @@ def _triton_kernels() -> Kernels:
                    gemv.decode_linear if gemv.GEMV_MODE in ("auto", "on") else F.linear,
                    fp8_scaled_mm=fp8.fp8_scaled_mm,
                    fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
-                   paged_attention_fp8=paged_attention.paged_attention_fp8, fp8_row_quant=fp8.row_quant)
+                   paged_attention_fp8=paged_attention.paged_attention_fp8)
 
 
 def triton_available() -> bool:

@@ -29,13 +29,12 @@ the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from triton.errors import TritonError
 
 from resident.worker.kernels import fp8_gemv, gemv, row_gemv
-from resident.worker.kernels._util import env_mode, sm90_or_later
+from resident.worker.kernels._util import sm90_or_later
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -78,13 +77,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    if x2.is_cuda and x2.shape[0] == 1 and gemv.GEMV_MODE in ("auto", "on"):
-        # The row GEMV quantizes the row itself: fp8_scaled_mm's result on quantize_fp8_per_tensor's.
-        out = _row_or_none(x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
-        if out is not None:
-            return out.reshape(*shape[:-1], n_out)
+    # One row under `on` is quantized first, then takes the row GEMV as fp8_scaled_mm does.
     if (x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on")
-            and not (x2.shape[0] == 1 and gemv.GEMV_MODE == "on")):   # one row: quantized, then as fp8_scaled_mm
+            and not (x2.shape[0] == 1 and gemv.GEMV_MODE == "on")):
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)
@@ -141,37 +136,14 @@ def _gemm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, scale_
                             use_fast_accum=fp8_fast_accum(x_q.shape[0]))
 
 
-#: Which fp8 linears of a one-row decode step quantize their input inside the row GEMV (the
-#: producers then emit it 16-bit), RESIDENT_FP8_ROW_QUANT, read once: `all` (the four of a
-#: layer), `o` (o_proj only: attention's output), `producers` (none: the fused norm, SiLU and
-#: attention kernels quantize, as for larger batches). Where the row GEMV does not apply
-#: (`row_quantizes`), `producers`.
-FP8_ROW_QUANT_MODES = ("all", "o", "producers")
-FP8_ROW_QUANT = env_mode(os.environ, "RESIDENT_FP8_ROW_QUANT", "fp8 row quantization mode", FP8_ROW_QUANT_MODES,
-                         "all")
-
-
-def row_quant(device: torch.device) -> str:
-    """`FP8_ROW_QUANT` where the row GEMV quantizes one row on `device`, else "producers"
-    (`Kernels.fp8_row_quant`)."""
-    return FP8_ROW_QUANT if row_quantizes(device) else "producers"
-
-
-def row_quantizes(device: torch.device) -> bool:
-    """Whether `fp8_linear` of one row on `device` takes the row GEMV that quantizes the row itself
-    (then producers need not quantize it: `Kernels.fp8_row_quantizes`); weights it cannot take
-    (`_row_or_none`) still quantize first."""
-    return device.type == "cuda" and (gemv.GEMV_MODE == "on" or (gemv.GEMV_MODE == "auto" and sm90_or_later(device)))
-
-
-def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """`row_gemv.row_gemv_fp8` of one row, quantized (scale_a) or 16-bit (scale_a None: quantized
-    in the kernel) (GEMV_MODE auto: on compute capability 9.0+, where it was measured; on: any
-    GPU); None where it does not apply (a K no tile divides, an LM head's size, another GPU) or
-    Triton cannot run it (a TritonError, logged once per weight)."""
+    """`row_gemv.row_gemv_fp8` of one quantized row (GEMV_MODE auto: on compute capability 9.0+,
+    where it was measured; on: any GPU); None where it does not apply (a K no tile divides, an LM
+    head's size, another GPU) or Triton cannot run it (a TritonError, logged once per weight)."""
     n, k = weight.shape
-    if getattr(weight, "_row_gemv_unavailable", False) or n >= row_gemv.MAX_N or not row_quantizes(x_q.device):
+    if (getattr(weight, "_row_gemv_unavailable", False) or n >= row_gemv.MAX_N
+            or (gemv.GEMV_MODE == "auto" and not sm90_or_later(x_q.device))):
         return None
     config = row_gemv.pick_config(n, k, fp8=True)
     if config is None:

@@ -41,8 +41,6 @@ import triton.language as tl
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
-from resident.worker.kernels.fp8_quant import _quantize_tile, _scale_from_amax
-from resident.worker.layers.linear import FP8_MAX, FP8_MIN_SCALE
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
@@ -98,20 +96,9 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 
 
 @triton.jit
-def _x_tile(x_ptr, k0, cols, scale_x, QUANT_X: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x[k0 : k0 + BLOCK_K] in float32; QUANT_X: quantized with scale_x as fp8_quant quantizes
-    (the fp8 value's float32)."""
-    x = tl.load(x_ptr + k0 + cols).to(tl.float32)
-    if QUANT_X:
-        x = _quantize_tile(x, scale_x, FP8_MAX).to(tl.float8e4nv).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, QUANT_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
-                     MIN_SCALE: tl.constexpr = 1e-12):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -120,19 +107,12 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
     pdl.wait_previous(PDL)
-    scale_x = 1.0
-    if QUANT_X:       # x's per-tensor scale, in every program: its amax over all of x (from L2)
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + cols).to(tl.float32)))
-        scale_x = _scale_from_amax(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
-    acc = tl.sum(w.to(tl.float32) * _x_tile(x_ptr, 0, cols, scale_x, QUANT_X, FP8_MAX)[None, :], axis=1)
+    acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_ptrs + k0)
-        acc += tl.sum(w.to(tl.float32) * _x_tile(x_ptr, k0, cols, scale_x, QUANT_X, FP8_MAX)[None, :], axis=1)
-    if QUANT_X:       # the reference's order, (acc * (scale_a * scale_w)) + bias
-        acc = acc * (scale_x * tl.load(scale_w_ptr))
-    elif SCALED:      # fp8: likewise
+        x = tl.load(x_ptr + k0 + cols)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
         acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
@@ -174,50 +154,41 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig,
-            quant_x: bool = False) -> None:
+            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
     n, k = weight.shape
     pdl_opts = pdl.launch(x1.device, 1)
     _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        **pdl_opts, QUANT_X=quant_x, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=config.num_warps)
+        **pdl_opts, num_warps=config.num_warps)
 
 
-def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: RowConfig | None = None) -> torch.Tensor:
     """out [1, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [1, K]
     (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
-    bias [N] of any float dtype. `scale_a` None: x_q is the 16-bit activation itself, quantized
-    per tensor inside the kernel exactly as `fp8_quant.quantize_fp8_per_tensor` quantizes it (each
-    program takes the amax of all of x, then quantizes the tiles it reads), so the result is this
-    function's on that quantization's output, bit for bit. K must be a multiple of the config's
-    block_k (default `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
+    bias [N] of any float dtype. K must be a multiple of the config's block_k (default
+    `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
     fp8 = torch.float8_e4m3fn
     if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
         raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
                          f"{tuple(weight.shape)}")
-    x_dtypes = (fp8,) if scale_a is not None else DTYPES
-    if x_q.dtype not in x_dtypes or weight.dtype != fp8:
-        raise TypeError(f"row_gemv_fp8 takes a {fp8} weight and x_q of {' or '.join(map(str, x_dtypes))} "
-                        f"(scale_a {'given' if scale_a is not None else 'None: quantized in the kernel'}), "
-                        f"got weight {weight.dtype} and x_q {x_q.dtype}")
-    scales = {"weight_scale": weight_scale, **({"scale_a": scale_a} if scale_a is not None else {})}
-    for name, t in scales.items():
+    if x_q.dtype != fp8 or weight.dtype != fp8:
+        raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
+    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
         if t.numel() != 1 or t.dtype != torch.float32:
             raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
     if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    x1 = _check_layout(x_q, "x_q", weight, bias, **scales)
+    x1 = _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
     n, k = weight.shape
     config = config or pick_config(n, k, fp8=True)
     if config is None or k % config.block_k:
         raise ValueError(f"row_gemv_fp8 needs K ({k}) to be a multiple of the tile's BLOCK_K "
                          f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
     out = torch.empty((1, n), dtype=out_dtype, device=x_q.device)
-    _launch(x1, weight, bias, out, scale_a.reshape(1) if scale_a is not None else None, weight_scale.reshape(1),
-            config, quant_x=scale_a is None)
+    _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
     return out
 
 

@@ -170,12 +170,7 @@ class LlamaDecoderLayer:
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fuse_fp8_quant:
-            # One row: the linears' row GEMV may quantize its input itself (`Kernels.fp8_row_quant`).
-            row_quant = (self.kernels.fp8_row_quant(hidden.device)
-                         if hidden.shape[0] == 1 and self.kernels.fp8_row_quant is not None else "producers")
-            if row_quant != "all":
-                return self.forward_fp8(positions, hidden, residual, meta, kv_cache,
-                                        quantized_o=self.fuse_o_quant and row_quant != "o")
+            return self.forward_fp8(positions, hidden, residual, meta, kv_cache)
         kern = self.kernels
         if residual is None:
             residual = hidden
@@ -191,18 +186,16 @@ class LlamaDecoderLayer:
         return self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden))), residual
 
     def forward_fp8(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                    meta: AttentionMetadata, kv_cache: torch.Tensor,
-                    quantized_o: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`__call__` with the fp8 activation quantization of qkv_proj, gate_up_proj and down_proj
         done by the kernels producing their inputs: bit for bit the same (each fused op is its
         unfused pair, then the linear's own quantization), one launch less per linear — in a
         decode step these launches cost latency, not bandwidth. o_proj's input comes quantized from
-        the attention kernels (`Kernels.paged_attention_fp8`: on a GPU, decode skips the maximum pass)
-        unless `quantized_o` is False (default: `fuse_o_quant`)."""
+        the attention kernels (`Kernels.paged_attention_fp8`: on a GPU, decode skips the maximum pass)."""
         kern, dtype = self.kernels, hidden.dtype
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.input_layernorm, self.eps)
         hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache,
-                                quantized_o=self.fuse_o_quant if quantized_o is None else quantized_o)
+                                quantized_o=self.fuse_o_quant)
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
         x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
         return self.down_proj.apply_quantized(x_q, scale, dtype), residual
