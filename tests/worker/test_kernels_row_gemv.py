@@ -7,6 +7,7 @@ to it (one row, below the LM head's size) and which to cuBLAS.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,40 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
     assert pick_config(28672, 4096 + 2048, fp8=True) == RowConfig(8, 2048, 8)
     with pytest.raises(ValueError, match="power of two"):
         RowConfig(rows=6)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_row_gemv_builds_for_hopper(variant: str) -> None:
+    """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
+    PDL: no shared-memory tiles beyond the reductions', no spills."""
+    _need_triton()
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from resident.worker.kernels import row_gemv
+
+    fn = row_gemv._row_gemv_kernel
+    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
+    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
+    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
+                  "PDL": True}
+    pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
+                "scale_w_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    except RuntimeError as e:
+        if "ptxas" in str(e) and "not found" in str(e).lower():
+            pytest.skip(f"this triton has no bundled ptxas: {e}")
+        raise
+    assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:
