@@ -75,11 +75,7 @@ def test_attached_restart_imports_nothing_heavy_before_ready(tmp_path, short_tmp
     finally:
         d.stop()
     modules = _imported_before_ready(log)
-    # (The client is imported in a thread beside torch — import_prefetch.py — whose import-time
-    # lines interleave with the main thread's: the ready line says where the weights came from.)
-    text = log.read_text()
-    assert re.search(r"ready in .*; weights from daemon", text), "the worker did not attach through the daemon"
-    assert "import prefetch: resident.daemon.client imported beside torch" in text, text[-3000:]
+    assert "resident.daemon.client" in modules, "the worker did not attach through the daemon client"
     _check_lean(modules)
     # The import phase splits into its parts (resident bench restart's floor is `import torch`).
     assert re.search(r"import breakdown: [0-9.]+ s to the serve command .*, torch [0-9.]+ s, worker modules [0-9.]+ s",

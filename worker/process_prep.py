@@ -54,31 +54,23 @@ _BYTECODE_SAMPLE = (__name__, "resident.worker.engine", "resident.worker.model_r
 
 def _prepare_process(config: ServeConfig, t0: float, who: str,
                      switch: StartupSwitchInterval) -> tuple[ServeConfig, StartupTimer] | None:
-    from resident.worker import import_prefetch, triton_key_cache
     from resident.worker.cuda_preinit import start_context_preinit
-    from resident.worker.kv_profile_cache import cache_file_beside
     from resident.worker.tp_spawn import spawn_early
     from resident.worker.triton_prefetch import start_triton_prefetch
 
     t_begin = time.time()
     spawn_early(config)   # TP: the other ranks import torch while this one does (tp_spawn.py)
     preinit = start_context_preinit(config.device)   # the CUDA context, created while torch imports
-
-    def triton_prefetch(early: bool):
-        # Triton's once-per-process work (its import, hashing libtriton.so, ptxas, its driver) in
-        # a thread: beside torch's import (import_prefetch.py) or, when that is off, the imports after it.
-        return start_triton_prefetch(config.device, preinit.wait if preinit is not None else None,
-                                     cache_file_beside(config.kv_profile_cache, os.environ, triton_key_cache.FILE_NAME),
-                                     launch_modules=early)
-
-    early = import_prefetch.enabled()
-    prefetch = triton_prefetch(True) if early else None
-    client_imports = import_prefetch.start_client_imports(config.preload) if early else None
     import torch
 
     t_torch = time.time()
-    if not early:
-        prefetch = triton_prefetch(False)
+    # Triton's once-per-process work (hashing libtriton.so, ptxas, its driver) in a thread that
+    # releases the GIL: it overlaps the imports below and the attach instead of the warm-up.
+    from resident.worker import triton_key_cache
+    from resident.worker.kv_profile_cache import cache_file_beside
+
+    prefetch = start_triton_prefetch(config.device, preinit.wait if preinit is not None else None,
+                                     cache_file_beside(config.kv_profile_cache, os.environ, triton_key_cache.FILE_NAME))
     # cuBLAS's first-use work for the model's GEMM shapes, beside the imports and the attach.
     from resident.worker.gemm_prefetch import start_for_serve
 
@@ -100,7 +92,6 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
     startup = StartupTimer(t0)
     startup.switch_interval = switch
     startup.gemm_prefetch = gemms
-    startup.import_prefetch = client_imports
     t_imported = time.time()
     startup.phases["import"] = t_imported - t0
     bytecode = describe_compiled(sys.modules[name] for name in _BYTECODE_SAMPLE if name in sys.modules)

@@ -51,9 +51,6 @@ class StartupTimer:
         #: gemm_prefetch.GemmPrefetch started by prepare_process (one GPU): its memory waited for
         #: before the KV plan, joined before the graphs' capture
         self.gemm_prefetch: Any = None
-        #: import_prefetch.ImportPrefetch (the daemon client's imports) started by prepare_process before
-        #: torch, joined by build_worker after the weights
-        self.import_prefetch: Any = None
         #: switch_interval.StartupSwitchInterval set by prepare_process, restored by build_worker
         self.switch_interval: Any = None
 
@@ -134,7 +131,7 @@ def join_startup_threads(startup: StartupTimer) -> None:
     (loading Triton kernels, the GEMM prefetch's launches) when the interpreter exits aborts
     it ("terminate called without an active exception", exit -6 on the H200) instead of the
     exit 1 with the reason. At once when the build already joined them."""
-    for thread in (startup.triton_prefetch, startup.gemm_prefetch, startup.import_prefetch):
+    for thread in (startup.triton_prefetch, startup.gemm_prefetch):
         if thread is not None:
             thread.join()
 
@@ -179,8 +176,6 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         draft = spec_serving.open_draft(spec_cfg, store, spec, config.preload, config.socket, str(device))
         metrics.set_weights_source(store.source)
         startup.end("weights")
-        if startup.import_prefetch is not None:   # done by now (the attach imported the client): logs it
-            startup.import_prefetch.join()
         attach_s = getattr(store, "attach_s", None)
         logger.info("weights breakdown: %s%s; %.3f s in all", ", ".join(f"{k} {v:.3f}" for k, v in weights_s.items()),
                     f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",

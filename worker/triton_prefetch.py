@@ -48,17 +48,13 @@ class TritonPrefetch(StartupThread):
 
     thread_name = "resident-triton-prefetch"
 
-    def __init__(self, gpu_present: Callable[[], bool] | None = None, key_cache: Path | None = None,
-                 launch_modules: bool = False) -> None:
+    def __init__(self, gpu_present: Callable[[], bool] | None = None, key_cache: Path | None = None) -> None:
         """`gpu_present`: called first in the thread; False defers everything until
         `set_device` names a GPU (and skips it all when it names none). `key_cache`: the
-        file that remembers `triton_key()` across starts (`triton_key_cache`; None: hash).
-        `launch_modules`: stage 1 also imports what Triton's first launch would
-        (`import_prefetch.TRITON_LAUNCH_MODULES`)."""
+        file that remembers `triton_key()` across starts (`triton_key_cache`; None: hash)."""
         super().__init__()
         self._gpu_present = gpu_present
         self._key_cache = key_cache
-        self._launch_modules = launch_modules
         self.key_source = ""   # triton_key_cache.prime's answer
         self._device_set = threading.Event()
         self._capability: tuple[int, int] | None = None
@@ -103,14 +99,6 @@ class TritonPrefetch(StartupThread):
             from resident.worker import triton_key_cache
 
             done("import")
-            if self._launch_modules:
-                from resident.worker.import_prefetch import TRITON_LAUNCH_MODULES, import_modules
-
-                step = "launch modules"
-                failed = import_modules(TRITON_LAUNCH_MODULES, {})
-                if failed:   # Triton's first launch imports them, as without this step
-                    logger.debug("Triton's launch-time modules not imported in advance: %s", "; ".join(failed))
-                done("launch modules")
             step = "libtriton hash"
             self.key_source = triton_key_cache.prime(self._key_cache)
             done("libtriton hash")
@@ -189,18 +177,18 @@ class TritonPrefetch(StartupThread):
 
 
 def start_triton_prefetch(device: str, gpu_present: Callable[[], bool] | None,
-                          key_cache: Path | None = None, launch_modules: bool = False) -> TritonPrefetch | None:
+                          key_cache: Path | None = None) -> TritonPrefetch | None:
     """Start the prefetch for --device `device`: None for `cpu` (or a spelling that names no
     GPU) or where triton is not installed. `gpu_present` decides for `auto` (the CUDA context
     pre-creation's outcome); an explicit `cuda`/`cuda:N` runs stage 1 without asking.
-    `key_cache`, `launch_modules`: see TritonPrefetch."""
+    `key_cache`: see TritonPrefetch."""
     import importlib.util
 
     if not (device == "auto" or device == "cuda" or device.startswith("cuda:")):
         return None
     if importlib.util.find_spec("triton") is None:
         return None
-    return TritonPrefetch(gpu_present if device == "auto" else None, key_cache, launch_modules).start()
+    return TritonPrefetch(gpu_present if device == "auto" else None, key_cache).start()
 
 
 __all__ = ["TritonPrefetch", "start_triton_prefetch"]

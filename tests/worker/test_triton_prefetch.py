@@ -131,19 +131,3 @@ torch.testing.assert_close(out, rms_norm(x, w, 1e-5), atol=2e-2, rtol=2e-2)
 print("ok", p.describe())
 """, hide_gpu=False)
     assert out.startswith("ok"), out
-
-
-@needs_triton
-def test_stage_one_imports_the_launch_modules_when_asked() -> None:
-    out = _run("""
-import sys
-from resident.worker.import_prefetch import TRITON_LAUNCH_MODULES
-from resident.worker.triton_prefetch import TritonPrefetch
-for launch_modules in (False, True):
-    p = TritonPrefetch(launch_modules=launch_modules).start()
-    p.set_device(None)
-    assert p.join(), p.describe()
-    print(launch_modules, all(m in sys.modules for m in TRITON_LAUNCH_MODULES), "launch modules" in p.seconds)
-print('torch' in sys.modules)
-""")
-    assert out.split() == ["False", "False", "False", "True", "True", "True", "False"], out
