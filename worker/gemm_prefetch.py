@@ -14,7 +14,8 @@ thread's Python work instead of adding to it. Two stages, one after the other:
 1. GEMMs: every M the warm-up and the start-up graph captures use (the warm-up's prefill
    chunk, 1, and the captured decode batch sizes) against each linear's [N, K] — q/k/v, o,
    gate/up, down (as `torch._scaled_mm` on fp8 for fp8_per_tensor) — and the LM head, on
-   uninitialized tensors.
+   uninitialized tensors; not M = 1 of a layer's linear that the Triton row GEMV takes
+   (`gemv.takes_one_row`: its kernel is the Triton prefetch's to load).
 2. other ops: the eager forward's kernels that are neither GEMMs nor Triton (embedding
    lookup, the sampled rows' selection, the logits' cast, the KV blocks' zeroing:
    op_prefetch.warm_forward_ops).
@@ -211,6 +212,11 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
 
     from resident.worker.layers.linear import fp8_fast_accum   # the engine's kernel choice, loaded alike
 
+    try:   # one row of a layer's linear may take the Triton row GEMV instead of cuBLAS (no first use here)
+        from resident.worker.kernels.gemv import takes_one_row
+    except ImportError:
+        def takes_one_row(n: int, k: int, device: Any, fp8: bool = False) -> bool:
+            return False
     dtype = getattr(torch, plan.dtype)
     count = 0
     for name, n, k in plan.linears:
@@ -223,6 +229,8 @@ def gemms(plan: GemmPlan, dev: Any, free: Callable[[], int]) -> int:
         w = torch.empty(n, k, dtype=wdtype, device=dev)
         one = torch.ones((), dtype=torch.float32, device=dev)
         for m in plan.head_ms if head else plan.layer_ms:
+            if m == 1 and not head and takes_one_row(n, k, dev, fp8):
+                continue
             if fp8:
                 x = torch.zeros(m, k, dtype=wdtype, device=dev)
                 torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=fp8_fast_accum(m))

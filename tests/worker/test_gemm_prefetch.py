@@ -15,7 +15,7 @@ import torch
 
 from resident.worker import gemm_prefetch
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, enabled, plan_for, plan_for_serve, run,
+from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, enabled, gemms, plan_for, plan_for_serve, run,
                                            run_stage, start_for_serve, warmup_prefill_tokens)
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
@@ -126,6 +126,21 @@ def test_the_stages_run_on_a_cpu_device():
     assert counts == {"GEMMs": 4 * 4 + 3, "other ops": 4 + 1 + 2 * 3 + 1}
 
 
+def test_the_gemm_stage_leaves_one_row_to_the_row_gemv_where_it_takes_it(monkeypatch):
+    # The Triton row GEMV serves M = 1 of a layer's linears (gemv.takes_one_row): no cuBLAS first
+    # use for them; the LM head and the other Ms as before.
+    pytest.importorskip("triton")
+    from resident.worker.kernels import gemv
+
+    plan = _plan(graph_sizes=(1, 2))
+    ran = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: ran.append((x.shape[0], w.shape[0])) or real(x, w))
+    monkeypatch.setattr(gemv, "takes_one_row", lambda n, k, device, fp8=False: True)
+    assert gemms(plan, torch.device("cpu"), lambda: 1 << 40) == 4 * 2 + 2
+    assert sorted(m for m, _ in ran) == [1] + [2] * 5 + [32] * 4   # M = 1: the LM head's only
+
+
 def test_the_plan_waits_for_the_weight_sized_stage_only_and_only_it_empties_the_cache(monkeypatch):
     """wait_memory() returns once the GEMM stage is done (its cache emptied) while the later
     stages still run; join() waits for those; only the GEMM stage empties torch's cache."""
@@ -177,12 +192,18 @@ def test_gpu_stages_run_and_free_their_memory(quantization):
     plan = plan_for(dict(LLAMA, hidden_size=256, intermediate_size=512, vocab_size=1024), dtype="auto",
                     quantization=quantization, block_size=16, max_num_batched_tokens=64, max_model_len=None,
                     graph_sizes=(1, 2, 4, 8))
-    assert run(plan, torch.cuda.current_device()) == 4 * 5 + 4
+    from resident.worker.kernels.gemv import takes_one_row
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    # M = 1 of the layers' linears the row GEMV takes (the H200 under the default) is not run.
+    expected = 4 * 5 + 4 - sum(takes_one_row(n, k, dev, quantization == "fp8_per_tensor")
+                               for name, n, k in plan.linears if name != "lm_head")
+    assert run(plan, torch.cuda.current_device()) == expected
     # The first run leaves what a first GEMM in this thread leaves anyway (torch's cuBLAS
     # workspace for the handle, 32 MiB measured on the H200); the weights and inputs are freed.
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    assert run(plan, torch.cuda.current_device()) == 4 * 5 + 4
+    assert run(plan, torch.cuda.current_device()) == expected
     assert torch.cuda.memory_allocated() == before
     skipped = run(plan, torch.cuda.current_device(), free_bytes=lambda: 1024)   # nothing fits: nothing runs
     assert skipped == 0

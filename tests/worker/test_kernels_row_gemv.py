@@ -312,9 +312,10 @@ def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -
 
 
 def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
-    """`fp8._row_or_none` (CPU tensors stand in; the kernel call is recorded): auto needs sm_90+,
-    the LM head's size and a K no tile divides go elsewhere, a TritonError is logged once per
-    weight and that weight is not tried again."""
+    """`gemv.takes_one_row` (auto needs sm_90+, on takes any GPU, other modes none; not the LM
+    head's size, not a K no tile divides) and `fp8._row_or_none` (CPU tensors stand in; the
+    kernel call is recorded): a TritonError is logged once per weight and that weight is not
+    tried again."""
     _need_triton()
     from triton.errors import TritonError
 
@@ -329,15 +330,22 @@ def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None
         return torch.zeros(1, w.shape[0])
 
     monkeypatch.setattr(row_gemv, "row_gemv_fp8", fake)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for mode, sm90, expect in (("auto", False, False), ("auto", True, True), ("on", False, True),
+                               ("off", True, False), ("fp8", True, False)):
+        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+        monkeypatch.setattr(gemv, "sm90_or_later", lambda device, sm90=sm90: sm90)
+        for fp8_weight in (False, True):
+            assert gemv.takes_one_row(4096, 4096, cuda, fp8_weight) is expect, (mode, sm90, fp8_weight)
+            assert not gemv.takes_one_row(4096, 4096, cpu, fp8_weight)
+            assert not gemv.takes_one_row(row_gemv.MAX_N, 4096, cuda, fp8_weight)   # an LM head
+            assert not gemv.takes_one_row(64, 100, cuda, fp8_weight)                # no tile divides K
+    # CPU tensors stand in for the GPU's below: the shape test is takes_one_row's, patched to say yes.
+    monkeypatch.setattr(gemv, "takes_one_row", lambda n, k, device, fp8=False: n < row_gemv.MAX_N and k % 128 == 0)
     x_q, s_a = torch.zeros(1, 4096), torch.ones(())
     w, s_w = torch.zeros(4096, 4096), torch.ones(())
-    for mode, sm90, expect in (("auto", False, None), ("auto", True, (4096, row_gemv.RowConfig(8, 2048, 8))),
-                               ("on", False, (4096, row_gemv.RowConfig(8, 2048, 8)))):
-        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
-        monkeypatch.setattr(fp8, "sm90_or_later", lambda device, sm90=sm90: sm90)
-        calls.clear()
-        out = fp8._row_or_none(x_q, s_a, w, s_w, None, torch.bfloat16)
-        assert calls == ([expect] if expect else []) and (out is None) == (expect is None), (mode, sm90)
+    out = fp8._row_or_none(x_q, s_a, w, s_w, None, torch.bfloat16)
+    assert calls == [(4096, row_gemv.RowConfig(8, 2048, 8))] and out is not None
     calls.clear()
     assert fp8._row_or_none(x_q, s_a, torch.zeros(row_gemv.MAX_N, 4096), s_w, None, torch.bfloat16) is None
     assert fp8._row_or_none(torch.zeros(1, 100), s_a, torch.zeros(64, 100), s_w, None, torch.bfloat16) is None

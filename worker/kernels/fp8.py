@@ -34,7 +34,6 @@ import torch
 from triton.errors import TritonError
 
 from resident.worker.kernels import fp8_gemv, gemv, row_gemv
-from resident.worker.kernels._util import sm90_or_later
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -142,12 +141,9 @@ def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
     where it was measured; on: any GPU); None where it does not apply (a K no tile divides, an LM
     head's size, another GPU) or Triton cannot run it (a TritonError, logged once per weight)."""
     n, k = weight.shape
-    if (getattr(weight, "_row_gemv_unavailable", False) or n >= row_gemv.MAX_N
-            or (gemv.GEMV_MODE == "auto" and not sm90_or_later(x_q.device))):
+    if getattr(weight, "_row_gemv_unavailable", False) or not gemv.takes_one_row(n, k, x_q.device, fp8=True):
         return None
     config = row_gemv.pick_config(n, k, fp8=True)
-    if config is None:
-        return None
     try:
         return row_gemv.row_gemv_fp8(x_q, scale_a, weight, weight_scale.reshape(()),
                                      bias.contiguous() if bias is not None else None, out_dtype, config=config)

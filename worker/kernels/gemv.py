@@ -51,7 +51,7 @@ from triton.errors import TritonError
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels import row_gemv as row_gemv_mod
-from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, env_mode
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, env_mode, sm90_or_later
 from resident.worker.kernels.fp8_gemv import (
     BLOCK_N, MAX_SPLIT_K, MAX_SUPPORTED_TOKENS, MAX_TOKENS, MIN_K_TILES_PER_SPLIT, TARGET_PROGRAMS_PER_SM,
     GemvConfig, _num_sms, _tile_counters,
@@ -226,6 +226,16 @@ def _unavailable(weight: torch.Tensor, what: str, rows: int, e: Exception) -> No
         pass
 
 
+def takes_one_row(n: int, k: int, device: torch.device, fp8: bool = False) -> bool:
+    """Whether one row against an [N, K] weight on `device` takes the row GEMV (`row_gemv`, or
+    `row_gemv_fp8` for fp8 weights on a quantized row) under GEMV_MODE: `auto` on compute
+    capability 9.0+, `on` on any GPU; fewer than row_gemv.MAX_N rows and a K some tile divides.
+    (The GEMM prefetch leaves these shapes' cuBLAS kernels unloaded at M = 1.)"""
+    return (device.type == "cuda" and GEMV_MODE in ("auto", "on") and 0 < n < row_gemv_mod.MAX_N
+            and row_gemv_mod.pick_config(n, k, fp8=fp8) is not None
+            and (GEMV_MODE == "on" or sm90_or_later(device)))
+
+
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: the triton backend's `Kernels.linear` when GEMV_MODE is `auto`
     or `on`. One row that `row_gemv.eligible` accepts (in `auto` on compute capability 9.0+ only)
@@ -265,4 +275,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 __all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "decode_linear", "gemv",
-           "gemv_mode", "linear", "pick_config"]
+           "gemv_mode", "linear", "pick_config", "takes_one_row"]
