@@ -397,8 +397,7 @@ def bf16_gemm() -> dict:
                     row[label]["max_error_of_max_out"] = err
             rows.append(row)
             timed = {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
-            best_gemv = min((lbl for lbl in timed if lbl.startswith("gemv ")), key=lambda lbl: timed[lbl]["us"],
-                            default=None)
+            best_gemv = _fastest(timed, "gemv ")
             shown = [lbl for lbl in timed if not lbl.startswith("gemv ")] + [
                 lbl for lbl in timed if lbl.startswith("gemv picked")] + ([best_gemv] if best_gemv else [])
             print(f"{name} m={m}: " + ", ".join(f"{lbl} {timed[lbl]['us']:.1f} us "
@@ -539,6 +538,11 @@ def _time_forms(row: dict, forms: dict[str, Callable], ws: list[torch.Tensor], r
     return {lbl: v for lbl, v in row.items() if isinstance(v, dict) and "us" in v}
 
 
+def _fastest(timed: dict[str, dict], prefix: str) -> str | None:
+    """The label of the fastest timed form whose label starts with `prefix` (None: none)."""
+    return min((lbl for lbl in timed if lbl.startswith(prefix)), key=lambda lbl: timed[lbl]["us"], default=None)
+
+
 @triton.jit
 def _fma_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
@@ -607,7 +611,7 @@ def gemv_designs() -> dict:
                         lambda w, r=rows, b=block_k, wp=warps: _fma_gemv(x, w, r, b, wp))
         row = {"name": name, "n": n, "k": k, "copies": len(ws)}
         timed = _time_forms(row, forms, ws, ref, nbytes, bw)
-        top = min((lbl for lbl in timed if lbl.startswith("fma")), key=lambda lbl: timed[lbl]["us"])
+        top = _fastest(timed, "fma")
         best[(n, k)] = tuple(int(v) for v in top.split()[1].split("x")) + (int(top.split()[2][1:]),)
         row["best_fma"] = top
         shapes.append(row)
@@ -673,10 +677,10 @@ def fp8_row_gemv() -> dict:
                 forms[f"w8a16 {rows}x{block_k} w{warps}"] = w8a16
         row = {"name": name, "n": n, "k": k, "copies": len(ws)}
         timed = _time_forms(row, forms, ws, ref, nbytes, bw)
-        best16 = min((lbl for lbl in timed if lbl.startswith("w8a16 ")), key=lambda lbl: timed[lbl]["us"], default=None)
+        best16 = _fastest(timed, "w8a16 ")
         if best16:
             print(f"{name}: best {best16} {timed[best16]['us']:.1f} us", file=sys.stderr)
-        top = min((lbl for lbl in timed if lbl.startswith("row ")), key=lambda lbl: timed[lbl]["us"])
+        top = _fastest(timed, "row ")
         rows_out.append(row)
         print(f"{name}: scaled_mm {timed['scaled_mm']['us']:.1f} us ({timed['scaled_mm']['of_copy_bandwidth']:.0%}), "
               f"best {top} {timed[top]['us']:.1f} us ({timed[top]['of_copy_bandwidth']:.0%})", file=sys.stderr)
@@ -732,7 +736,7 @@ def row_gemv_rows() -> dict:
                                 lambda w, x=x, cfg=cfg: row_gemv.row_gemv(x, w, config=cfg))
                 row = {"name": name, "n": n, "k": k, "m": m, "fp8": fp8, "copies": copies}
                 timed = _time_forms(row, forms, ws, ref, nbytes, bw)
-                top = min((lbl for lbl in timed if lbl.startswith("row ")), key=lambda lbl: timed[lbl]["us"])
+                top = _fastest(timed, "row ")
                 out.append(row)
                 print(f"{name} {'fp8' if fp8 else 'bf16'} M={m}: cublas {timed['cublas']['us']:.1f} us, "
                       f"picked {timed['row picked']['us']:.1f}, best {top} {timed[top]['us']:.1f}", file=sys.stderr)
