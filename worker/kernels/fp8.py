@@ -17,7 +17,8 @@ One row already quantized (the fused producers' output in a batch-1 decode step)
 `row_gemv.row_gemv_fp8` under RESIDENT_GEMV=auto (`gemv.GEMV_MODE`, read once per process; the
 default) on compute capability 9.0+ and under `on` on any GPU: a register-streaming GEMV, faster
 than `_scaled_mm` at every Llama-3-8B shape on the H200 (row_gemv's docstring); `off` keeps
-`_scaled_mm`. With RESIDENT_GEMV=fp8 or on, decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
+`_scaled_mm`; `on` takes it for up to `row_gemv.MAX_M` rows. With RESIDENT_GEMV=fp8 or on,
+decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
 `_scaled_mm` for the split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact
 products; any N and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also
 quantizes in-kernel (one launch per linear). Should Triton fail to build or load them (a
@@ -117,7 +118,7 @@ def _quantized_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
         out = _row_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out
-    if x_q.is_cuda and 0 < x_q.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
+    if x_q.is_cuda and 0 < rows <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
         out = _gemv_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out
