@@ -1,8 +1,9 @@
-"""The one-row GEMV (`kernels/row_gemv.py`): against the float64 product in Triton's CPU interpreter
-(float16 and bfloat16, with and without bias, every BLOCK_K and the wide shape, rows past N), its
-launch-shape policy and argument checks, the RESIDENT_GEMV routing of `gemv.decode_linear`; on a
-GPU the Llama-3-8B shapes in bf16, CUDA-graph replays, and which calls the engine's linear sends
-to it (one row, below the LM head's size) and which to cuBLAS.
+"""The row GEMV (`kernels/row_gemv.py`): against the float64 product in Triton's CPU interpreter
+(float16 and bfloat16, with and without bias, every BLOCK_K and the wide shape, rows past N; fp8;
+2-8 activation rows, each equal to its one-row result), its sm_90 build, launch-shape policy and
+argument checks, the RESIDENT_GEMV routing of `gemv.decode_linear` and of the fp8 linears; on a
+GPU the Llama-3-8B shapes in bf16 and fp8, CUDA-graph replays, and which calls the engine's
+linears send to it (one row below the LM head's size; up to 8 under `on`) and which to cuBLAS.
 """
 from __future__ import annotations
 
