@@ -109,10 +109,13 @@ def _norm_matches_unfused(dtype: torch.dtype) -> None:
     from resident.worker.kernels.fp8_quant import quantize_fp8_into
 
     for m, k in NORM_SHAPES:
-        for kind in ("random", "zeros", "large") if k == 64 else ("random",):
+        # The value cases on narrow rows (many rows: only the large one, whose maximum must cross
+        # the programs' partial maxima; the interpreter runs programs one by one).
+        for kind in ("random", "zeros", "large") if k == 64 and m < 64 else ("random", "large") if k == 64 else (
+                "random",):
             x, r, w = _norm_inputs(kind, m, k, dtype, seed=m * 100 + k)
             x0, r0 = x.clone(), r.clone()
-            for res in (r, None) if k == 64 else (r,):          # None: the first layer's plain norm
+            for res in (r, None) if k == 64 and m < 64 else (r,):   # None: the first layer's plain norm
                 normed, want_res = _unfused_norm(x, res, w, 1e-5)
                 want = torch.empty(m, k)
                 want_scale = quantize_fp8_into(normed, want)
@@ -168,7 +171,8 @@ def _silu_matches_unfused(dtype: torch.dtype) -> None:
     from resident.worker.kernels.fp8_quant import quantize_fp8_into
 
     for m, i in SILU_SHAPES:
-        for kind in ("random", "zeros", "large") if i == 64 else ("random",):
+        for kind in ("random", "zeros", "large") if i == 64 and m < 64 else ("random", "large") if i == 64 else (
+                "random",):
             x = _silu_input(kind, m, i, dtype, seed=m * 100 + i)
             y = activation.silu_and_mul(x)
             want = torch.empty(m, i)
