@@ -80,7 +80,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     # Up to row_gemv.MAX_M rows under `on` are quantized first, then take the row GEMV as
     # fp8_scaled_mm does.
     if (x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on")
-            and not (x2.shape[0] <= row_gemv.MAX_M and gemv.GEMV_MODE == "on")):
+            and not (x2.shape[0] <= gemv.row_gemv_rows() and gemv.GEMV_MODE == "on")):
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)
@@ -113,8 +113,7 @@ def _quantized_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
     up to row_gemv.MAX_M rows), decode sizes `fp8_gemv` (fp8, on), else (or where those do not
     apply) `_scaled_mm`."""
     rows = x_q.shape[0]
-    if x_q.is_cuda and ((rows == 1 and gemv.GEMV_MODE == "auto")
-                        or (0 < rows <= row_gemv.MAX_M and gemv.GEMV_MODE == "on")):
+    if x_q.is_cuda and 0 < rows <= gemv.row_gemv_rows():
         out = _row_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out

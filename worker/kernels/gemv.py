@@ -226,6 +226,12 @@ def _unavailable(weight: torch.Tensor, what: str, rows: int, e: Exception) -> No
         pass
 
 
+def row_gemv_rows() -> int:
+    """The most activation rows GEMV_MODE sends to the row GEMV: row_gemv.MAX_M under `on`, one
+    under `auto`, none otherwise (decode_linear's and the fp8 linears' one rule)."""
+    return row_gemv_mod.MAX_M if GEMV_MODE == "on" else 1 if GEMV_MODE == "auto" else 0
+
+
 def takes_one_row(n: int, k: int, device: torch.device, fp8: bool = False) -> bool:
     """Whether one row against an [N, K] weight on `device` takes the row GEMV (`row_gemv`, or
     `row_gemv_fp8` for fp8 weights on a quantized row) under GEMV_MODE: `auto` on compute
@@ -242,7 +248,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     takes `row_gemv`, and in `on` up to `row_gemv.MAX_M` rows do (on any GPU); in `on`, up to
     MAX_TOKENS rows take `linear`'s split-K GEMV; the rest, and a weight whose kernel failed to
     build or launch (TritonError, logged once), F.linear."""
-    max_rows = row_gemv_mod.MAX_M if GEMV_MODE == "on" else 1
+    max_rows = row_gemv_rows()
     if (x.numel() <= max_rows * x.shape[-1] and not getattr(weight, "_gemv_unavailable", False)   # cheap test first
             and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on", max_rows=max_rows)):
         try:
@@ -277,4 +283,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 __all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "decode_linear", "gemv",
-           "gemv_mode", "linear", "pick_config", "takes_one_row"]
+           "gemv_mode", "linear", "pick_config", "row_gemv_rows", "takes_one_row"]
