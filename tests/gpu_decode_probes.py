@@ -9,7 +9,6 @@
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
     python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~30 s on the H200)
     python3 tests/gpu_decode_probes.py fp8-row-gemv  --json OUT.json   (~30 s)
-    python3 tests/gpu_decode_probes.py row-gemv-rows --json OUT.json   (~1-2 min; not run yet)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -37,8 +36,6 @@
   with its first weight tile loaded before PDL's wait).
 - fp8-row-gemv (session 12, run in session 13): `row_gemv_fp8` per shape over launch shapes
   against `_scaled_mm`, and the same fp8 weights against a bf16 activation (W8A16).
-- row-gemv-rows (session 13, not run yet): the row GEMV over 1, 2, 4 and 8 activation rows, bf16
-  and fp8, per shape over launch shapes, against cuBLAS and `_scaled_mm`.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -688,66 +685,9 @@ def fp8_row_gemv() -> dict:
     return {"copy_bw": bw, "shapes": rows_out}
 
 
-def row_gemv_rows() -> dict:
-    """The row GEMV over a few activation rows (`row_gemv` / `row_gemv_fp8` with M = 2..8, taken
-    under RESIDENT_GEMV=on only) per Llama-3-8B shape and M against cuBLAS (`F.linear`) and
-    `_scaled_mm`, over launch shapes, each over weight copies totalling >= 256 MiB: microseconds,
-    share of the copy bandwidth, error against the float64 product."""
-    from resident.worker.kernels import row_gemv
-    from resident.worker.layers.linear import fp8_fast_accum
-
-    bw = _copy_bandwidth()
-    f8 = torch.float8_e4m3fn
-    configs = [row_gemv.RowConfig(r, b, w) for r, b, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-                                                           (16, 512, 8))]
-    out = []
-    for name, n, k in SHAPES:
-        for fp8 in (False, True):
-            nbytes = n * k * (1 if fp8 else 2)
-            copies = max(1, -(-256 * MiB // nbytes))
-            if fp8:
-                ws = [(torch.randn(n, k, device="cuda") * 100).clamp(-440, 440).to(f8) for _ in range(copies)]
-            else:
-                ws = [(0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
-            for m in (1, 2, 4, 8):
-                if fp8:
-                    x = (torch.randn(m, k, device="cuda") * 100).clamp(-440, 440).to(f8)
-                    s_a, s_w = torch.tensor(0.013, device="cuda"), torch.tensor(0.0007, device="cuda")
-                    ref = (x.double() @ ws[0].double().T) * (0.013 * 0.0007)
-                    forms = {"cublas": lambda w, x=x, s_a=s_a, s_w=s_w, m=m: torch._scaled_mm(
-                                 x, w.t(), scale_a=s_a, scale_b=s_w, out_dtype=torch.bfloat16,
-                                 use_fast_accum=fp8_fast_accum(m)),
-                             "row picked": lambda w, x=x, s_a=s_a, s_w=s_w: row_gemv.row_gemv_fp8(
-                                 x, s_a, w, s_w, None, torch.bfloat16)}
-                    for cfg in configs:
-                        cfg8 = row_gemv.RowConfig(cfg.rows, cfg.block_k * 2, cfg.num_warps)
-                        if k % cfg8.block_k == 0:
-                            forms[f"row {cfg8.rows}x{cfg8.block_k} w{cfg8.num_warps}"] = (
-                                lambda w, x=x, s_a=s_a, s_w=s_w, cfg8=cfg8: row_gemv.row_gemv_fp8(
-                                    x, s_a, w, s_w, None, torch.bfloat16, config=cfg8))
-                else:
-                    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                    ref = x.double() @ ws[0].double().T
-                    forms = {"cublas": lambda w, x=x: torch.nn.functional.linear(x, w),
-                             "row picked": lambda w, x=x: row_gemv.row_gemv(x, w)}
-                    for cfg in configs:
-                        if k % cfg.block_k == 0:
-                            forms[f"row {cfg.rows}x{cfg.block_k} w{cfg.num_warps}"] = (
-                                lambda w, x=x, cfg=cfg: row_gemv.row_gemv(x, w, config=cfg))
-                row = {"name": name, "n": n, "k": k, "m": m, "fp8": fp8, "copies": copies}
-                timed = _time_forms(row, forms, ws, ref, nbytes, bw)
-                top = _fastest(timed, "row ")
-                out.append(row)
-                print(f"{name} {'fp8' if fp8 else 'bf16'} M={m}: cublas {timed['cublas']['us']:.1f} us, "
-                      f"picked {timed['row picked']['us']:.1f}, best {top} {timed[top]['us']:.1f}", file=sys.stderr)
-            del ws
-    return {"copy_bw": bw, "rows": out}
-
-
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv,
-          "row-gemv-rows": row_gemv_rows}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,8 @@
-"""The row GEMV (`kernels/row_gemv.py`): against the float64 product in Triton's CPU interpreter
-(float16 and bfloat16, with and without bias, every BLOCK_K and the wide shape, rows past N; fp8;
-2-8 activation rows, each equal to its one-row result), its sm_90 build, launch-shape policy and
-argument checks, the RESIDENT_GEMV routing of `gemv.decode_linear` and of the fp8 linears; on a
-GPU the Llama-3-8B shapes in bf16 and fp8, CUDA-graph replays, and which calls the engine's
-linears send to it (one row below the LM head's size; up to 8 under `on`) and which to cuBLAS.
+"""The one-row GEMV (`kernels/row_gemv.py`): against the float64 product in Triton's CPU interpreter
+(float16 and bfloat16, with and without bias, every BLOCK_K and the wide shape, rows past N), its
+launch-shape policy and argument checks, the RESIDENT_GEMV routing of `gemv.decode_linear`; on a
+GPU the Llama-3-8B shapes in bf16, CUDA-graph replays, and which calls the engine's linear sends
+to it (one row, below the LM head's size) and which to cuBLAS.
 """
 from __future__ import annotations
 
@@ -38,37 +37,6 @@ def _matches_reference(dtype: torch.dtype, with_bias: bool) -> None:
         got = row_gemv(x, w, bias, config=RowConfig(*cfg) if cfg else None)
         assert_close_to_reference(got, reference64(x, w, bias), dtype)
         assert torch.equal(row_gemv(x.reshape(-1), w, bias, config=RowConfig(*cfg) if cfg else None), got)  # [K]
-
-
-def _rows_match_reference(dtype: torch.dtype, with_bias: bool) -> None:
-    """M = 8, 3, 2 rows on three shapes (and a strided row view): each row within one rounding of
-    the float64 product; the first and last equal, bit for bit, to that row alone (the one-row
-    kernel's sum)."""
-    from resident.worker.kernels.row_gemv import RowConfig, row_gemv
-
-    for i, ((n, k, cfg), m) in enumerate(zip(SHAPES[:2] + SHAPES[3:], (8, 3, 2))):
-        config = RowConfig(*cfg) if cfg else None
-        x, w = _operands(n, k, m, dtype, seed=10 * i + m)
-        bias = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 0.5).to(dtype) if with_bias else None
-        got = row_gemv(x, w, bias, config=config)
-        assert got.shape == (m, n)
-        assert_close_to_reference(got, reference64(x, w, bias), dtype)
-        for r in (0, m - 1):
-            assert torch.equal(got[r], row_gemv(x[r:r + 1], w, bias, config=config)[0]), (n, k, m, r)
-    wide = torch.cat([x, x], dim=1)[:, :k]       # rows k apart in a [m, 2k] buffer: stride 2k
-    assert torch.equal(row_gemv(wide, w, bias, config=config), got)
-
-
-def _fp8_rows_match_reference() -> None:
-    from resident.worker.kernels.row_gemv import row_gemv_fp8
-
-    x_q, s_a, w_q, s_w = fp8_operands(40, 1024, seed=3)
-    rows = torch.cat([x_q.float(), (x_q.float() * -0.5), x_q.float().flip(-1)]).to(torch.float8_e4m3fn)
-    got = row_gemv_fp8(rows, s_a, w_q, s_w, None, torch.float32)
-    want = fp8_reference64(rows, s_a, w_q, s_w, None)
-    assert got.shape == (3, 40) and ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
-    for r in range(3):
-        assert torch.equal(got[r], row_gemv_fp8(rows[r:r + 1], s_a, w_q, s_w, None, torch.float32)[0])
 
 
 def fp8_operands(n: int, k: int, seed: int, device: str = "cpu"):
@@ -111,9 +79,6 @@ def _cases() -> dict[str, Callable[[], None]]:
              for dname, dtype in DTYPES.items() for b in (False, True)}
     cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
-    cases["rows_match_reference[bfloat16-bias]"] = lambda: _rows_match_reference(torch.bfloat16, True)
-    cases["rows_match_reference[float16-nobias]"] = lambda: _rows_match_reference(torch.float16, False)
-    cases["fp8_rows_match_reference"] = _fp8_rows_match_reference
     return cases
 
 
@@ -151,10 +116,10 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
         RowConfig(rows=6)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "bf16_m8", "fp8_m4"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
 def test_row_gemv_builds_for_hopper(variant: str) -> None:
-    """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's launch shape, 1 and 8 (4) rows,
-    under PDL: no shared-memory tiles beyond the reductions', no spills."""
+    """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
+    PDL: no shared-memory tiles beyond the reductions', no spills."""
     _need_triton()
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
@@ -165,17 +130,14 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     from resident.worker.kernels import row_gemv
 
     fn = row_gemv._row_gemv_kernel
-    fp8 = variant.startswith("fp8")
-    x_type = w_type = "*fp8e4nv" if fp8 else "*bf16"
-    cfg = row_gemv.pick_config(28672, 4096, fp8=fp8)
-    constexprs = {"HAS_BIAS": False, "SCALED": fp8, "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
-                  "PDL": True, "M": int(variant.partition("_m")[2] or 1)}
-    constexprs["BLOCK_M"] = constexprs["M"]
+    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
+    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
+    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
+                  "PDL": True}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
                 "scale_w_ptr": "*fp32"}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    strides = ["stride_wn"] + (["stride_xm", "stride_om"] if constexprs["M"] > 1 else [])
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", *strides]}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
@@ -194,8 +156,7 @@ def test_row_gemv_rejects_what_it_cannot_do() -> None:
 
     w = torch.zeros(8, 256, dtype=torch.bfloat16)
     for call, err, match in (
-        (lambda: row_gemv(torch.zeros(9, 256, dtype=torch.bfloat16), w), ValueError, r"1 to 8 rows of x, got 9"),
-        (lambda: row_gemv(torch.zeros(1, 128, dtype=torch.bfloat16), w), ValueError, r"x \[M, K\]"),
+        (lambda: row_gemv(torch.zeros(2, 256, dtype=torch.bfloat16), w), ValueError, r"x \[1, K\]"),
         (lambda: row_gemv(torch.zeros(1, 256), w.float()), TypeError, "F.linear"),
         (lambda: row_gemv(torch.zeros(1, 256, dtype=torch.float16), w), TypeError, "same dtype"),
         (lambda: row_gemv(torch.zeros(1, 200, dtype=torch.bfloat16), torch.zeros(8, 200, dtype=torch.bfloat16)),
@@ -207,28 +168,6 @@ def test_row_gemv_rejects_what_it_cannot_do() -> None:
     ):
         with pytest.raises(err, match=match):
             call()
-
-
-def test_eligibility_counts_rows_up_to_max_rows(monkeypatch) -> None:
-    _need_triton()
-    from resident.worker.kernels import row_gemv
-
-    class FakeCuda(torch.Tensor):   # only is_cuda differs: the checks are shape and dtype ones
-        @property
-        def is_cuda(self) -> bool:
-            return True
-
-    w = torch.zeros(8, 256, dtype=torch.bfloat16)
-
-    def x(m: int) -> torch.Tensor:
-        return torch.zeros(m, 256, dtype=torch.bfloat16).as_subclass(FakeCuda)
-    monkeypatch.setattr(row_gemv, "sm90_or_later", lambda device: True)
-    assert row_gemv.eligible(x(1), w, hopper_only=True)
-    assert not row_gemv.eligible(x(2), w, hopper_only=True)
-    assert row_gemv.eligible(x(2), w, hopper_only=True, max_rows=8) and row_gemv.eligible(x(8), w, False, max_rows=8)
-    assert not row_gemv.eligible(x(9), w, False, max_rows=8) and not row_gemv.eligible(x(9), w, False, max_rows=16)
-    monkeypatch.setattr(row_gemv, "sm90_or_later", lambda device: False)
-    assert not row_gemv.eligible(x(1), w, hopper_only=True) and row_gemv.eligible(x(1), w, hopper_only=False)
 
 
 def test_cpu_tensors_are_never_eligible_and_take_f_linear(monkeypatch) -> None:
@@ -249,9 +188,8 @@ def test_row_gemv_fp8_rejects_what_it_cannot_do() -> None:
     x_q, s_a, w_q, s_w = fp8_operands(8, 256, seed=0)
     for call, err, match in (
         (lambda: row_gemv_fp8(x_q.float(), s_a, w_q, s_w, None, torch.bfloat16), TypeError, "float8_e4m3fn"),
-        (lambda: row_gemv_fp8(torch.cat([x_q] * 9), s_a, w_q, s_w, None, torch.bfloat16), ValueError,
-         r"1 to 8 rows of x_q, got 9"),
-        (lambda: row_gemv_fp8(x_q[:, :128], s_a, w_q, s_w, None, torch.bfloat16), ValueError, r"x_q \[M, K\]"),
+        (lambda: row_gemv_fp8(torch.cat([x_q, x_q]), s_a, w_q, s_w, None, torch.bfloat16), ValueError,
+         r"x_q \[1, K\]"),
         (lambda: row_gemv_fp8(x_q, s_a.double(), w_q, s_w, None, torch.bfloat16), ValueError, "scale_a"),
         (lambda: row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.int8), TypeError, "out_dtype"),
         (lambda: row_gemv_fp8(x_q[:, :200], s_a, w_q[:, :200], s_w, None, torch.bfloat16), ValueError,
@@ -344,59 +282,6 @@ def test_gpu_row_gemv_fp8_matches_the_reference(shape: tuple[int, int]) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, got)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 4, 8])
-def test_gpu_row_gemv_rows_match_the_reference_and_each_row_alone(m: int) -> None:
-    """A few rows (RESIDENT_GEMV=on; measured by the `row-gemv-rows` probe) at the Llama-3-8B
-    shapes: bf16 within one rounding of the float64 product, fp8 within one rounding of the
-    float64 product of the same fp8 operands; each row bit for bit the one-row kernel's (a row's
-    result does not depend on its batch); graph replays give the same bits."""
-    from resident.worker.kernels.row_gemv import row_gemv, row_gemv_fp8
-
-    for n, k in LLAMA3_8B:
-        g = torch.Generator(device="cuda").manual_seed(n + k + m)
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        w = (0.02 * torch.randn(n, k, generator=g, device="cuda")).to(torch.bfloat16)
-        got = row_gemv(x, w)
-        assert_close_to_reference(got, reference64(x, w, None), torch.bfloat16)
-        assert torch.equal(got, torch.cat([row_gemv(x[r:r + 1], w) for r in range(m)])), (n, k, m)
-        _, s_a, w_q, s_w = fp8_operands(n, k, seed=m, device="cuda")
-        x_q = (x.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
-        got8 = row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.bfloat16)
-        assert_close_to_reference(got8, fp8_reference64(x_q, s_a, w_q, s_w, None), torch.bfloat16)
-        assert torch.equal(got8, torch.cat([row_gemv_fp8(x_q[r:r + 1], s_a, w_q, s_w, None, torch.bfloat16)
-                                            for r in range(m)])), (n, k, m)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = row_gemv(x, w)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, got)
-
-
-@pytest.mark.gpu
-def test_gpu_on_mode_sends_up_to_eight_rows_to_the_row_gemv(monkeypatch) -> None:
-    from resident.worker.kernels import fp8, fp8_gemv, gemv, row_gemv
-
-    monkeypatch.setattr(gemv, "GEMV_MODE", "on")
-    used = []
-    for name in ("row_gemv", "row_gemv_fp8"):
-        real = getattr(row_gemv, name)
-        monkeypatch.setattr(row_gemv, name, lambda *a, real=real, name=name, **kw: used.append((name, a[0].shape[0]))
-                            or real(*a, **kw))
-    w = (0.02 * torch.randn(4096, 4096, device="cuda")).to(torch.bfloat16)
-    for m in (1, 2, 8, 9):
-        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
-        out = gemv.decode_linear(x, w)
-        assert (out.double() - reference64(x, w, None)).abs().max() <= 4e-3 * reference64(x, w, None).abs().max()
-    _, s_a, w_q, s_w = fp8_operands(4096, 4096, seed=0, device="cuda")
-    for m in (1, 8, 9):
-        x_q = (torch.randn(m, 4096, device="cuda") * 50).to(torch.float8_e4m3fn)
-        fp8.fp8_scaled_mm(x_q, s_a, w_q, s_w, None, torch.bfloat16)
-    assert used == [("row_gemv", 1), ("row_gemv", 2), ("row_gemv", 8), ("row_gemv_fp8", 1), ("row_gemv_fp8", 8)]
-    assert fp8_gemv.MAX_TOKENS >= 9   # 9 rows: the split-K GEMVs of `on`
 
 
 @pytest.mark.gpu

@@ -17,8 +17,7 @@ One row already quantized (the fused producers' output in a batch-1 decode step)
 `row_gemv.row_gemv_fp8` under RESIDENT_GEMV=auto (`gemv.GEMV_MODE`, read once per process; the
 default) on compute capability 9.0+ and under `on` on any GPU: a register-streaming GEMV, faster
 than `_scaled_mm` at every Llama-3-8B shape on the H200 (row_gemv's docstring); `off` keeps
-`_scaled_mm`; `on` takes it for up to `row_gemv.MAX_M` rows. With RESIDENT_GEMV=fp8 or on,
-decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
+`_scaled_mm`. With RESIDENT_GEMV=fp8 or on, decode-sized inputs (M <= `fp8_gemv.MAX_TOKENS` rows on CUDA) skip
 `_scaled_mm` for the split-K kernel of `fp8_gemv` (the same math, float32 accumulation of exact
 products; any N and K); up to `fp8_gemv.FUSED_QUANT_MAX_NUMEL` activation elements it also
 quantizes in-kernel (one launch per linear). Should Triton fail to build or load them (a
@@ -77,10 +76,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
-    # Up to row_gemv.MAX_M rows under `on` are quantized first, then take the row GEMV as
-    # fp8_scaled_mm does.
+    # One row under `on` is quantized first, then takes the row GEMV as fp8_scaled_mm does.
     if (x2.is_cuda and 0 < x2.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on")
-            and not (x2.shape[0] <= gemv.row_gemv_rows() and gemv.GEMV_MODE == "on")):
+            and not (x2.shape[0] == 1 and gemv.GEMV_MODE == "on")):
         out = _gemv_or_none(x2 if x2.stride(-1) == 1 else x2.contiguous(), None, weight, weight_scale, bias, x.dtype)
         if out is not None:
             return out.reshape(*shape[:-1], n_out)
@@ -109,15 +107,13 @@ def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
 
 def _quantized_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The GEMM of a quantized x_q [M, K], by GEMV_MODE: one row the row GEMV (auto, on; under on
-    up to row_gemv.MAX_M rows), decode sizes `fp8_gemv` (fp8, on), else (or where those do not
-    apply) `_scaled_mm`."""
-    rows = x_q.shape[0]
-    if x_q.is_cuda and 0 < rows <= gemv.row_gemv_rows():
+    """The GEMM of a quantized x_q [M, K], by GEMV_MODE: one row the row GEMV (auto, on), decode
+    sizes `fp8_gemv` (fp8, on), else (or where those do not apply) `_scaled_mm`."""
+    if x_q.is_cuda and x_q.shape[0] == 1 and gemv.GEMV_MODE in ("auto", "on"):
         out = _row_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out
-    if x_q.is_cuda and 0 < rows <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
+    if x_q.is_cuda and 0 < x_q.shape[0] <= fp8_gemv.MAX_TOKENS and gemv.GEMV_MODE in ("fp8", "on"):
         out = _gemv_or_none(x_q.contiguous(), scale_a, weight, weight_scale, bias, out_dtype)
         if out is not None:
             return out
@@ -141,10 +137,9 @@ def _gemm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, scale_
 
 def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """`row_gemv.row_gemv_fp8` of quantized rows (GEMV_MODE auto: one, on compute capability 9.0+,
-    where it was measured; on: up to row_gemv.MAX_M, any GPU); None where it does not apply (a K no
-    tile divides, an LM head's size, another GPU) or Triton cannot run it (a TritonError, logged
-    once per weight)."""
+    """`row_gemv.row_gemv_fp8` of one quantized row (GEMV_MODE auto: on compute capability 9.0+,
+    where it was measured; on: any GPU); None where it does not apply (a K no tile divides, an LM
+    head's size, another GPU) or Triton cannot run it (a TritonError, logged once per weight)."""
     n, k = weight.shape
     if getattr(weight, "_row_gemv_unavailable", False) or not gemv.takes_one_row(n, k, x_q.device, fp8=True):
         return None

@@ -21,8 +21,8 @@ is imported (`GEMV_MODE`):
   `_scaled_mm`;
 - `off`: cuBLAS / `_scaled_mm` everywhere;
 - `fp8`: fp8 weights through `fp8_gemv` (up to 16 rows), 16-bit ones as `off`;
-- `on`: up to row_gemv.MAX_M (8) rows through `row_gemv` on any CUDA GPU, up to 16 through this
-  module's split-K `gemv`, fp8 through `fp8_gemv` (up to 8 quantized rows through `row_gemv_fp8`).
+- `on`: one row through `row_gemv` on any CUDA GPU, 2..16 rows through this module's split-K
+  `gemv`, fp8 through `fp8_gemv` (one quantized row through `row_gemv_fp8`).
 This split-K kernel and `fp8_gemv` are opt-in because both lost on the H200 (session 3, batch 1,
 same host: bf16 172 tokens/s against cuBLAS's 204; fp8 232 where `_scaled_mm` gave 274; session
 12: bf16 5.44 ms a step against 4.68). They stay as kernels to tune (`resident bench kernels
@@ -226,12 +226,6 @@ def _unavailable(weight: torch.Tensor, what: str, rows: int, e: Exception) -> No
         pass
 
 
-def row_gemv_rows() -> int:
-    """The most activation rows GEMV_MODE sends to the row GEMV: row_gemv.MAX_M under `on`, one
-    under `auto`, none otherwise (decode_linear's and the fp8 linears' one rule)."""
-    return row_gemv_mod.MAX_M if GEMV_MODE == "on" else 1 if GEMV_MODE == "auto" else 0
-
-
 def takes_one_row(n: int, k: int, device: torch.device, fp8: bool = False) -> bool:
     """Whether one row against an [N, K] weight on `device` takes the row GEMV (`row_gemv`, or
     `row_gemv_fp8` for fp8 weights on a quantized row) under GEMV_MODE: `auto` on compute
@@ -245,17 +239,15 @@ def takes_one_row(n: int, k: int, device: torch.device, fp8: bool = False) -> bo
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: the triton backend's `Kernels.linear` when GEMV_MODE is `auto`
     or `on`. One row that `row_gemv.eligible` accepts (in `auto` on compute capability 9.0+ only)
-    takes `row_gemv`, and in `on` up to `row_gemv.MAX_M` rows do (on any GPU); in `on`, up to
-    MAX_TOKENS rows take `linear`'s split-K GEMV; the rest, and a weight whose kernel failed to
-    build or launch (TritonError, logged once), F.linear."""
-    max_rows = row_gemv_rows()
-    if (x.numel() <= max_rows * x.shape[-1] and not getattr(weight, "_gemv_unavailable", False)   # cheap test first
-            and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on", max_rows=max_rows)):
+    takes `row_gemv`; in `on`, up to MAX_TOKENS rows take `linear`'s split-K GEMV; the rest, and
+    a weight whose kernel failed to build or launch (TritonError, logged once), F.linear."""
+    if (x.numel() == x.shape[-1] and not getattr(weight, "_gemv_unavailable", False)   # one row: cheap test first
+            and row_gemv_mod.eligible(x, weight, hopper_only=GEMV_MODE != "on")):
         try:
-            out = row_gemv_mod.row_gemv(x.reshape(-1, x.shape[-1]).contiguous(), weight,
+            out = row_gemv_mod.row_gemv(x.reshape(1, x.shape[-1]).contiguous(), weight,
                                         bias.contiguous() if bias is not None else None)
         except TritonError as e:
-            _unavailable(weight, "row GEMV kernel", x.numel() // x.shape[-1], e)
+            _unavailable(weight, "row GEMV kernel", 1, e)
         else:
             return out.reshape(*x.shape[:-1], weight.shape[0])
     if GEMV_MODE == "on":
@@ -283,4 +275,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 __all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "decode_linear", "gemv",
-           "gemv_mode", "linear", "pick_config", "row_gemv_rows", "takes_one_row"]
+           "gemv_mode", "linear", "pick_config", "takes_one_row"]

@@ -22,13 +22,6 @@ policy. The LM head (N >= MAX_N) stays on cuBLAS, which streams it at the copy b
 Used by `gemv.decode_linear` (the triton backend's linear under RESIDENT_GEMV=auto, the default,
 and on) for 16-bit inputs of one row; `eligible` says which.
 
-A few rows (M <= MAX_M = 8, the `M` constexpr; taken under RESIDENT_GEMV=on only, not yet
-measured on a GPU: the `row-gemv-rows` probe): each weight tile, loaded once, is dotted with
-each activation row in turn, by the one-row kernel's own sum, so a row's result does not depend
-on how many rows share the launch (bit for bit in Triton's interpreter; the GPU test checks it).
-The M = 1 branch compiles to the same PTX, instruction for instruction, as the kernel measured
-in sessions 12-13.
-
 fp8 (W8A8 per tensor, `row_gemv_fp8`): the same kernel over a float8_e4m3fn weight and an
 activation already quantized (what the fused norm / SiLU / attention kernels emit): products of
 two e4m3 values are exact in float32, so the sum is `_scaled_mm`'s up to summation order, then
@@ -47,12 +40,10 @@ import triton
 import triton.language as tl
 
 from resident.worker.kernels import pdl
-from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, next_pow2, sm90_or_later
+from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
-#: The most activation rows one launch takes (each weight tile is dotted with each row in turn).
-MAX_M = 8
 #: Rows at or above which the wide-projection shape is used.
 WIDE_N = 16384
 #: K must be a multiple of one of these (the largest that divides it is taken, up to the config's).
@@ -92,29 +83,22 @@ def pick_config(n: int, k: int, fp8: bool = False) -> RowConfig | None:
     return None
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool, max_rows: int = 1) -> bool:
-    """Up to `max_rows` (<= MAX_M) rows of a 16-bit x on CUDA against a 2-D weight of its dtype
-    with a contiguous last dimension, fewer than MAX_N rows and a K some BLOCK_KS divides
-    (`hopper_only`: on compute capability 9.0+, where the kernel was measured)."""
+def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
+    """One row of a 16-bit x on CUDA against a 2-D weight of its dtype with a contiguous last
+    dimension, fewer than MAX_N rows and a K some BLOCK_KS divides (`hopper_only`: on compute
+    capability 9.0+, where the kernel was measured)."""
     k = x.shape[-1]
     if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.shape[1] == k and weight.stride(1) == 1 and 0 < x.numel() <= min(max_rows, MAX_M) * k
-            and 0 < weight.shape[0] < MAX_N and k % BLOCK_KS[-1] == 0):
+            and weight.shape[1] == k and weight.stride(1) == 1 and x.numel() == k and 0 < weight.shape[0] < MAX_N
+            and k % BLOCK_KS[-1] == 0):
         return False
     return not hopper_only or sm90_or_later(x.device)
 
 
 @triton.jit
-def _tile_dot(w, x_ptr, k0, cols):
-    """[ROWS] float32: the tile's rows of w dotted with x[k0 : k0 + BLOCK_K] (the one copy of the sum)."""
-    x = tl.load(x_ptr + k0 + cols)
-    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-
-
-@triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, M: tl.constexpr = 1, BLOCK_M: tl.constexpr = 1, stride_xm=0, stride_om=0):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -123,40 +107,23 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
     pdl.wait_previous(PDL)
-    if M == 1:        # (the form measured in sessions 12-13: kept instruction for instruction)
-        acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w = tl.load(w_ptrs + k0)
-            acc += _tile_dot(w, x_ptr, k0, cols)
-        if SCALED:    # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
-            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
-    else:
-        # A few activation rows: each weight tile, loaded once, is dotted with every row in turn
-        # (the one-row sum per row; the rows' sums kept as the rows of acc [M, ROWS]).
-        ms = tl.arange(0, BLOCK_M)           # M rounded up to a power of two; rows past M stay 0, unstored
-        acc = tl.zeros([BLOCK_M, ROWS], dtype=tl.float32)
-        for m in tl.static_range(M):
-            acc = tl.where(ms[:, None] == m, _tile_dot(w, x_ptr + m * stride_xm, 0, cols)[None, :], acc)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w = tl.load(w_ptrs + k0)
-            for m in tl.static_range(M):
-                acc = tl.where(ms[:, None] == m, acc + _tile_dot(w, x_ptr + m * stride_xm, k0, cols)[None, :], acc)
-        if SCALED:
-            acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-        tl.store(out_ptr + ms[:, None] * stride_om + offs[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(ms[:, None] < M) & (offs[None, :] < N))
+    acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = tl.load(w_ptrs + k0)
+        x = tl.load(x_ptr + k0 + cols)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
 def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torch.Tensor | None,
                   **others: torch.Tensor) -> torch.Tensor:
-    """Contiguous last dimensions, a contiguous [N] bias, one device; x as an [M, K] view."""
+    """Contiguous last dimensions, a contiguous [N] bias, one device; x as a [K] view."""
     check_last_dim_contiguous("weight", weight)
-    x1 = x.reshape(-1, x.shape[-1])
+    x1 = x.reshape(-1)
     check_last_dim_contiguous(x_name, x1)
     n = weight.shape[0]
     if bias is not None and (tuple(bias.shape) != (n,) or bias.stride(0) != 1):
@@ -165,23 +132,13 @@ def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torc
     return x1
 
 
-def _check_rows(fn: str, x: torch.Tensor, x_name: str, weight: torch.Tensor) -> int:
-    """M of x [..., K] against weight [N, K]: 1..MAX_M rows."""
-    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{fn} takes {x_name} [M, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    m = x.numel() // max(1, x.shape[-1])
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"{fn} takes 1 to {MAX_M} rows of {x_name}, got {m}; use a GEMM for more")
-    return m
-
-
 def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              config: RowConfig | None = None) -> torch.Tensor:
-    """out [M, N] = x @ weight.T (+ bias) for x [M, K] (or [K]; M <= MAX_M) of weight's 16-bit
-    dtype: per row, float32 sums of exact products, bias added in float32, one rounding. K must
-    be a multiple of the config's block_k (`pick_config`'s default: a ValueError when none fits)."""
-    m = _check_rows("row_gemv", x, "x", weight)
+    """out [1, N] = x @ weight.T (+ bias) for x [1, K] (or [K]) of weight's 16-bit dtype: float32
+    sums of exact products, bias added in float32, one rounding. K must be a multiple of the
+    config's block_k (`pick_config`'s default: a ValueError when none fits)."""
+    if x.numel() != x.shape[-1] or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise TypeError(f"row_gemv takes a float16 or bfloat16 weight and x of the same dtype, got weight "
                         f"{weight.dtype} and x {x.dtype}; use F.linear for other dtypes")
@@ -191,34 +148,32 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if config is None or k % config.block_k:
         raise ValueError(f"row_gemv needs K ({k}) to be a multiple of the tile's BLOCK_K "
                          f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _launch(x1, weight, bias, out, None, None, config)
     return out
 
 
 def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
-    """x1 [M, K] (contiguous last dimension) -> out [M, N] (contiguous)."""
     n, k = weight.shape
-    m = x1.shape[0]
-    pdl_opts = pdl.launch(x1.device, m)
+    pdl_opts = pdl.launch(x1.device, 1)
     _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        **pdl_opts, M=m, BLOCK_M=next_pow2(m), stride_xm=x1.stride(0) if m > 1 else 0,
-        stride_om=out.stride(0) if m > 1 else 0,
-        num_warps=config.num_warps)
+        **pdl_opts, num_warps=config.num_warps)
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: RowConfig | None = None) -> torch.Tensor:
-    """out [M, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [M, K]
-    (or [K]; M <= MAX_M) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on
-    x_q's device), bias [N] of any float dtype. K must be a multiple of the config's block_k
-    (default `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
+    """out [1, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [1, K]
+    (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
+    bias [N] of any float dtype. K must be a multiple of the config's block_k (default
+    `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
     fp8 = torch.float8_e4m3fn
-    m = _check_rows("row_gemv_fp8", x_q, "x_q", weight)
+    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
+                         f"{tuple(weight.shape)}")
     if x_q.dtype != fp8 or weight.dtype != fp8:
         raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
     for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
@@ -232,10 +187,10 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
     if config is None or k % config.block_k:
         raise ValueError(f"row_gemv_fp8 needs K ({k}) to be a multiple of the tile's BLOCK_K "
                          f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    out = torch.empty((1, n), dtype=out_dtype, device=x_q.device)
     _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
     return out
 
 
-__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_M", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
+__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
            "row_gemv_fp8"]
