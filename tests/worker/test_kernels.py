@@ -212,8 +212,9 @@ def _decode_amax_slots(dtype: torch.dtype) -> None:
                              seed=21)
     q = (4 * torch.randn(3, hq, d, generator=torch.Generator().manual_seed(22))).to(dtype)
     for splits in (1, 3):
-        out, buf = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens,
-                                           d ** -0.5, None, None, splits, amax=True)
+        out, buf, x_q = paged_attention._decode(q, batch.kv_cache, batch.meta.block_tables, batch.meta.seq_lens,
+                                                  d ** -0.5, None, None, splits, amax=True)
+        assert x_q is None   # (the interpreter runs no cooperative grid: the merge never quantizes here)
         assert torch.equal(out, paged_attention.decode_attention(q, batch.kv_cache, batch.meta.block_tables,
                                                                  batch.meta.seq_lens, d ** -0.5, num_splits=splits))
         parts = out.float().abs().view(3, hkv, -1) if splits == 1 else out.float().abs().view(3, hq, -1)
@@ -232,8 +233,8 @@ def _decode_amax_slots(dtype: torch.dtype) -> None:
     first = one.meta.block_tables[0, 0]
     one.kv_cache[0, first, 0] = (-8 * q1[0]).to(dtype)       # key of token 0: score -8 |q|^2
     one.kv_cache[1, first, 0] = 100.0                        # its value
-    out, buf = paged_attention._decode(q1, one.kv_cache, one.meta.block_tables, one.meta.seq_lens, d ** -0.5,
-                                       None, None, 1, amax=True)
+    out, buf, _ = paged_attention._decode(q1, one.kv_cache, one.meta.block_tables, one.meta.seq_lens, d ** -0.5,
+                                          None, None, 1, amax=True)
     assert float(out.float().abs().max()) < 20, out
     assert torch.equal(buf[1:], out.float().abs().amax(dim=-1).flatten())
 
@@ -361,6 +362,8 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
     bf = "*bf16"
     attn = {"q_ptr": bf, "k_cache": bf, "v_cache": bf, "bt_ptr": "*i64", "seq_lens_ptr": "*i64", "out_ptr": bf}
     split = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "amax_ptr": "*fp32"}
+    merge_quant = {"xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "state_ptr": "*i32"}
+    no_quant = {"QUANT": False, "BLOCK_P": 1}
     dec = {"REP": 4, "BLOCK_M": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16, "PREC": "tf32"}
     pre = {"REP": 4, "REP_P2": 4, "BLOCK_Q": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16,
            "PREC": "tf32"}
@@ -381,11 +384,12 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
                                 {"num_warps": 2, "num_stages": 2}),
         "decode_split_128": ("paged_attention._decode_kernel", {**attn, **split},
                              {**dec, "BLOCK_N": 128, "SPLIT": True, "USE_WINDOW": False, "AMAX": False}, attn_opts),
-        "merge_splits": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
-                         {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": False},
+        # (QUANT, the cooperative merge that quantizes: test_kernels_fp8_fused.py's sm_90 build test)
+        "merge_splits": ("paged_attention._merge_splits_kernel", {**split, **merge_quant, "out_ptr": bf},
+                         {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": False, **no_quant},
                          {"num_warps": 4}),
-        "merge_splits_amax": ("paged_attention._merge_splits_kernel", {**split, "out_ptr": bf},
-                              {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": True},
+        "merge_splits_amax": ("paged_attention._merge_splits_kernel", {**split, **merge_quant, "out_ptr": bf},
+                              {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": True, **no_quant},
                               {"num_warps": 4}),
         "prefill_window": ("paged_attention._prefill_kernel", {**attn, "qsl_ptr": "*i64"},
                            {**pre, "USE_WINDOW": True}, attn_opts),

@@ -554,6 +554,27 @@ def test_fused_silu_and_mul_builds_for_hopper_with_exact_division(coop: bool) ->
         assert "div.rn.f32" in ptx and "div.full.f32 " in ptx   # the quantization exact; silu's division as unfused
 
 
+@pytest.mark.parametrize("quant", [True, False])
+def test_split_merge_quantizing_builds_for_hopper_with_exact_division_and_the_barrier(quant: bool) -> None:
+    """The decode attention's split merge (Llama-3-8B heads, under PDL): with QUANT, o_proj's
+    fp8 input in the same launch — IEEE division and the grid barrier; without, neither."""
+    _skip_without_a_compiler()
+    from resident.worker.kernels import paged_attention
+
+    compiled = _hopper_build(paged_attention._merge_splits_kernel,
+                             {**dict.fromkeys(("part_acc_ptr", "part_m_ptr", "part_l_ptr", "amax_ptr", "scale_ptr"),
+                                              "*fp32"),
+                              "out_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "state_ptr": "*i32"},
+                             {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": True,
+                              "QUANT": quant, "BLOCK_P": 256 if quant else 1, "FP8_MAX": FP8_MAX,
+                              "MIN_SCALE": FP8_MIN_SCALE, "PDL": True}, 4, ("so_b", "so_h"))
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm.get("cubin")
+    assert ("div.rn.f32" in ptx) == quant
+    assert ("atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx) == quant
+    assert "griddepcontrol.wait" in ptx
+
+
 if __name__ == "__main__":
     _exact_casts()
     run_cases(_cases(), sys.argv[1])

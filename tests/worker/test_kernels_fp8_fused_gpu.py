@@ -257,18 +257,27 @@ def test_gpu_grids_beyond_the_sms_take_the_two_path(monkeypatch) -> None:
 
 
 # --- attention emitting o_proj's fp8 input ---------------------------------------------------------
-@pytest.mark.parametrize("batch", [1, 8, 64, 100])
-def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int) -> None:
+@pytest.mark.parametrize("few_sms", [False, True])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 64, 100])
+def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int, few_sms: bool, monkeypatch) -> None:
     """`paged_attention_fp8` at Llama-3-8B heads (32 query, 8 kv, dim 128): the fp8 bytes and scale of
-    paged_attention followed by quantize_fp8_per_tensor — decode split (1, 8) and unsplit (64, 100),
-    eagerly and replayed in a CUDA graph with static decode metadata; a prefill batch too."""
+    paged_attention followed by quantize_fp8_per_tensor — decode split (1..8; up to 4 the split
+    merge quantizes, a cooperative grid: no quantization launch) and unsplit (64, 100), eagerly
+    and replayed in a CUDA graph with static decode metadata; a prefill batch too. few_sms: a
+    device of 8 multiprocessors, where no merge grid fits and the quantization launches."""
     from kernel_batches import make_paged_batch
 
     from resident.worker.kernels import fp8_quant, paged_attention
 
+    if few_sms:
+        monkeypatch.setattr(fp8_quant, "_num_sms", lambda device_index: 8)
+    spies = {name: LaunchSpy(getattr(fp8_quant, name)) for name in ("_quantize_small_kernel", "_quantize_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(fp8_quant, name, spy)
+
     hq, hkv, d = 32, 8, 128
     rng = random.Random(batch)
-    ctx = [rng.randrange(1, 300) for _ in range(batch)]
+    ctx = [299] + [rng.randrange(1, 300) for _ in range(batch - 1)]   # (a split decode at batches 1..8)
     pb = make_paged_batch([1] * batch, ctx, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=torch.bfloat16,
                           device="cuda", seed=batch)
     q = torch.randn(batch, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
@@ -280,6 +289,12 @@ def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int) -> N
                                                  .view(batch, hq * d))
 
     _assert_identical(*paged_attention.paged_attention_fp8(q, pb.kv_cache, pb.meta, d ** -0.5), *want(pb.meta))
+    splits = paged_attention.pick_decode_config(batch, hkv, max(pb.meta.seq_lens_host), q.device).num_splits
+    sms = 8 if few_sms else torch.cuda.get_device_properties(0).multi_processor_count
+    merge_quantizes = splits > 1 and batch * hq <= sms
+    assert merge_quantizes == (batch <= 4 and not few_sms)
+    # want(): one quantization launch; paged_attention_fp8: none when its merge quantized, else one.
+    assert sum(len(spy.grids) for spy in spies.values()) == (1 if merge_quantizes else 2)
     static = dataclasses.replace(pb.meta, static_decode=True)
     want_q, want_scale = want(static)
     graph = torch.cuda.CUDAGraph()

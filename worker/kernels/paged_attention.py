@@ -19,7 +19,8 @@ once per group: the query rows of a tile are (token, head-in-group) pairs.
   over the cached context. Grid (batch, kv heads, query tiles).
 - `paged_attention`: picks one of the two from `AttentionMetadata`.
 - `paged_attention_fp8`: the same, its output quantized for an fp8 o_proj; decode kernels also
-  store the maxima the per-tensor scale needs, which spares the quantization a pass.
+  store the maxima the per-tensor scale needs, which spares the quantization a pass, and a split
+  merge whose grid fits the GPU quantizes itself (a cooperative grid: no quantization launch).
 """
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ import triton.language as tl
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
-from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor, quantize_from_partials, takes_small_path
+from resident.worker.kernels.fp8_quant import (_grid_scale, _quantize_tile, coop_block_p, coop_launch_state,
+                                                quantize_fp8_per_tensor, quantize_from_partials, takes_small_path)
 from resident.worker.kernels.rotary import check_kv_cache
 from resident.worker.layers.attention import AttentionMetadata
-from resident.worker.layers.linear import FP8_DTYPE
+from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 LOG2E = 1.4426950408889634
 #: Finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN. (A global
@@ -136,9 +138,15 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, amax_ptr, so_b, so_h, num_splits,
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, amax_ptr, xq_ptr, scale_ptr, state_ptr,
+                         so_b, so_h, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPLITS_P2: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr = False):
+                         SPLITS_P2: tl.constexpr, AMAX: tl.constexpr, QUANT: tl.constexpr = False,
+                         BLOCK_P: tl.constexpr = 1, FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12,
+                         PDL: tl.constexpr = False):
+    # QUANT (a cooperative grid: every program resident at once, see fp8_quant): each program
+    # stores its head's max |out| in its slot, waits at the grid barrier for the tensor's scale
+    # (scale_ptr) and quantizes its head into xq [B, NUM_HEADS * HEAD_DIM] — fp8_quant's steps.
     pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -155,6 +163,11 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, amax_ptr
     tl.store(out_ptr + b * so_b + h * so_h + d, out, mask=d < HEAD_DIM)
     if AMAX:       # max |out| as stored, one slot per (sequence, query head)
         tl.store(amax_ptr + b * NUM_HEADS + h, tl.max(tl.where(d < HEAD_DIM, tl.abs(out.to(tl.float32)), 0.0), axis=0))
+    if QUANT:
+        scale = _grid_scale(scale_ptr, amax_ptr, state_ptr, tl.num_programs(0) * NUM_HEADS, BLOCK_P, FP8_MAX,
+                            MIN_SCALE)
+        q = _quantize_tile(out.to(tl.float32), scale, FP8_MAX)
+        tl.store(xq_ptr + (b * NUM_HEADS + h) * HEAD_DIM + d, q.to(xq_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -280,17 +293,22 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             scale: float, sliding_window: int | None, max_seq_len: int | None, num_splits: int | None,
-            amax: bool = False, config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`decode_attention`; with `amax`, also a float32 buffer [1 + slots] whose slots (buf[1:])
-    hold the maxima of |out| over disjoint parts that cover it, as `fp8_quant.quantize_from_partials`
-    takes them (buf[0] is left for the scale). `config` overrides the launch shape (probes)."""
+            amax: bool = False, config: DecodeConfig | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(out, buf, x_q): `decode_attention`'s out; with `amax`, also a float32 buffer [1 + slots]
+    whose slots (buf[1:]) hold the maxima of |out| over disjoint parts that cover it, as
+    `fp8_quant.quantize_from_partials` takes them (buf[0] is left for the scale) — or, when the
+    split merge could run as a cooperative grid (`coop_launch_state`: batch x query heads within
+    the SMs, a barrier state for the stream), x_q: out [B, Hq * D] already quantized per tensor,
+    its scale in buf[0] (fp8_quant's steps, one launch fewer). `config` overrides the launch
+    shape (probes)."""
     rep = _check(q, kv_cache, block_tables, seq_lens)
     batch, n_qh, head_dim = q.shape
     if seq_lens.shape[0] != batch:
         raise ValueError(f"decode got {batch} queries for {seq_lens.shape[0]} sequences")
     out = torch.empty((batch, n_qh, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
-        return out, None
+        return out, None, None
     n_kh = kv_cache.shape[3]
     if config is None and num_splits is not None:
         config = DecodeConfig(num_splits=num_splits)
@@ -322,12 +340,18 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
         PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, **pdl_opts, num_warps=config.num_warps,
         num_stages=config.num_stages)
+    x_q = None
     if num_splits > 1:
+        state = coop_launch_state(q, batch * n_qh, forced=False) if amax else None
+        if state is not None:
+            x_q = torch.empty((batch, n_qh * head_dim), dtype=FP8_DTYPE, device=q.device)
         _merge_splits_kernel[(batch, n_qh)](
-            part_acc, part_m, part_l, out, slots, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax, **pdl_opts,
-            num_warps=4)
-    return out, buf
+            part_acc, part_m, part_l, out, slots, x_q if x_q is not None else out, buf if x_q is not None else out,
+            state if state is not None else out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=n_qh, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P2=MAX_SPLITS, AMAX=amax,
+            QUANT=x_q is not None, BLOCK_P=coop_block_p(q) if x_q is not None else 1, FP8_MAX=FP8_MAX,
+            MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=4)
+    return out, buf, x_q
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -374,9 +398,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            sliding_window: int | None, amax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`paged_attention`'s choice of kernel; with `amax`, the decode kernel's |out| maxima too
-    (`_decode`; None from the prefill kernel, which has none)."""
+            sliding_window: int | None, amax: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`paged_attention`'s choice of kernel; with `amax`, the decode kernel's |out| maxima or its
+    quantized output too (`_decode`; None, None from the prefill kernel, which has neither)."""
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
     if getattr(meta, "static_decode", False):
@@ -385,14 +410,14 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     static_len = getattr(meta, "static_query_len", 0)
     if static_len:   # speculative verification graphs: the grid follows from the fixed query length
         return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, static_len,
-                                 scale, sliding_window), None
+                                 scale, sliding_window), None, None
     qsl = meta.query_start_loc_host
     max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
     if max_query_len == 1 and meta.num_tokens == meta.num_seqs:
         return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
                        max(meta.seq_lens_host), None, amax)
     return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, max_query_len,
-                             scale, sliding_window), None
+                             scale, sliding_window), None, None
 
 
 def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -400,14 +425,17 @@ def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     """(x_q [T, Hq * D] float8_e4m3fn, scale_a float32 ()): `paged_attention`'s output flattened
     and quantized per tensor, bit for bit as an fp8_per_tensor linear quantizes its input (o_proj's).
 
-    Decode batches too large for `fp8_quant`'s one-program path skip its maximum pass: the
-    decode kernels store each program's max |out| and `fp8_quant.quantize_from_partials`
-    quantizes from those (one launch, no grid barrier); everything else quantizes as
-    `fp8_quant.quantize_fp8_per_tensor` does."""
-    small = takes_small_path(q.shape[0], q.shape[1] * q.shape[2])   # (its one program needs no maxima)
-    out, buf = _attend(q, kv_cache, meta, scale, sliding_window, amax=not small)
+    Split decode batches whose merge grid (batch x query heads) fits the SMs quantize in the
+    merge kernel, a cooperative grid (`_decode`: no quantization launch at all; batch 1..4 on
+    Llama-3-8B heads on the H200). Other decode batches skip the quantization's maximum pass:
+    the decode kernels store each program's max |out| and `fp8_quant.quantize_from_partials`
+    quantizes from those (one launch, no grid barrier). Everything else (prefill, the CPU
+    interpreter) quantizes as `fp8_quant.quantize_fp8_per_tensor` does."""
+    out, buf, x_q = _attend(q, kv_cache, meta, scale, sliding_window, amax=True)
+    if x_q is not None:
+        return x_q, buf[0]
     x = out.view(out.shape[0], -1)
-    if buf is None:
+    if buf is None or takes_small_path(*x.shape):   # (the one-program path reads x twice: no maxima needed)
         return quantize_fp8_per_tensor(x)
     x_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     quantize_from_partials(x, x_q, buf, buf.numel() - 1)
