@@ -652,10 +652,10 @@ def fp8_row_gemv() -> dict:
                                                          use_fast_accum=fp8_fast_accum(1)),
                  f"row picked {row_gemv.pick_config(n, k, fp8=True)}":
                      lambda w: row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16)}
-        for rows in (8, 16, 32):
+        for rows in (2, 4, 8, 16, 32):     # (2 and 4: session 14)
             for block_k in (1024, 2048, 4096):
-                for warps in (4, 8):
-                    if k % block_k or rows * block_k // (32 * warps) > 512:
+                for warps in (2, 4, 8):
+                    if k % block_k or rows * block_k // (32 * warps) > 512 or block_k < 256 * warps:
                         continue
                     cfg = row_gemv.RowConfig(rows, block_k, warps)
                     forms[f"row {rows}x{block_k} w{warps}"] = (

@@ -10,6 +10,7 @@
 #   AB_RESTART=1: also `bench restart` (variant warm-fe, AB_RESTART_RUNS runs, default 2) of each tree, p then h
 #      (this part is new in session 11 and has not run yet; the decode part ran as session 11's calls 7-8)
 #   AB_TESTS:  GPU test paths to run on the head tree first (default none; AB_TESTS_K: a -k filter)
+#   AB_PROBES: tests/gpu_decode_probes.py probes to run on the head tree after them (default none; h200.sh probes)
 # Writes $OUT/ab.log, one JSON per run in $OUT/results.tgz; prints the tokens/s lines.
 set -uo pipefail
 OUT="${OUT:-$PWD/h200-out}"; mkdir -p "$OUT"
@@ -25,6 +26,11 @@ cd /tmp/ab-h
 if [ -n "${AB_TESTS:-}" ]; then
   GPU_TESTS="$AB_TESTS" GPU_TESTS_K="${AB_TESTS_K:-}" OUT="$OUT" bash tests/h200.sh gputests > /dev/null 2>&1
   grep -E "passed|failed" "$OUT/log.txt" | tail -2
+fi
+if [ -n "${AB_PROBES:-}" ]; then
+  PROBES="$AB_PROBES" OUT="$OUT" bash tests/h200.sh probes > /dev/null 2>&1
+  grep -E "^probe " "$OUT/log.txt"
+  mv "$OUT/results.tgz" "$OUT/probes.tgz" 2>/dev/null   # (h200.sh packs its JSON there; results.tgz is the A/B's)
 fi
 OUT="$OUT" bash tests/h200.sh checkpoint > /dev/null 2>&1   # the Llama-3-8B-shaped checkpoint in /tmp/llama3-8b-random
 i=0

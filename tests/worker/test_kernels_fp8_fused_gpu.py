@@ -288,13 +288,14 @@ def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int, few_
         return fp8_quant.quantize_fp8_per_tensor(paged_attention.paged_attention(q, pb.kv_cache, meta, d ** -0.5)
                                                  .view(batch, hq * d))
 
-    _assert_identical(*paged_attention.paged_attention_fp8(q, pb.kv_cache, pb.meta, d ** -0.5), *want(pb.meta))
+    got = paged_attention.paged_attention_fp8(q, pb.kv_cache, pb.meta, d ** -0.5)
+    launches = sum(len(spy.grids) for spy in spies.values())
+    _assert_identical(*got, *want(pb.meta))
     splits = paged_attention.pick_decode_config(batch, hkv, max(pb.meta.seq_lens_host), q.device).num_splits
     sms = 8 if few_sms else torch.cuda.get_device_properties(0).multi_processor_count
     merge_quantizes = splits > 1 and batch * hq <= sms
     assert merge_quantizes == (batch <= 4 and not few_sms)
-    # want(): one quantization launch; paged_attention_fp8: none when its merge quantized, else one.
-    assert sum(len(spy.grids) for spy in spies.values()) == (1 if merge_quantizes else 2)
+    assert launches == (0 if merge_quantizes else 1)   # the quantization's launch (one kernel on every other path)
     static = dataclasses.replace(pb.meta, static_decode=True)
     want_q, want_scale = want(static)
     graph = torch.cuda.CUDAGraph()
