@@ -108,10 +108,11 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
     assert pick_config(896, 4864) == RowConfig(8, 256, 8)         # K = 19 x 256
     assert pick_config(576, 1536 + 128) == RowConfig(8, 128, 8)
     assert pick_config(576, 100) is None
-    assert pick_config(6144, 4096, fp8=True) == pick_config(4096, 14336, fp8=True) == RowConfig(8, 2048, 8)
-    assert pick_config(28672, 4096, fp8=True) == RowConfig(8, 4096, 8)     # session 13's fp8 sweep
-    assert pick_config(896, 4864, fp8=True) == RowConfig(8, 256, 8)
-    assert pick_config(28672, 4096 + 2048, fp8=True) == RowConfig(8, 2048, 8)
+    # session 14's fp8 sweep: 4 rows x 2048 in 4 warps for every Llama-3-8B shape
+    assert pick_config(6144, 4096, fp8=True) == pick_config(4096, 14336, fp8=True) == RowConfig(4, 2048, 4)
+    assert pick_config(28672, 4096, fp8=True) == RowConfig(4, 2048, 4)
+    assert pick_config(896, 4864, fp8=True) == RowConfig(4, 256, 4)
+    assert pick_config(28672, 4096 + 1024, fp8=True) == RowConfig(4, 1024, 4)
     with pytest.raises(ValueError, match="power of two"):
         RowConfig(rows=6)
 
@@ -345,7 +346,7 @@ def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None
     x_q, s_a = torch.zeros(1, 4096), torch.ones(())
     w, s_w = torch.zeros(4096, 4096), torch.ones(())
     out = fp8._row_or_none(x_q, s_a, w, s_w, None, torch.bfloat16)
-    assert calls == [(4096, row_gemv.RowConfig(8, 2048, 8))] and out is not None
+    assert calls == [(4096, row_gemv.RowConfig(4, 2048, 4))] and out is not None
     calls.clear()
     assert fp8._row_or_none(x_q, s_a, torch.zeros(row_gemv.MAX_N, 4096), s_w, None, torch.bfloat16) is None
     assert fp8._row_or_none(torch.zeros(1, 100), s_a, torch.zeros(64, 100), s_w, None, torch.bfloat16) is None
