@@ -8,6 +8,7 @@ The fp8 linear and the dispatch registry need no Triton and run in-process.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -47,7 +48,7 @@ def _cases() -> dict[str, Callable[[], None]]:
                          ("silu_and_mul", _silu_and_mul), ("rotary_kv_write", _rotary_kv_write),
                          ("attention_mixed_batch", _attention_mixed), ("attention_gqa_shapes", _attention_shapes),
                          ("attention_sliding_window", _attention_window), ("decode_split_k", _decode_split_k),
-                         ("decode_amax_slots", _decode_amax_slots),
+                         ("decode_amax_slots", _decode_amax_slots), ("rotary_in_attention", _rotary_in_attention),
                          ("decode_ignores_garbage_slots", _decode_garbage)):
             cases[f"{name}[{dname}]"] = (lambda fn=fn, dtype=dtype: fn(dtype))
     cases["validation_errors"] = _validation_errors
@@ -137,6 +138,55 @@ def _rotary_kv_write(dtype: torch.dtype) -> None:
     untouched[slots[keep]] = False
     assert torch.equal(flat[:, untouched], batch.kv_cache.view(2, -1, hkv, d)[:, untouched]), \
         "slots outside slot_mapping (and the padded token's) must not be written"
+
+
+def _rotary_in_attention(dtype: torch.dtype) -> None:
+    """`rotary_paged_attention` (the decode kernel rotating q and the new keys and caching them
+    itself) equals `rotary_kv_write` then `paged_attention` bit for bit — output and whole cache —
+    unsplit and split (the new key's split writes it, then attends over it), with a sliding
+    window, a sequence whose only key is the new one, a padded token (slot -1: not cached) and
+    an odd head_dim (24: BLOCK_D 32); its fp8 form equals rotary then paged_attention_fp8; a
+    mixed batch takes the two ops."""
+    from resident.worker.kernels import paged_attention, rotary
+
+    hq, hkv, d, bs = 8, 2, 24, 4
+    rope = RopeConfig(theta=10000.0)
+    table = ref.build_cos_sin_cache(compute_inv_freq(rope, d), 128, dtype)
+    for q_lens, ctx in (([1, 1, 1, 1], [0, 9, 30, 70]), ([3, 1], [4, 9])):
+        batch = make_paged_batch(q_lens, ctx, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype, seed=31)
+        t = batch.meta.num_tokens
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(32)).to(dtype)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+        meta = batch.meta
+        if len(q_lens) == 4:
+            slots = meta.slot_mapping.clone()
+            slots[1] = -1                                           # a padded token: not cached
+            meta = dataclasses.replace(meta, slot_mapping=slots)
+        for splits, window in ((None, None), (1, None), (3, None), (3, 7)):
+            if splits is not None and len(q_lens) != 4:
+                continue
+            want_cache, got_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+            q_rot = rotary.rotary_kv_write(batch.positions, q, k, v, table, want_cache, meta.slot_mapping)
+            if splits is None:
+                want = paged_attention.paged_attention(q_rot, want_cache, meta, d ** -0.5, window)
+                got = paged_attention.rotary_paged_attention(batch.positions, q, k, v, table, got_cache, meta,
+                                                             d ** -0.5, window)
+            else:
+                want = paged_attention.decode_attention(q_rot, want_cache, meta.block_tables, meta.seq_lens,
+                                                        d ** -0.5, window, num_splits=splits)
+                got = paged_attention._decode(q, got_cache, meta.block_tables, meta.seq_lens, d ** -0.5, window,
+                                              None, splits, rope=paged_attention.Rope(
+                                                  batch.positions, k, v, table, meta.slot_mapping))[0]
+            assert torch.equal(got, want), (q_lens, splits, window, (got - want).abs().max())
+            assert torch.equal(got_cache, want_cache), (q_lens, splits, window)
+        want_cache, got_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+        q_rot = rotary.rotary_kv_write(batch.positions, q, k, v, table, want_cache, meta.slot_mapping)
+        want_q, want_s = paged_attention.paged_attention_fp8(q_rot, want_cache, meta, d ** -0.5)
+        got_q, got_s = paged_attention.rotary_paged_attention_fp8(batch.positions, q, k, v, table, got_cache, meta,
+                                                                  d ** -0.5)
+        assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got_cache, want_cache)
 
 
 def _attend_both(batch, q: torch.Tensor, scale: float, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +414,9 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
     split = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "amax_ptr": "*fp32"}
     merge_quant = {"xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "state_ptr": "*i32"}
     no_quant = {"QUANT": False, "BLOCK_P": 1}
-    dec = {"REP": 4, "BLOCK_M": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16, "PREC": "tf32"}
+    dec = {"REP": 4, "BLOCK_M": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16, "PREC": "tf32",
+           "ROPE": False}
+    rope = {"pos_ptr": "*i64", "k_ptr": bf, "v_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64"}
     pre = {"REP": 4, "REP_P2": 4, "BLOCK_Q": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16,
            "PREC": "tf32"}
     attn_opts = {"num_warps": 4, "num_stages": 2}
@@ -373,6 +425,11 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
                    {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": False}, attn_opts),
         "decode_amax": ("paged_attention._decode_kernel", {**attn, **split},
                         {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True}, attn_opts),
+        "decode_split_rope": ("paged_attention._decode_kernel", {**attn, **split, **rope},
+                              {**dec, "SPLIT": True, "USE_WINDOW": False, "AMAX": False, "ROPE": True}, attn_opts),
+        "decode_rope_amax": ("paged_attention._decode_kernel", {**attn, **split, **rope},
+                             {**dec, "SPLIT": False, "USE_WINDOW": False, "AMAX": True, "ROPE": True},
+                             {"num_warps": 2, "num_stages": 2}),
         "decode_split_window": ("paged_attention._decode_kernel", {**attn, **split},
                                 {**dec, "SPLIT": True, "USE_WINDOW": True, "AMAX": False}, attn_opts),
         # pick_decode_config's other shapes: unsplit in two warps, long splits in 128-key tiles

@@ -268,7 +268,8 @@ def _paths_and_errors() -> None:
 
 def _model_logits_fused_vs_unfused() -> None:
     """A tiny fp8 Llama on the Triton backend (float16): the fused ops run (the two path, in the
-    interpreter) and the logits equal those of the same model with the fused ops left out."""
+    interpreter) and the logits equal those of the same model with the fused ops left out, and
+    with the rotation left out of the attention (rotary_kv_write + paged_attention_fp8)."""
     from fixtures_models import make_tiny_model
 
     from resident.worker.kernels import dispatch
@@ -281,19 +282,24 @@ def _model_logits_fused_vs_unfused() -> None:
         fused = triton_kernels()
         spied = dataclasses.replace(fused, fused_add_rms_norm_fp8=lambda *a: calls.append("norm") or
                                     fused.fused_add_rms_norm_fp8(*a),
-                                    paged_attention_fp8=lambda *a: calls.append("attention") or
-                                    fused.paged_attention_fp8(*a))
+                                    rotary_paged_attention_fp8=lambda *a: calls.append("attention") or
+                                    fused.rotary_paged_attention_fp8(*a))
+        no_rope = dataclasses.replace(fused, rotary_paged_attention=None, rotary_paged_attention_fp8=None,
+                                      paged_attention_fp8=lambda *a: calls.append("attention without rope") or
+                                      fused.paged_attention_fp8(*a))
         unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None,
                                       paged_attention_fp8=None)
         logits = {}
-        for name, kernels in (("fused", spied), ("unfused", unfused)):
+        for name, kernels in (("fused", spied), ("no_rope", no_rope), ("unfused", unfused)):
             dispatch._triton_kernels = lambda kernels=kernels: kernels
             logits[name] = _prefill_then_decode(config, weights, "triton")
         dispatch._triton_kernels = triton_kernels
     # 2 layers x (2 norms + attention) x (prefill, decode)
     assert calls.count("norm") == 2 * 2 * 2 and calls.count("attention") == 2 * 2, calls
-    for got, want in zip(logits["fused"], logits["unfused"]):
-        assert torch.equal(got, want)
+    assert calls.count("attention without rope") == 2 * 2, calls
+    for name in ("no_rope", "unfused"):
+        for got, want in zip(logits["fused"], logits[name]):
+            assert torch.equal(got, want), name
 
 
 def _cases() -> dict[str, Callable[[], None]]:

@@ -162,6 +162,80 @@ def test_static_decode_replays_in_a_cuda_graph(kernels) -> None:
         torch.testing.assert_close(out, want, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_size", [1, 4, 8, 64])
+def test_rotation_in_the_decode_attention_is_rotary_then_attention(kernels, dtype, batch_size) -> None:
+    """`rotary_paged_attention` (the decode kernel rotating q and this step's keys and caching them,
+    the new key read back after a CTA barrier) equals `rotary_kv_write` then `paged_attention` bit
+    for bit — output and whole cache — split (1..8 at 1-4k contexts) and unsplit (64), with a
+    padded token (slot -1) and a sequence whose only key is the new one; eagerly and replayed in a
+    CUDA graph with static decode metadata (new queries and keys each replay); a sliding window;
+    its fp8 form equals rotary then paged_attention_fp8; a mixed batch takes the two ops."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(40 + batch_size)
+    ctx = torch.randint(1, 4096, (batch_size,), generator=gen).tolist()
+    ctx[0] = 4000
+    if batch_size > 1:
+        ctx[1] = 0
+    batch = make_paged_batch([1] * batch_size, ctx, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype=dtype,
+                             device="cuda", seed=batch_size)
+    table = ref.build_cos_sin_cache(compute_inv_freq(LLAMA3_ROPE, D, "cuda"), 8192, dtype)
+    qkv = torch.randn(batch_size, (HQ + 2 * HKV) * D, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    qkv = qkv.to(dtype)
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    q, k, v = q.view(batch_size, HQ, D), k.view(batch_size, HKV, D), v.view(batch_size, HKV, D)
+    slots = batch.meta.slot_mapping.clone()
+    if batch_size > 2:
+        slots[2] = -1                                               # a padded token: not cached
+    meta = dataclasses.replace(batch.meta, slot_mapping=slots)
+
+    def two_ops(m, window=None, fp8=False):
+        cache = batch.kv_cache.clone()
+        q_rot = kernels.rotary_kv_write(batch.positions, q, k, v, table, cache, m.slot_mapping)
+        attend = kernels.paged_attention_fp8 if fp8 else kernels.paged_attention
+        return attend(q_rot, cache, m, D ** -0.5, window), cache
+
+    def fused(m, cache, window=None, fp8=False):
+        attend = kernels.rotary_paged_attention_fp8 if fp8 else kernels.rotary_paged_attention
+        return attend(batch.positions, q, k, v, table, cache, m, D ** -0.5, window)
+
+    for window in (None, 1024):
+        want, want_cache = two_ops(meta, window)
+        cache = batch.kv_cache.clone()
+        assert torch.equal(fused(meta, cache, window), want), window
+        assert torch.equal(cache, want_cache), window
+    (want_q, want_s), want_cache = two_ops(meta, fp8=True)
+    cache = batch.kv_cache.clone()
+    got_q, got_s = fused(meta, cache, fp8=True)
+    assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(cache, want_cache)
+    static = dataclasses.replace(meta, static_decode=True)
+    cache = batch.kv_cache.clone()
+    fused(static, cache)                                            # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(static, cache)
+    for seed in (4, 5):
+        qkv.copy_(torch.randn(qkv.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        cache.copy_(batch.kv_cache)
+        graph.replay()
+        want, want_cache = two_ops(static)
+        assert torch.equal(out, want) and torch.equal(cache, want_cache), seed
+    if batch_size == 4:
+        mixed = make_paged_batch([5, 1, 3, 1], [0, 9, 30, 2000], num_kv_heads=HKV, head_dim=D, block_size=BS,
+                                 dtype=dtype, device="cuda", seed=9)
+        t = mixed.meta.num_tokens
+        qm = torch.randn(t, HQ, D, device="cuda").to(dtype)
+        km, vm = torch.randn(t, HKV, D, device="cuda").to(dtype), torch.randn(t, HKV, D, device="cuda").to(dtype)
+        want_cache, cache = mixed.kv_cache.clone(), mixed.kv_cache.clone()
+        want = kernels.paged_attention(kernels.rotary_kv_write(mixed.positions, qm, km, vm, table, want_cache,
+                                                               mixed.meta.slot_mapping), want_cache, mixed.meta,
+                                       D ** -0.5)
+        got = kernels.rotary_paged_attention(mixed.positions, qm, km, vm, table, cache, mixed.meta, D ** -0.5)
+        assert torch.equal(got, want) and torch.equal(cache, want_cache)
+
+
 def _decode_ref(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
     from resident.worker.layers.attention import decode_attention
 

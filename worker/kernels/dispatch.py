@@ -58,6 +58,12 @@ class Kernels:
     #: (q, kv_cache, meta, scale, sliding_window=None) -> (x_q [T, Hq*D] fp8, scale_a float32 ()):
     #: paged_attention's output flattened and quantized as fp8_linear would (o_proj's input)
     paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: (positions, q, k, v, cos_sin_cache, kv_cache, meta, scale, sliding_window=None) -> [T,Hq,D]:
+    #: rotary_kv_write(..., meta.slot_mapping) then paged_attention on the rotated q, one launch fewer
+    #: where the backend can (decode). None: models call the two
+    rotary_paged_attention: Callable[..., torch.Tensor] | None = None
+    #: the same with paged_attention_fp8's output (x_q [T, Hq*D] fp8, scale_a float32 ())
+    rotary_paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -84,7 +90,9 @@ def _triton_kernels() -> Kernels:
                    gemv.decode_linear if gemv.GEMV_MODE in ("auto", "on") else F.linear,
                    fp8_scaled_mm=fp8.fp8_scaled_mm,
                    fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
-                   paged_attention_fp8=paged_attention.paged_attention_fp8)
+                   paged_attention_fp8=paged_attention.paged_attention_fp8,
+                   rotary_paged_attention=paged_attention.rotary_paged_attention,
+                   rotary_paged_attention_fp8=paged_attention.rotary_paged_attention_fp8)
 
 
 def triton_available() -> bool:

@@ -34,7 +34,7 @@ from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous, check_same_device, next_pow2
 from resident.worker.kernels.fp8_quant import (_grid_scale, _quantize_tile, coop_block_p, coop_launch_state,
                                                 quantize_fp8_per_tensor, quantize_from_partials, takes_small_path)
-from resident.worker.kernels.rotary import check_kv_cache
+from resident.worker.kernels.rotary import check_kv_cache, check_rotary_inputs, rope_mix, rotary_kv_write
 from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
@@ -92,11 +92,18 @@ def _attend_range(q, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo,
 @triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
                    amax_ptr, sq_b, sq_h, so_b, so_h, s_bt, sc_blk, sc_tok, sc_head, qk_scale, window, num_splits,
+                   pos_ptr, k_ptr, v_ptr, cs_ptr, slot_ptr, sk_b, sk_h, sv_b, sv_h, s_cs,
                    REP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr = False):
+                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr, AMAX: tl.constexpr, ROPE: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     # num_splits is a runtime value (one compiled kernel for every split count); SPLIT says
     # whether it is > 1, i.e. whether to write partial results for the merge kernel.
+    # ROPE: q and this step's k arrive unrotated (pos_ptr .. s_cs: rotary_kv_write's inputs); each
+    # program rotates its queries, and the program whose keys include the new token's position
+    # (split 0 when there are none) rotates the token's key and writes it and the value into the
+    # cache first — then a CTA barrier, after which its own loads see them (nothing else reads
+    # that slot in this launch). rotary.rope_mix: the rotary kernel's rounding.
     pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -116,6 +123,28 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     dmask = d < HEAD_DIM
     qmask = hmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        cs_row = cs_ptr + tl.load(pos_ptr + b).to(tl.int64) * s_cs + tl.where(first, d, d - HALF)
+        c = tl.load(cs_row, mask=dmask, other=0.0)
+        sn = tl.load(cs_row + HALF, mask=dmask, other=0.0)
+        s_signed = tl.where(first, -sn, sn)
+        q_partner = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
+        q = rope_mix(q, q_partner, c[None, :], s_signed[None, :])
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        last = seq_len - 1
+        writes = ((lo <= last) & (last < hi)) | ((seq_len <= 0) & (split == 0))
+        if writes & (slot >= 0):
+            k_row = k_ptr + b * sk_b + kvh * sk_h
+            k_new = rope_mix(tl.load(k_row + d, mask=dmask, other=0.0), tl.load(k_row + partner, mask=dmask, other=0.0),
+                             c, s_signed)
+            v_new = tl.load(v_ptr + b * sv_b + kvh * sv_h + d, mask=dmask, other=0.0)
+            off = (slot // BLOCK_SIZE) * sc_blk + (slot % BLOCK_SIZE) * sc_tok + kvh.to(tl.int64) * sc_head + d
+            tl.store(k_cache + off, k_new.to(k_cache.dtype.element_ty), mask=dmask)
+            tl.store(v_cache + off, v_new.to(v_cache.dtype.element_ty), mask=dmask)
+        tl.debug_barrier()
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
     # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
     head_off = kvh.to(tl.int64) * sc_head
@@ -291,9 +320,20 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     return _decode(q, kv_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, num_splits)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """`rotary.rotary_kv_write`'s inputs besides q and the cache, for an attention that rotates q
+    and writes this step's keys and values itself (`rotary_paged_attention`)."""
+    positions: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             scale: float, sliding_window: int | None, max_seq_len: int | None, num_splits: int | None,
-            amax: bool = False, config: DecodeConfig | None = None
+            amax: bool = False, config: DecodeConfig | None = None, rope: Rope | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(out, buf, x_q): `decode_attention`'s out; with `amax`, also a float32 buffer [1 + slots]
     whose slots (buf[1:]) hold the maxima of |out| over disjoint parts that cover it, as
@@ -301,7 +341,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     split merge could run as a cooperative grid (`coop_launch_state`: batch x query heads within
     the SMs, a barrier state for the stream), x_q: out [B, Hq * D] already quantized per tensor,
     its scale in buf[0] (fp8_quant's steps, one launch fewer). `config` overrides the launch
-    shape (probes)."""
+    shape (probes). `rope`: q and this step's keys arrive unrotated; the kernel rotates them and
+    writes the keys and values into the cache (rotary_kv_write's work, no launch of its own)."""
     rep = _check(q, kv_cache, block_tables, seq_lens)
     batch, n_qh, head_dim = q.shape
     if seq_lens.shape[0] != batch:
@@ -331,11 +372,18 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
     else:
         part_acc = part_m = part_l = out
     kc, vc = kv_cache[0], kv_cache[1]
+    if rope is not None:
+        pos, rk, rv, cs, slot = rope.positions, rope.k, rope.v, rope.cos_sin_cache, rope.slot_mapping
+        rope_strides = (rk.stride(0), rk.stride(1), rv.stride(0), rv.stride(1), cs.stride(0))
+    else:
+        pos = rk = rv = cs = slot = q
+        rope_strides = (0, 0, 0, 0, 0)
     pdl_opts = pdl.launch(q.device, batch)
     _decode_kernel[(batch, n_kh, num_splits)](
         q, kc, vc, block_tables, seq_lens, out, part_acc, part_m, part_l, slots,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2), scale * LOG2E, sliding_window or 0, num_splits,
+        pos, rk, rv, cs, slot, *rope_strides, ROPE=rope is not None,
         REP=rep, BLOCK_M=max(16, next_pow2(rep)), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n,
         BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, USE_WINDOW=sliding_window is not None,
         PREC=_precision(q.dtype), AMAX=amax and num_splits == 1, **pdl_opts, num_warps=config.num_warps,
@@ -398,26 +446,54 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            sliding_window: int | None, amax: bool
+            sliding_window: int | None, amax: bool, rope: Rope | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`paged_attention`'s choice of kernel; with `amax`, the decode kernel's |out| maxima or its
-    quantized output too (`_decode`; None, None from the prefill kernel, which has neither)."""
+    quantized output too (`_decode`; None, None from the prefill kernel, which has neither).
+    `rope`: q unrotated, this step's keys and values not yet cached — the decode kernel rotates
+    and writes them itself, the prefill kernel after `rotary_kv_write` does."""
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
-    if getattr(meta, "static_decode", False):
-        span = meta.block_tables.shape[1] * kv_cache.shape[2]
-        return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, span, None, amax)
-    static_len = getattr(meta, "static_query_len", 0)
-    if static_len:   # speculative verification graphs: the grid follows from the fixed query length
-        return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, static_len,
-                                 scale, sliding_window), None, None
-    qsl = meta.query_start_loc_host
-    max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
-    if max_query_len == 1 and meta.num_tokens == meta.num_seqs:
-        return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
-                       max(meta.seq_lens_host), None, amax)
-    return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, max_query_len,
-                             scale, sliding_window), None, None
+    if rope is not None:
+        check_rotary_inputs(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, kv_cache, rope.slot_mapping)
+    if getattr(meta, "static_decode", False):   # (CUDA graphs: nothing read from the host)
+        max_seq_len = meta.block_tables.shape[1] * kv_cache.shape[2]
+    else:
+        # speculative verification graphs: the prefill kernel's grid follows from the fixed query length
+        max_query_len = getattr(meta, "static_query_len", 0)
+        if not max_query_len:
+            qsl = meta.query_start_loc_host
+            max_query_len = max((qsl[i + 1] - qsl[i] for i in range(meta.num_seqs)), default=0)
+            decode = max_query_len == 1 and meta.num_tokens == meta.num_seqs
+        else:
+            decode = False
+        if not decode:   # prefill, chunked or mixed
+            if rope is not None:
+                q = rotary_kv_write(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, kv_cache, rope.slot_mapping)
+            return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                     max_query_len, scale, sliding_window), None, None
+        max_seq_len = max(meta.seq_lens_host)
+    return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, max_seq_len, None, amax,
+                   rope=rope)
+
+
+def rotary_paged_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """`rotary.rotary_kv_write(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)`
+    then `paged_attention` on the rotated q: [T, Hq, D]. Decode batches take one launch fewer —
+    the decode kernel rotates q and the new keys and caches them itself, with the rotary
+    kernel's arithmetic (`rotary.rope_mix`); other batches run the two ops."""
+    rope = Rope(positions, k, v, cos_sin_cache, meta.slot_mapping)
+    return _attend(q, kv_cache, meta, scale, sliding_window, amax=False, rope=rope)[0]
+
+
+def rotary_paged_attention_fp8(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                               scale: float, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_paged_attention` with `paged_attention_fp8`'s output: (x_q [T, Hq * D], scale_a)."""
+    return _quantized(q, kv_cache, meta, scale, sliding_window, Rope(positions, k, v, cos_sin_cache,
+                                                                     meta.slot_mapping))
 
 
 def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -431,7 +507,12 @@ def paged_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     the decode kernels store each program's max |out| and `fp8_quant.quantize_from_partials`
     quantizes from those (one launch, no grid barrier). Everything else (prefill, the CPU
     interpreter) quantizes as `fp8_quant.quantize_fp8_per_tensor` does."""
-    out, buf, x_q = _attend(q, kv_cache, meta, scale, sliding_window, amax=True)
+    return _quantized(q, kv_cache, meta, scale, sliding_window, None)
+
+
+def _quantized(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: int | None, rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, buf, x_q = _attend(q, kv_cache, meta, scale, sliding_window, amax=True, rope=rope)
     if x_q is not None:
         return x_q, buf[0]
     x = out.view(out.shape[0], -1)

@@ -26,11 +26,18 @@ from resident.worker.kernels._util import check_dtype, check_last_dim_contiguous
 
 
 @triton.jit
+def rope_mix(x, partner, c, s_signed):
+    """x*c + partner*s_signed in float32, rounded once to x's dtype: one rotated element, where
+    partner is the element half a head away and s_signed is -sin in the first half, +sin in the
+    second (negation is exact). The one formula of every rotation here — this kernel's and the
+    decode attention's fused one (`paged_attention.rotary_paged_attention`) — so the two round alike."""
+    return (x.to(tl.float32) * c.to(tl.float32) + partner.to(tl.float32) * s_signed.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _rotate(x1, x2, c, s):
     """(x1*c - x2*s, x2*c + x1*s) in float32, rounded once to x's dtype."""
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    cf, sf = c.to(tl.float32), s.to(tl.float32)
-    return (f1 * cf - f2 * sf).to(x1.dtype), (f2 * cf + f1 * sf).to(x1.dtype)
+    return rope_mix(x1, x2, c, -s), rope_mix(x2, x1, c, s)
 
 
 @triton.jit
@@ -94,6 +101,29 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     in the cache. q, k, v may be strided views (e.g. splits of the fused qkv output) with a
     contiguous last dimension.
     """
+    check_rotary_inputs(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping)
+    num_tokens, n_qh, head_dim = q.shape
+    n_kh = k.shape[1]
+    q_out = torch.empty((num_tokens, n_qh, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    kc, vc = kv_cache[0], kv_cache[1]
+    pdl_opts = pdl.launch(q.device, num_tokens)
+    _rotary_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin_cache, q_out, kc, vc, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        n_qh, n_kh, half, kv_cache.shape[2],
+        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), **pdl_opts, num_warps=4)
+    return q_out
+
+
+def check_rotary_inputs(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`rotary_kv_write`'s argument checks (shared with the attention that rotates in-kernel):
+    ValueError/TypeError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_dtype(name, t)
         if t.dim() != 3:
@@ -116,17 +146,3 @@ def rotary_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
         raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
                          f"must both be [{num_tokens}]")
-    q_out = torch.empty((num_tokens, n_qh, head_dim), dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
-    half = head_dim // 2
-    kc, vc = kv_cache[0], kv_cache[1]
-    pdl_opts = pdl.launch(q.device, num_tokens)
-    _rotary_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cos_sin_cache, q_out, kc, vc, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        n_qh, n_kh, half, kv_cache.shape[2],
-        BLOCK_QH=next_pow2(n_qh), BLOCK_KH=next_pow2(n_kh), BLOCK_HALF=next_pow2(half), **pdl_opts, num_warps=4)
-    return q_out
