@@ -4,11 +4,12 @@
 # Here:   git archive HEAD -o build/head.tar && git archive <base> -o build/prev.tar
 #         (uncommitted work: git archive $(git stash create) -o build/head.tar)
 # There:  run's carry ["build/head.tar", "build/prev.tar"], command `bash tests/h200_ab.sh`
-#   AB_ORDER:  the runs, in order (default "p h p h"; p = prev.tar, h = head.tar)
+#   AB_ORDER:  the decode runs, in order (default "p h p h"; p = prev.tar, h = head.tar; "" runs none)
 #   AB_QUANTS: --quantization of the decode runs (default fp8_per_tensor,none); AB_BATCHES (default 1,64)
 #   AB_STEPS:  timed decode steps (default 64)
-#   AB_RESTART=1: also `bench restart` (variant warm-fe, AB_RESTART_RUNS runs, default 2) of each tree, p then h
-#      (this part is new in session 11 and has not run yet; the decode part ran as session 11's calls 7-8)
+#   AB_RESTART=1: also `bench restart` (variant warm-fe, AB_RESTART_RUNS runs each, default 2) of the trees in
+#      AB_RESTART_ORDER (default "p h"; e.g. "p h p h" interleaves, each invocation with its own priming start and
+#      floor; restart-<n>-<tree>.json) (this part has not run yet; the decode part ran in sessions 11 and 14)
 #   AB_TESTS:  GPU test paths to run on the head tree first (default none; AB_TESTS_K: a -k filter)
 #   AB_PROBES: tests/gpu_decode_probes.py probes to run on the head tree after them (default none; h200.sh probes)
 # Writes $OUT/ab.log, one JSON per run in $OUT/results.tgz; prints the tokens/s lines.
@@ -34,7 +35,7 @@ if [ -n "${AB_PROBES:-}" ]; then
 fi
 OUT="$OUT" bash tests/h200.sh checkpoint > /dev/null 2>&1   # the Llama-3-8B-shaped checkpoint in /tmp/llama3-8b-random
 i=0
-for t in ${AB_ORDER:-p h p h}; do
+for t in ${AB_ORDER-p h p h}; do
   i=$((i + 1))
   (cd "/tmp/ab-$t" && PYTHONPATH="/tmp/abrp-$t" timeout 150 python3 -m resident.cli.main bench throughput \
      /tmp/llama3-8b-random --device cuda --batch-sizes "${AB_BATCHES:-1,64}" --context 1024 \
@@ -43,11 +44,13 @@ for t in ${AB_ORDER:-p h p h}; do
   echo "run $i tree $t rc=$?" >> "$OUT/ab.log"
 done
 if [ "${AB_RESTART:-0}" = 1 ]; then
-  for t in p h; do
+  n=0
+  for t in ${AB_RESTART_ORDER:-p h}; do
+    n=$((n + 1))
     (cd "/tmp/ab-$t" && PYTHONPATH="/tmp/abrp-$t" RESIDENT_BENCH_LOGS=/tmp/bench-logs-$t timeout 300 \
        python3 -m resident.cli.main bench restart /tmp/llama3-8b-random --device cuda --runs "${AB_RESTART_RUNS:-2}" \
-       --variants warm-fe --json "$OUT/restart-$t.json" >> "$OUT/ab.log" 2>&1)
-    echo "restart tree $t rc=$?" >> "$OUT/ab.log"
+       --variants warm-fe --json "$OUT/restart-$n-$t.json" >> "$OUT/ab.log" 2>&1)
+    echo "restart $n tree $t rc=$?" >> "$OUT/ab.log"
   done
 fi
 (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
