@@ -413,7 +413,7 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
     attn = {"q_ptr": bf, "k_cache": bf, "v_cache": bf, "bt_ptr": "*i64", "seq_lens_ptr": "*i64", "out_ptr": bf}
     split = {"part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "amax_ptr": "*fp32"}
     merge_quant = {"xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "state_ptr": "*i32"}
-    no_quant = {"QUANT": False, "BLOCK_P": 1}
+    merge = {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "QUANT": False, "BLOCK_P": 1}
     dec = {"REP": 4, "BLOCK_M": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 64, "BLOCK_SIZE": 16, "PREC": "tf32",
            "ROPE": False}
     rope = {"pos_ptr": "*i64", "k_ptr": bf, "v_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64"}
@@ -443,11 +443,9 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
                              {**dec, "BLOCK_N": 128, "SPLIT": True, "USE_WINDOW": False, "AMAX": False}, attn_opts),
         # (QUANT, the cooperative merge that quantizes: test_kernels_fp8_fused.py's sm_90 build test)
         "merge_splits": ("paged_attention._merge_splits_kernel", {**split, **merge_quant, "out_ptr": bf},
-                         {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": False, **no_quant},
-                         {"num_warps": 4}),
+                         {**merge, "AMAX": False}, {"num_warps": 4}),
         "merge_splits_amax": ("paged_attention._merge_splits_kernel", {**split, **merge_quant, "out_ptr": bf},
-                              {"NUM_HEADS": 32, "HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS_P2": 64, "AMAX": True, **no_quant},
-                              {"num_warps": 4}),
+                              {**merge, "AMAX": True}, {"num_warps": 4}),
         "prefill_window": ("paged_attention._prefill_kernel", {**attn, "qsl_ptr": "*i64"},
                            {**pre, "USE_WINDOW": True}, attn_opts),
         "prefill_gqa3_d64": ("paged_attention._prefill_kernel", {**attn, "qsl_ptr": "*i64"},

@@ -454,8 +454,6 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
     and writes them itself, the prefill kernel after `rotary_kv_write` does."""
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"attention got {q.shape[0]} query tokens, metadata describes {meta.num_tokens}")
-    if rope is not None:
-        check_rotary_inputs(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, kv_cache, rope.slot_mapping)
     if getattr(meta, "static_decode", False):   # (CUDA graphs: nothing read from the host)
         max_seq_len = meta.block_tables.shape[1] * kv_cache.shape[2]
     else:
@@ -473,6 +471,8 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
             return prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                      max_query_len, scale, sliding_window), None, None
         max_seq_len = max(meta.seq_lens_host)
+    if rope is not None:   # (rotary_kv_write's checks, for the decode kernel that does its work)
+        check_rotary_inputs(rope.positions, q, rope.k, rope.v, rope.cos_sin_cache, kv_cache, rope.slot_mapping)
     return _decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, max_seq_len, None, amax,
                    rope=rope)
 
