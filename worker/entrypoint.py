@@ -46,7 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
-from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.api_server import ApiServer, ServerState, app_runner
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
 from resident.worker.metrics import ServerMetrics
 # Re-exported: the CLI, the supervisor, benchmarks and tests import these from here.
@@ -96,7 +96,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     metrics = ServerMetrics(config.model_name)
     state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
                         model_root=config.model)
-    runner = web.AppRunner(ApiServer(state).app(), handler_cancellation=True, access_log=None)
+    runner = app_runner(ApiServer(state).app())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     try:

@@ -223,6 +223,8 @@ def _api_app(fe: Frontend) -> Any:
 async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socket.socket, t0: float) -> int:
     from aiohttp import web
 
+    from resident.worker.api_server import app_runner
+
     loop = asyncio.get_running_loop()
     link = await Link.open(link_sock)
     fe = Frontend(start, link, t0)
@@ -232,7 +234,7 @@ async def serve(start: FrontendStart, link_sock: socket.socket, http_sock: socke
     app = _api_app(fe)
     if fe.closer is not None:
         app.on_response_prepare.append(fe.closer.on_response_prepare)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = app_runner(app)
     await runner.setup()
     fe.runner = runner
     site = fe.site = web.SockSite(runner, http_sock)

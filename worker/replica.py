@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from resident.worker.admin import AdminServer, ReplicaState
-from resident.worker.api_server import ApiServer, ServerState
+from resident.worker.api_server import ApiServer, ServerState, app_runner
 from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
@@ -126,7 +126,7 @@ class Replica:
     async def run(self) -> int:
         app = ApiServer(self.server_state).app()
         app.on_response_prepare.append(self.closer.on_response_prepare)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = app_runner(app)
         await self._runner.setup()
         with contextlib.suppress(OSError):   # an earlier replica's of the same id (its supervisor never read it)
             os.unlink(failure_note_path(self.options.admin_socket))

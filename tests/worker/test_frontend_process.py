@@ -6,6 +6,7 @@ and the admin socket refusing snapshots."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client as httpc
 import json
 import os
@@ -280,6 +281,14 @@ def test_probes_404_and_api_key(workers):
     status, models = http(base, "GET", "/v1/models", headers=AUTH)
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL_NAME]
     assert models["data"][0]["max_model_len"] == int(MAX_MODEL_LEN)
+    # Bodies are decoded by the API server here too (api_server.app_runner): gzip served, an
+    # unknown coding a JSON 415
+    raw = json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 1}).encode()
+    status, body = http(base, "POST", "/v1/completions", raw=gzip.compress(raw),
+                        headers={**AUTH, "Content-Encoding": "gzip"})
+    assert status == 200, body
+    status, body = http(base, "POST", "/v1/completions", raw=raw, headers={**AUTH, "Content-Encoding": "bogus"})
+    assert status == 415 and "bogus" in body["error"]["message"], body
 
 
 class _UnixHTTP(httpc.HTTPConnection):
