@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import importlib
 import logging
 import time
 import zlib
@@ -107,74 +106,52 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
 def app_runner(app: web.Application) -> web.AppRunner:
     """The AppRunner of an OpenAI API server: a client that goes away cancels its request's
     handler, no access log, and request bodies left as sent (aiohttp's `auto_decompress` off):
-    `ApiServer._body` decodes their Content-Encoding, so an encoding this server cannot decode
-    gets a JSON error naming it, where aiohttp's parser answered a plain-text 400 (br, zstd
-    without their packages) or passed the bytes on undecoded (an unknown coding)."""
+    `ApiServer._body` decodes their Content-Encoding (`decode_body`), so a coding this server
+    does not decode gets a JSON 415 naming it, where aiohttp's parser answered a plain-text 400
+    (br, zstd without their packages) or passed the bytes on undecoded (an unknown coding)."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
 
 
-#: Content-Encoding codings a request body may use -> the module that decodes them (None: zlib),
-#: as aiohttp's client and server name them; br and zstd only where their package is installed.
-_CODINGS = {"gzip": None, "x-gzip": None, "deflate": None, "br": ("brotli", "brotlicffi"),
-            "zstd": ("zstandard",)}
+#: Content-Encoding codings a request body may use (identity aside): zlib's. br and zstd, which
+#: aiohttp decodes only with extra packages (and then without a size cap), are refused by name.
+DECODED_CODINGS = ("gzip", "x-gzip", "deflate")
 
 
 def decode_body(raw: bytes, content_encoding: str | None, limit: int = MAX_BODY_BYTES) -> bytes:
     """A request body undone of its Content-Encoding (codings listed in the order applied, so
-    undone last first; identity is none). RequestError: 415 for a coding this server cannot
-    decode (naming the ones it can), 400 for a body that does not decode as its header says,
-    413 for one that decodes past `limit` bytes (checked as it inflates: no zip bomb fills memory)."""
+    undone last first; identity is none). RequestError: 415 for a coding this server does not
+    decode (naming the ones it does), 400 for a body that does not decode as its header says
+    (truncated, or with data after its end: nothing is silently dropped), 413 for one that
+    decodes past `limit` bytes (checked as it inflates: a zip bomb never fills memory)."""
     codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
     for coding in reversed(codings):
         if coding == "identity":
             continue
+        if coding not in DECODED_CODINGS:
+            raise RequestError(f"this server does not decode a request body with Content-Encoding {coding}; "
+                               f"send it uncompressed or with one of: {', '.join(DECODED_CODINGS)}", status=415)
         try:
-            raw = _decode(raw, coding, limit)
-        except RequestError:
-            raise
-        except Exception as e:  # noqa: BLE001 - zlib.error, brotli.error, zstd's ZstdError, a truncated stream
+            raw = _inflate(raw, coding, limit)
+        except zlib.error as e:
             raise RequestError(f"the request body does not decode as its Content-Encoding ({content_encoding}) "
                                f"says ({e}); send it encoded so, or with no Content-Encoding") from None
     return raw
 
 
-def _decode(raw: bytes, coding: str, limit: int) -> bytes:
-    if coding not in _CODINGS or (_CODINGS[coding] is not None and _codec(coding) is None):
-        usable = ", ".join(c for c in _CODINGS if _CODINGS[c] is None or _codec(c) is not None)
-        why = (f" (the {' or '.join(_CODINGS[coding])} package is not installed here)" if coding in _CODINGS
-               else "")
-        raise RequestError(f"this server cannot decode a request body with Content-Encoding {coding}{why}; "
-                           f"send it uncompressed or with one of: {usable}", status=415)
-    if coding in ("gzip", "x-gzip", "deflate"):
-        # gzip: its header; deflate: a zlib stream, or raw deflate as some clients send it.
-        wbits = 16 + zlib.MAX_WBITS if coding != "deflate" else (zlib.MAX_WBITS if raw[:1] == b"\x78" else
-                                                                  -zlib.MAX_WBITS)
-        inflater = zlib.decompressobj(wbits)
-        out = inflater.decompress(raw, limit + 1)
-        if len(out) > limit:
-            raise _too_large(limit)
-        if not inflater.eof:
-            raise ValueError("the compressed stream is truncated")
-        return out
-    out = _codec(coding).decompress(raw)   # br, zstd: whole-body decoders (their packages' one-shot API)
+def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
+    # gzip: its header; deflate: a zlib stream, or raw deflate as some clients send it.
+    wbits = (16 + zlib.MAX_WBITS if coding != "deflate"
+             else zlib.MAX_WBITS if raw[:1] == b"\x78" else -zlib.MAX_WBITS)
+    inflater = zlib.decompressobj(wbits)
+    out = inflater.decompress(raw, limit + 1)
     if len(out) > limit:
-        raise _too_large(limit)
+        raise RequestError(f"the request body decodes to more than this server's limit of {limit // 2**20} MiB; "
+                           "send a shorter prompt or fewer prompts per request", status=413)
+    if not inflater.eof:
+        raise zlib.error("the compressed stream is truncated")
+    if inflater.unused_data:
+        raise zlib.error(f"{len(inflater.unused_data)} bytes follow the end of the compressed stream")
     return out
-
-
-def _too_large(limit: int) -> RequestError:
-    return RequestError(f"the request body decodes to more than this server's limit of {limit // 2**20} MiB; "
-                        "send a shorter prompt or fewer prompts per request", status=413)
-
-
-def _codec(coding: str):
-    """The installed module that decodes `coding` (br, zstd), or None."""
-    for name in _CODINGS[coding] or ():
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
 
 
 def _auth_middleware(state: ServerState):
