@@ -49,7 +49,7 @@ WIDE_N = 16384
 #: K must be a multiple of one of these (the largest that divides it is taken, up to the config's).
 BLOCK_KS = (1024, 512, 256, 128)
 DTYPES = (torch.float16, torch.bfloat16)
-FP8_BLOCK_KS = (4096, 2048, 1024, 512, 256, 128)
+FP8_BLOCK_KS = (2048, 1024, 512, 256, 128)
 
 
 @dataclass(frozen=True)

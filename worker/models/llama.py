@@ -157,19 +157,16 @@ class LlamaDecoderLayer:
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = kern.rms_norm(q, self.q_norm, self.eps), kern.rms_norm(k, self.k_norm, self.eps)
-        if quantized_o and kern.rotary_paged_attention_fp8 is not None:   # (rotation and KV write in the attention)
-            x_q, scale = kern.rotary_paged_attention_fp8(positions, q, k, v, self.rope_table, kv_cache, meta,
-                                                         self.scale, self.sliding_window)
-            return self.o_proj.apply_quantized(x_q, scale, qkv.dtype)
-        if not quantized_o and kern.rotary_paged_attention is not None:
-            out = kern.rotary_paged_attention(positions, q, k, v, self.rope_table, kv_cache, meta, self.scale,
-                                              self.sliding_window)
+        # The rotation and KV write inside the attention where the backend has it, else before it.
+        fused = kern.rotary_paged_attention_fp8 if quantized_o else kern.rotary_paged_attention
+        if fused is not None:
+            out = fused(positions, q, k, v, self.rope_table, kv_cache, meta, self.scale, self.sliding_window)
         else:
             q = kern.rotary_kv_write(positions, q, k, v, self.rope_table, kv_cache, meta.slot_mapping)
-            if quantized_o:
-                x_q, scale = kern.paged_attention_fp8(q, kv_cache, meta, self.scale, self.sliding_window)
-                return self.o_proj.apply_quantized(x_q, scale, qkv.dtype)
-            out = kern.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+            attend = kern.paged_attention_fp8 if quantized_o else kern.paged_attention
+            out = attend(q, kv_cache, meta, self.scale, self.sliding_window)
+        if quantized_o:   # out is (x_q, scale_a)
+            return self.o_proj.apply_quantized(*out, qkv.dtype)
         out = self.o_proj(out.reshape(t, self.q_size))
         if self.o_bias is not None:   # TP: reduce here, so the bias is added once
             out = self.parallel.all_reduce(out) + self.o_bias
