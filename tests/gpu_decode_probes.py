@@ -9,6 +9,7 @@
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
     python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~30 s on the H200)
     python3 tests/gpu_decode_probes.py fp8-row-gemv  --json OUT.json   (~30 s)
+    python3 tests/gpu_decode_probes.py fp8-row-mlp   --json OUT.json   (~30 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -685,9 +686,58 @@ def fp8_row_gemv() -> dict:
     return {"copy_bw": bw, "shapes": rows_out}
 
 
+def fp8_row_mlp() -> dict:
+    """The fused one-row fp8 MLP (`row_gemv.row_mlp_fp8`: gate_up's GEMV applying SiLU-and-mul and
+    raising the maximum, down's GEMV quantizing its input) against the three ops it replaces
+    (row_gemv_fp8, silu_and_mul_fp8, row_gemv_fp8), as 32 Llama-3-8B layers' MLPs (distinct weights,
+    5.6 GB) chained in one CUDA graph under the default PDL: microseconds per layer, share of the copy
+    bandwidth for the weights, for several launch shapes of the two GEMVs."""
+    from resident.worker.kernels import row_gemv
+    from resident.worker.kernels.activation import silu_and_mul_fp8
+
+    bw = _copy_bandwidth()
+    f8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    h, inter = 4096, 14336
+    layers = [((torch.randn(2 * inter, h, device="cuda") * 100).clamp(-440, 440).to(f8),
+               (torch.randn(h, inter, device="cuda") * 100).clamp(-440, 440).to(f8)) for _ in range(32)]
+    x_q = (torch.randn(1, h, device="cuda") * 100).clamp(-440, 440).to(f8)
+    s_a, s_gu, s_d = (torch.tensor(v, device="cuda") for v in (0.01, 2e-5, 7e-4))
+    nbytes = 3 * h * inter
+
+    def unfused(cfgs, gu, d):
+        a_q, s_act = silu_and_mul_fp8(row_gemv.row_gemv_fp8(x_q, s_a, gu, s_gu, None, bf16, config=cfgs[0]))
+        return row_gemv.row_gemv_fp8(a_q, s_act, d, s_d, None, bf16, config=cfgs[1])
+
+    def fused(cfgs, gu, d):
+        return row_gemv.row_mlp_fp8(x_q, s_a, gu, s_gu, None, d, s_d, None, bf16, configs=cfgs)
+
+    picked = (row_gemv.pick_config(2 * inter, h, fp8=True), row_gemv.pick_config(h, inter, fp8=True))
+    want = None
+    out = {"copy_bw": bw, "layer_weight_bytes": nbytes, "ideal_us_per_layer": nbytes / bw * 1e6, "forms": {}}
+    forms = [("unfused picked", unfused, picked), ("fused picked", fused, picked)]
+    for gu_rows, gu_warps in ((2, 4), (4, 4), (8, 4), (8, 8)):
+        for d_rows, d_warps in ((2, 4), (4, 4), (8, 8)):
+            cfgs = (row_gemv.RowConfig(gu_rows, 2048, gu_warps), row_gemv.RowConfig(d_rows, 2048, d_warps))
+            if cfgs != picked:
+                forms.append((f"fused gate_up {gu_rows}x2048 w{gu_warps}, down {d_rows}x2048 w{d_warps}", fused, cfgs))
+    for label, fn, cfgs in forms:
+        try:
+            got = fn(cfgs, *layers[0])
+            want = want if want is not None else got
+            us = _graph_us(lambda fn=fn, cfgs=cfgs: [fn(cfgs, *layer) for layer in layers], reps=10) / len(layers)
+        except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
+            out["forms"][label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+            continue
+        out["forms"][label] = {"us_per_layer": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw,
+                               "equal_to_first": bool(torch.equal(got, want))}
+        print(f"fp8-row-mlp {label}: {us:.2f} us a layer ({nbytes / (us * 1e-6) / bw:.1%})", file=sys.stderr)
+    return out
+
+
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv,
+          "fp8-row-mlp": fp8_row_mlp}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,54 @@ def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
             assert_close_to_reference(got, want, out_dtype)
 
 
+def mlp_operands(k: int, inter: int, h: int, seed: int, device: str = "cpu"):
+    """(x_q, scale_a, gate_up [2I, K], its scale, down [H, I], its scale): fp8 operands whose
+    SiLU-and-mul output spans fp8's range after quantization (gate_up's outputs ~0.1)."""
+    x_q, _, gate_up, _ = fp8_operands(2 * inter, k, seed=seed, device=device)
+    _, _, down, s_down = fp8_operands(h, inter, seed=seed + 1, device=device)
+    return (x_q, torch.tensor(0.01, device=device), gate_up, torch.tensor(2e-5, device=device), down,
+            s_down)
+
+
+def _unfused_mlp(x_q, s_a, gate_up, s_gu, down, s_d, dtype, configs=None, gu_bias=None, d_bias=None):
+    """row_gemv_fp8(gate_up) -> activation.silu_and_mul_fp8 -> row_gemv_fp8(down): the three ops."""
+    from resident.worker.kernels.activation import silu_and_mul_fp8
+    from resident.worker.kernels.row_gemv import row_gemv_fp8
+
+    g = row_gemv_fp8(x_q, s_a, gate_up, s_gu, gu_bias, dtype, config=configs[0] if configs else None)
+    a_q, s_act = silu_and_mul_fp8(g)
+    return row_gemv_fp8(a_q, s_act, down, s_d, d_bias, dtype, config=configs[1] if configs else None)
+
+
+def _mlp_matches_unfused(dtype: torch.dtype) -> None:
+    """`row_mlp_fp8` gives the three ops' bits (the default launch shapes, gate_up's 8 rows with
+    down's 2, biases); the stream state it raises is left zeroed, so calls back to back agree."""
+    from resident.worker.kernels import row_gemv
+    from resident.worker.kernels.row_gemv import RowConfig, row_mlp_fp8
+
+    state = torch.zeros(2, dtype=torch.int32)
+    real_state = row_gemv.mlp_state
+    row_gemv.mlp_state = lambda device: state          # one state across calls, as on a GPU's stream
+    try:
+        for i, (k, inter, h, configs) in enumerate([(256, 384, 40, None),
+                                                    (384, 256, 24, (RowConfig(8, 128, 4), RowConfig(2, 128, 4)))]):
+            ops = mlp_operands(k, inter, h, seed=10 * i)
+            biases = {}
+            if i:
+                gen = torch.Generator().manual_seed(5)
+                biases = {"gu_bias": (0.05 * torch.randn(2 * inter, generator=gen)).to(dtype),
+                          "d_bias": torch.randn(h, generator=gen).to(dtype)}
+            want = _unfused_mlp(*ops, dtype, configs, **biases)
+            for _ in range(2):
+                got = row_mlp_fp8(*ops[:4], biases.get("gu_bias"), *ops[4:], biases.get("d_bias"), dtype,
+                                  configs=configs)
+                assert got.dtype == dtype and got.shape == (1, h)
+                assert torch.equal(got, want), (got - want).abs().max()
+                assert state.tolist() == [0, 0]
+    finally:
+        row_gemv.mlp_state = real_state
+
+
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
@@ -79,6 +127,8 @@ def _cases() -> dict[str, Callable[[], None]]:
              for dname, dtype in DTYPES.items() for b in (False, True)}
     cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
+    for dname, dtype in DTYPES.items():
+        cases[f"mlp_matches_unfused[{dname}]"] = (lambda dtype=dtype: _mlp_matches_unfused(dtype))
     return cases
 
 
@@ -117,10 +167,12 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
         RowConfig(rows=6)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-silu", "fp8-quant-x"])
 def test_row_gemv_builds_for_hopper(variant: str) -> None:
     """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
-    PDL: no shared-memory tiles beyond the reductions', no spills."""
+    PDL (the fused MLP's forms: gate_up with SiLU-and-mul and its atomic maximum, down quantizing
+    its input with IEEE division and counting finished programs): no shared-memory tiles beyond the
+    reductions', no spills."""
     _need_triton()
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
@@ -131,12 +183,14 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     from resident.worker.kernels import row_gemv
 
     fn = row_gemv._row_gemv_kernel
-    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
+    x_type = {"bf16": "*bf16", "fp8-quant-x": "*bf16"}.get(variant, "*fp8e4nv")
+    w_type = "*bf16" if variant == "bf16" else "*fp8e4nv"
     cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
-    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
-                  "PDL": True}
+    constexprs = {"HAS_BIAS": False, "SCALED": variant in ("fp8", "fp8-silu"), "ROWS": cfg.rows,
+                  "BLOCK_K": cfg.block_k, "PDL": True, "SILU": variant == "fp8-silu",
+                  "QUANT_X": variant == "fp8-quant-x", "FP8_MAX": 448.0, "MIN_SCALE": 1e-12}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                "scale_w_ptr": "*fp32"}
+                "scale_w_ptr": "*fp32", "state_ptr": "*i32"}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
     try:
@@ -149,6 +203,10 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
+    if variant == "fp8-silu":
+        assert "atom.global.gpu.acq_rel.max.s32" in ptx or "red.global.gpu.acq_rel.max.s32" in ptx, ptx[-3000:]
+    if variant == "fp8-quant-x":
+        assert "div.rn.f32" in ptx and "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:
@@ -198,6 +256,71 @@ def test_row_gemv_fp8_rejects_what_it_cannot_do() -> None:
     ):
         with pytest.raises(err, match=match):
             call()
+
+
+def test_row_mlp_fp8_rejects_what_it_cannot_do() -> None:
+    _need_triton()
+    from resident.worker.kernels.row_gemv import RowConfig, row_mlp_fp8
+
+    x_q, s_a, gu, s_gu, down, s_d = mlp_operands(256, 256, 16, seed=0)
+    bf16 = torch.bfloat16
+    for call, err, match in (
+        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down, s_d, None, torch.float32), TypeError,
+         "float16 or bfloat16"),
+        (lambda: row_mlp_fp8(x_q, s_a, gu[:-128], s_gu, None, down, s_d, None, bf16), ValueError,
+         "takes the activation"),
+        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down[:, :128], s_d, None, bf16), ValueError,
+         r"takes the activation \[1, K\]"),
+        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16,
+                             configs=(RowConfig(1, 256, 4), RowConfig(4, 256, 4))), ValueError, "at least 2 rows"),
+        (lambda: row_mlp_fp8(x_q.float(), s_a, gu, s_gu, None, down, s_d, None, bf16), TypeError, "x_q"),
+        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down.float(), s_d, None, bf16), TypeError,
+         "float8_e4m3fn weight"),
+        (lambda: row_mlp_fp8(x_q, s_a.double(), gu, s_gu, None, down, s_d, None, bf16), ValueError, "scale_a"),
+    ):
+        with pytest.raises(err, match=match):
+            call()
+
+
+def test_fp8_row_mlp_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
+    """`fp8.row_mlp` (Kernels.fp8_mlp of the triton backend): None for CPU tensors, more than one row,
+    a float32 output, GEMV modes other than auto/on, a down_proj whose K is not gate_up's half, shapes
+    the row GEMV does not take, no stream state; a TritonError is logged once and that gate_up is not
+    tried again (CUDA-ness patched: CPU tensors stand in, the kernel call is recorded)."""
+    _need_triton()
+    from triton.errors import TritonError
+
+    from resident.worker.kernels import fp8, gemv, row_gemv
+
+    x_q, s_a, gu, s_gu, down, s_d = mlp_operands(256, 256, 16, seed=0)
+    bf16 = torch.bfloat16
+    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None      # CPU tensors
+    calls = []
+
+    def fake(x_q, s_a, gu, s_gu, gu_b, down, s_d, d_b, dtype):
+        calls.append(gu.shape)
+        if gu.shape[0] == 1024:
+            raise TritonError("no build here")
+        return torch.zeros(1, down.shape[0], dtype=dtype)
+
+    monkeypatch.setattr(row_gemv, "row_mlp_fp8", fake)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(gemv, "takes_one_row", lambda n, k, device, fp8=False: k % 128 == 0)
+    monkeypatch.setattr(gemv, "GEMV_MODE", "auto")
+    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is not None and len(calls) == 1
+    for mode in ("off", "fp8"):
+        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+        assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None
+    monkeypatch.setattr(gemv, "GEMV_MODE", "on")
+    for args in ((torch.cat([x_q, x_q]), s_a, gu, s_gu, None, down, s_d, None, bf16),       # two rows
+                 (x_q, s_a, gu, s_gu, None, down, s_d, None, torch.float32),
+                 (x_q, s_a, gu[:256], s_gu, None, down, s_d, None, bf16),                 # down's K is not I
+                 (x_q, s_a, gu[:200], s_gu, None, down[:, :100], s_d, None, bf16)):       # no tile divides I
+        assert fp8.row_mlp(*args) is None
+    monkeypatch.setattr(row_gemv, "mlp_state", lambda device: None)
+    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None
+    monkeypatch.undo()
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
@@ -310,6 +433,40 @@ def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -
     head = torch.zeros(row_gemv.MAX_N, 4096, device="cuda").to(torch.float8_e4m3fn)
     fp8.fp8_scaled_mm(x_q, s_a, head, s_w, None, torch.bfloat16)
     assert used == ([1] if takes_row else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_row_mlp_fp8_is_bit_identical_to_the_three_ops(dtype: torch.dtype) -> None:
+    """Llama-3-8B's MLP (K 4096, I 14336, H 4096) on one quantized row: `row_mlp_fp8` gives the bits
+    of row_gemv_fp8(gate_up), silu_and_mul_fp8 (its coop path here) and row_gemv_fp8(down), eagerly,
+    in a CUDA graph replayed 20 times (and eagerly between replays: one state per stream), on a
+    second stream (its own state); every state is left zeroed."""
+    from resident.worker.kernels import row_gemv
+    from resident.worker.kernels.row_gemv import row_mlp_fp8
+
+    ops = mlp_operands(4096, 14336, 4096, seed=3, device="cuda")
+    want = _unfused_mlp(*ops, dtype)
+    got = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+    state = row_gemv.mlp_state(got.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
+    for _ in range(20):
+        graph.replay()
+        eager = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want) and torch.equal(eager, want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
+        side_state = row_gemv.mlp_state(got.device)
+    torch.cuda.synchronize()
+    assert torch.equal(other, want) and side_state.data_ptr() != state.data_ptr()
+    assert state.tolist() == [0, 0] and side_state.tolist() == [0, 0]
+    assert all(s.tolist() == [0, 0] for s in row_gemv._MLP_STATES.values())
 
 
 def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:

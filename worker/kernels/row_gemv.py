@@ -41,6 +41,9 @@ import triton.language as tl
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
+from resident.worker.kernels.activation import _silu_mul
+from resident.worker.kernels.fp8_quant import _quantize_tile, _scale_from_amax, stream_slot
+from resident.worker.layers.linear import FP8_MAX, FP8_MIN_SCALE
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
@@ -96,27 +99,64 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
+def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, state_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, SILU: tl.constexpr = False, QUANT_X: tl.constexpr = False,
+                     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12):
+    """SILU (gate_up of the fused MLP, `row_mlp_fp8`): the program's ROWS rows are ROWS // 2 gate
+    rows and the matching up rows (N = 2 I); it stores silu(gate) * up [I] and raises state[0] (the
+    float32 bits of the maximum |value|, an int32 atomic max: order-preserving for floats >= 0).
+    QUANT_X (down_proj of it): x is that 16-bit [K] and state[0] its maximum; each tile of x is
+    quantized as `quantize_fp8_per_tensor` would (the scale from the maximum, then clamp(x / scale)
+    cast to fp8), and the last program to finish (state[1] counts them) zeroes the state."""
     pid = tl.program_id(0)
-    offs = pid * ROWS + tl.arange(0, ROWS)
-    rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
+    if SILU:
+        half = N // 2
+        j = tl.arange(0, ROWS)
+        rows = tl.minimum(pid * (ROWS // 2) + j % (ROWS // 2), half - 1) + tl.where(j < ROWS // 2, 0, half)
+    else:
+        offs = pid * ROWS + tl.arange(0, ROWS)
+        rows = tl.minimum(offs, N - 1)       # rows past N re-read row N - 1, never stored: unmasked loads
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
     pdl.wait_previous(PDL)
-    acc = tl.sum(w.to(tl.float32) * tl.load(x_ptr + cols).to(tl.float32)[None, :], axis=1)
+    if QUANT_X:
+        # .cg: the maximum other SMs' atomics raised, read from L2
+        scale_a = _scale_from_amax(tl.load(state_ptr, cache_modifier=".cg").to(tl.float32, bitcast=True),
+                                   FP8_MAX, MIN_SCALE)
+        x = _quantize_tile(tl.load(x_ptr + cols).to(tl.float32), scale_a, FP8_MAX).to(w.dtype)
+    else:
+        x = tl.load(x_ptr + cols)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_ptrs + k0)
-        x = tl.load(x_ptr + k0 + cols)
+        if QUANT_X:
+            x = _quantize_tile(tl.load(x_ptr + k0 + cols).to(tl.float32), scale_a, FP8_MAX).to(w.dtype)
+        else:
+            x = tl.load(x_ptr + k0 + cols)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
+    if QUANT_X:       # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
+        acc = acc * (scale_a * tl.load(scale_w_ptr))
+    elif SCALED:
         acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
+    if SILU:
+        # gate_up's output in its dtype (what the unfused GEMV stores), then SiLU-and-mul's math
+        gate, up = tl.split(tl.permute(tl.reshape(acc.to(out_ptr.dtype.element_ty), (2, ROWS // 2)), (1, 0)))
+        y = _silu_mul(gate, up)
+        g_offs = pid * (ROWS // 2) + tl.arange(0, ROWS // 2)
+        tl.store(out_ptr + g_offs, y, mask=g_offs < half)
+        tl.atomic_max(state_ptr, tl.max(tl.abs(y.to(tl.float32)), axis=0).to(tl.int32, bitcast=True))
+    else:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
+    if QUANT_X:
+        tl.debug_barrier()                   # every thread of the program has read the maximum
+        if tl.atomic_add(state_ptr + 1, 1) == tl.num_programs(0) - 1:
+            tl.store(state_ptr, 0)           # the last program: ready for the next MLP on this stream
+            tl.store(state_ptr + 1, 0)
 
 
 def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -154,14 +194,47 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
+            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig,
+            state: torch.Tensor | None = None, silu: bool = False) -> None:
+    """One launch; `state` with `silu` False and no scale_a: the fused MLP's down_proj (QUANT_X)."""
     n, k = weight.shape
     pdl_opts = pdl.launch(x1.device, 1)
-    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
+    quant_x = state is not None and not silu
+    _row_gemv_kernel[(triton.cdiv(n // 2 if silu else n, config.rows // 2 if silu else config.rows),)](
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
-        scale_w if scale_w is not None else out, n, k, weight.stride(0),
+        scale_w if scale_w is not None else out, state if state is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        **pdl_opts, num_warps=config.num_warps)
+        **pdl_opts, SILU=silu, QUANT_X=quant_x, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+        num_warps=config.num_warps)
+
+
+def _check_fp8(what: str, x_name: str, x: torch.Tensor, x_dtype: torch.dtype, weight: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None, config: RowConfig | None,
+               **scales: torch.Tensor) -> tuple[torch.Tensor, RowConfig]:
+    """row_gemv_fp8's checks of x [1, K] (of x_dtype), weight [N, K] fp8, its scale, bias and any
+    other one-value float32 scales; (x as a [K] view, the config: given, or `pick_config`'s)."""
+    fp8 = torch.float8_e4m3fn
+    if x.numel() != x.shape[-1] or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{what} takes {x_name} [1, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != x_dtype or weight.dtype != fp8:
+        raise TypeError(f"{what} takes a {x_dtype} {x_name} and a {fp8} weight, got {x.dtype} and {weight.dtype}")
+    for name, t in (*scales.items(), ("weight_scale", weight_scale)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
+    x1 = _check_layout(x, x_name, weight, bias, weight_scale=weight_scale, **scales)
+    n, k = weight.shape
+    config = config or pick_config(n, k, fp8=True)
+    if config is None or k % config.block_k:
+        raise ValueError(f"{what} needs K ({k}) to be a multiple of the tile's BLOCK_K "
+                         f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
+    return x1, config
+
+
+def _check_out_dtype(out_dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
+    if out_dtype not in allowed:
+        raise TypeError(f"out_dtype must be {' or '.join(str(d).removeprefix('torch.') for d in allowed)}, "
+                        f"got {out_dtype}")
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -170,27 +243,63 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
     (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
     bias [N] of any float dtype. K must be a multiple of the config's block_k (default
     `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
-    fp8 = torch.float8_e4m3fn
-    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
-        raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x_q.dtype != fp8 or weight.dtype != fp8:
-        raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
-    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
-        if t.numel() != 1 or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
-    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    x1 = _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
-    n, k = weight.shape
-    config = config or pick_config(n, k, fp8=True)
-    if config is None or k % config.block_k:
-        raise ValueError(f"row_gemv_fp8 needs K ({k}) to be a multiple of the tile's BLOCK_K "
-                         f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
-    out = torch.empty((1, n), dtype=out_dtype, device=x_q.device)
+    _check_out_dtype(out_dtype, (torch.float16, torch.bfloat16, torch.float32))
+    x1, config = _check_fp8("row_gemv_fp8", "x_q", x_q, torch.float8_e4m3fn, weight, weight_scale, bias, config,
+                            scale_a=scale_a)
+    out = torch.empty((1, weight.shape[0]), dtype=out_dtype, device=x_q.device)
     _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
     return out
 
 
-__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
-           "row_gemv_fp8"]
+# The fused MLP's states [max bits, programs done] (fp8_quant.stream_slot): per device and stream.
+_MLP_ARENAS: dict[int, torch.Tensor] = {}
+_MLP_STATES: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def mlp_state(device: torch.device) -> torch.Tensor | None:
+    """The fused MLP's state on `device` for the current stream: a slot of a zeroed arena kept for the
+    process (each MLP leaves it zeroed), on CPU (Triton's interpreter) a new zeroed pair; None inside
+    a CUDA graph capture before any eager call on the device (the caller then takes the unfused ops)."""
+    if device.type != "cuda":
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    return stream_slot(device, _MLP_ARENAS, _MLP_STATES)
+
+
+def row_mlp_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
+                gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_scale: torch.Tensor,
+                down_bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+                configs: tuple[RowConfig, RowConfig] | None = None) -> torch.Tensor:
+    """An fp8_per_tensor MLP for one quantized row in two launches: down(silu_and_mul(gate_up(x)))
+    with down's input quantized per tensor, bit for bit `row_gemv_fp8(gate_up)`, then
+    `activation.silu_and_mul_fp8`, then `row_gemv_fp8(down)` — without SiLU-and-mul's launch (and
+    its grid barrier). gate_up's GEMV applies SiLU-and-mul to its rows in pairs and raises the
+    stream's maximum (`mlp_state`); down_proj's GEMV quantizes its input tile by tile from it.
+
+    x_q [1, K] fp8 with scale_a (float32, one value); gate_up [2 I, K] and down [H, I] fp8 with
+    their scales and optional biases; out_dtype (float16 or bfloat16) is gate_up's output and the
+    activation's dtype, as in the unfused ops. `configs`: (gate_up's, down's) launch shapes
+    (default `pick_config`'s; gate_up's rows even). ValueError/TypeError naming a bad input, or no
+    state to be had (a CUDA graph capture before any eager call on the device)."""
+    _check_out_dtype(out_dtype, (torch.float16, torch.bfloat16))
+    gu_config, d_config = configs or (None, None)
+    x1, gu_config = _check_fp8("row_mlp_fp8 (gate_up)", "x_q", x_q, torch.float8_e4m3fn, gate_up, gate_up_scale,
+                               gate_up_bias, gu_config, scale_a=scale_a)
+    inter = gate_up.shape[0] // 2
+    if gate_up.shape[0] != 2 * inter or gu_config.rows < 2:
+        raise ValueError(f"row_mlp_fp8 takes gate_up [2 I, K] and a gate_up config of at least 2 rows, got "
+                         f"{tuple(gate_up.shape)} and {gu_config}")
+    act = torch.empty((1, inter), dtype=out_dtype, device=x_q.device)
+    _, d_config = _check_fp8("row_mlp_fp8 (down)", "the activation", act, out_dtype, down, down_scale, down_bias, d_config)
+    state = mlp_state(x_q.device)
+    if state is None:
+        raise ValueError("row_mlp_fp8 has no state for this stream: a CUDA graph capture before any eager call "
+                         "on this device; run it once outside the capture first")
+    out = torch.empty((1, down.shape[0]), dtype=out_dtype, device=x_q.device)
+    _launch(x1, gate_up, gate_up_bias, act, scale_a.reshape(1), gate_up_scale.reshape(1), gu_config, state,
+            silu=True)
+    _launch(act.reshape(-1), down, down_bias, out, None, down_scale.reshape(1), d_config, state)
+    return out
+
+
+__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "mlp_state", "pick_config",
+           "row_gemv", "row_gemv_fp8", "row_mlp_fp8"]

@@ -202,8 +202,13 @@ class LlamaDecoderLayer:
         hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache,
                                 quantized_o=self.fuse_o_quant)
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
-        x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
-        return self.down_proj.apply_quantized(x_q, scale, dtype), residual
+        gu, down = self.gate_up_proj, self.down_proj
+        out = (kern.fp8_mlp(x_q, scale, gu.weight, gu.weight_scale, gu.bias, down.weight, down.weight_scale,
+                            down.bias, dtype) if kern.fp8_mlp is not None else None)
+        if out is None:
+            x_q, scale = kern.silu_and_mul_fp8(gu.apply_quantized(x_q, scale, dtype))
+            out = down.apply_quantized(x_q, scale, dtype)
+        return out, residual
 
 
 class ReduceAddNorm:
