@@ -14,6 +14,9 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 # logits by the temperature, and a tiny one overflows them to inf (or, below float32's
 # range, rounds to 0 and divides by zero), so the softmax is NaN and picks token 0.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# A top_k of at least this keeps every token of any vocabulary: it is off (0). The sampler
+# puts top_k in an int64 tensor, and a larger integer (10**30) failed the engine thread.
+MAX_TOP_K = 2**31
 
 
 def _check_int(name: str, value: object) -> int:
@@ -36,7 +39,7 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     temperature: 0 = greedy; so is anything below GREEDY_TEMPERATURE_EPS (set to 0), as in vLLM.
-    top_k: 0 (or -1, the vLLM spelling, normalised to 0) means no top-k cut.
+    top_k: 0 (or -1, the vLLM spelling, or MAX_TOP_K and up; all normalised to 0) means no top-k cut.
     logprobs: None = none; n >= 0 = the chosen token's logprob plus the top-n alternatives.
     stop: strings that end generation when they appear in the generated text; the text is
     cut before the stop string unless include_stop_str_in_output. A single string is
@@ -72,7 +75,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if _check_int("top_k", self.top_k) < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k >= MAX_TOP_K:
             self.top_k = 0
         self.min_p = _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:

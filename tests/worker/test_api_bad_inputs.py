@@ -78,6 +78,18 @@ def test_sampling_params_refusals_name_the_field(server, field, value):
     _assert_error(got, status, 400, field, field)
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**30])
+def test_a_top_k_beyond_any_vocabulary_keeps_every_token(server, top_k):
+    """top_k 10**30 passed validation and failed the engine thread putting it in an int64
+    tensor: that request and every later one got a 500 until the server was restarted."""
+    body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 2, "top_k": top_k, "seed": 1}
+    status, got = http(server.base_url, "POST", "/v1/completions", body)
+    assert status == 200, got
+    status, off = http(server.base_url, "POST", "/v1/completions", {**body, "top_k": 0})
+    assert got["choices"][0]["text"] == off["choices"][0]["text"]
+    _ok_completion(server.base_url)
+
+
 def test_n_seeded_choices_at_the_top_of_the_seed_range(server):
     """seed + choice index went past 2**64 - 1 and the request was refused with a seed it
     never sent; now it wraps (torch reads seeds modulo 2**64) and stays reproducible."""
