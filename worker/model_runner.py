@@ -403,15 +403,7 @@ class ModelRunner:
         if not out.scheduled:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
         with self._device_guard():
-            return self._logits(out)
-
-    def _logits(self, out: SchedulerOutput) -> torch.Tensor:
-        batch = self._prepare(out.scheduled)
-        if batch.graph_size is not None:
-            n = len(out.scheduled)
-            return self.graphs.run(batch.graph_size, batch.graph_vec, batch.graph_tables)[:n].to(torch.float32,
-                                                                                                    copy=True)
-        return self._forward_logits(batch.input_ids, batch.positions, batch.meta)
+            return self.forward_logits(out.scheduled, [len(s.token_ids) for s in out.scheduled])
 
     def _sampling_rows(self, to_sample: list[ScheduledRequest]) -> list[SamplingRow]:
         return [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s))
