@@ -24,6 +24,8 @@ SYSTEM_SOCKET_DIR = "/run/resident"
 SOCKET_NAME = "preload.sock"
 #: AF_UNIX paths are limited to 107 bytes plus a NUL.
 MAX_UNIX_PATH = 107
+#: The largest --max-bytes: Status reports it as a uint64, which refuses anything larger.
+MAX_MAX_BYTES = 2**64 - 1
 
 
 def default_socket_path(env: Mapping[str, str], socket: str | None = None, *,
@@ -106,6 +108,10 @@ class DaemonConfig:
             raise ValueError(f"socket_mode {oct(self.socket_mode)} is not a permission mode")
         if self.max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 (0 = unlimited), got {self.max_bytes}")
+        if self.max_bytes > MAX_MAX_BYTES:
+            # Such a daemon used to start, then fail every Status call (and so `preload stop`).
+            raise ValueError(f"--max-bytes {self.max_bytes} is more bytes than any machine holds (at most "
+                             f"{MAX_MAX_BYTES}); give a size such as 64GiB, or 0 for unlimited")
         if self.stop_grace_s < 0:
             raise ValueError("stop_grace_s must be >= 0")
         if self.reattach_grace_s < 0:

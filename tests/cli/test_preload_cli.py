@@ -223,3 +223,16 @@ def test_status_without_a_daemon(short_tmp):
     r = run_cli("preload", "status", "--socket", sock)
     assert r.returncode == 1
     assert r.stderr.strip() == f"Error: no resident daemon at {sock}; start one with `resident preload start`"
+
+
+def test_a_max_bytes_beyond_what_status_can_report_is_refused_before_starting(short_tmp):
+    """--max-bytes 99999999999999999999999TB used to start a daemon whose every Status call
+    failed (the uint64 field refused the value), so `status` and `stop` could not reach it."""
+    sock = short_tmp / "p.sock"
+    r = run_cli("preload", "start", "--socket", str(sock), "--http", "off", "--max-bytes", "99999999999999999999999TB")
+    started = os.path.exists(sock)
+    if started:
+        os.kill(int((short_tmp / "p.sock.lock").read_text()), 9)
+    assert r.returncode == 1 and not started, r.stdout + r.stderr
+    assert "more bytes than any machine holds" in r.stderr and "64GiB" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -112,6 +112,9 @@ def test_config_derived_paths_and_validation(tmp_path):
         DaemonConfig(socket=str(tmp_path / "p.sock"), http="localhost")
     with pytest.raises(ValueError, match="max_bytes"):
         DaemonConfig(socket=str(tmp_path / "p.sock"), max_bytes=-1)
+    with pytest.raises(ValueError, match="more bytes than any machine holds"):
+        DaemonConfig(socket=str(tmp_path / "p.sock"), max_bytes=2**64)   # Status's uint64 cannot carry it
+    assert DaemonConfig(socket=str(tmp_path / "p.sock"), max_bytes=2**64 - 1).max_bytes == 2**64 - 1
     with pytest.raises(ValueError, match="unknown group"):
         DaemonConfig(socket=str(tmp_path / "p.sock"), socket_group="no-such-group-xyz")
 
