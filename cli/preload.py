@@ -336,6 +336,20 @@ def _running_pid(socket: str) -> int | None:
     return running_daemon_pid(DaemonConfig(socket=socket, http=""))
 
 
+def _daemon_pid(client, socket: str) -> int:
+    """The daemon's pid from Status, else (Status itself fails inside the daemon) from its lock
+    file: stop must still reach a daemon whose Status is broken (0: its pid is unknown)."""
+    from resident.daemon.errors import DaemonError
+
+    try:
+        return client.status().pid
+    except DaemonError as e:
+        if type(e) is not DaemonError:   # unavailable, refused, ...: Shutdown would fail the same way
+            raise
+        click.echo(f"warning: the daemon's Status failed ({e}); asking it to shut down anyway", err=True)
+        return _running_pid(socket) or 0
+
+
 @preload.command()
 @daemon_options
 @click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
@@ -349,7 +363,7 @@ def stop(daemon: DaemonAddress, timeout_s: float) -> None:
     socket = daemon.socket
     try:
         with connect(daemon) as client:
-            pid = client.status().pid
+            pid = _daemon_pid(client, socket)
             client.shutdown()
         stopped = wait_exit(pid, socket, timeout_s)
     except (DaemonUnavailable, click.ClickException):

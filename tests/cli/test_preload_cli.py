@@ -236,3 +236,36 @@ def test_a_max_bytes_beyond_what_status_can_report_is_refused_before_starting(sh
     assert r.returncode == 1 and not started, r.stdout + r.stderr
     assert "more bytes than any machine holds" in r.stderr and "64GiB" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_stop_reaches_a_daemon_whose_status_fails(monkeypatch, short_tmp):
+    """`stop` asked Status for the pid first, so a daemon whose Status raised inside (as one
+    started with an oversized --max-bytes did) could not be stopped: the pid now comes from
+    the lock file and Shutdown is sent anyway."""
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from resident.cli import daemon_process, preload
+    from resident.cli.main import cli
+    from resident.daemon.errors import DaemonError
+
+    calls = []
+
+    class BrokenStatus:
+        def status(self):
+            raise DaemonError("internal error in Status: ValueError: Value out of range", code="INTERNAL")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    sock = short_tmp / "p.sock"
+    sock.touch()
+    monkeypatch.setattr(preload, "connect", lambda daemon: contextlib.nullcontext(BrokenStatus()))
+    monkeypatch.setattr(preload, "_running_pid", lambda socket: 4321)
+    monkeypatch.setattr(daemon_process, "wait_exit", lambda pid, socket, timeout_s: calls.append(pid) or True)
+    r = CliRunner().invoke(cli, ["preload", "stop", "--socket", str(sock)])
+    assert r.exit_code == 0, r.output
+    assert calls == ["shutdown", 4321]
+    assert "the daemon's Status failed (internal error in Status" in r.output
+    assert "resident daemon (pid 4321) stopped" in r.output
