@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import shlex
 import shutil
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from resident.cli.common import finite_seconds
 
 
 @dataclass
@@ -87,14 +88,6 @@ def output_file(ctx: click.Context, param: click.Parameter, value: Path | str | 
     if not existed:
         path.unlink(missing_ok=True)
     return path
-
-
-def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """click callback of a FloatRange of seconds: FloatRange lets nan through (it compares false with
-    every bound) and inf; a bench would then wait no time at all, or forever."""
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"must be a finite number of seconds, not {value}")
-    return value
 
 
 def shell_words(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -10,6 +10,7 @@ import contextlib
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -73,6 +74,14 @@ class HostPortParam(click.ParamType):
 
 
 SIZE = SizeParam()
+
+
+def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """click callback of a FloatRange of seconds: FloatRange lets nan through (it compares false with
+    every bound) and inf; a command would then wait no time at all, or forever."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number of seconds, not {value}")
+    return value
 
 
 def resolve_socket(socket: str | None) -> str:

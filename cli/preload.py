@@ -21,6 +21,7 @@ from resident.cli.common import (
     connect,
     daemon_options,
     echo_json,
+    finite_seconds,
     format_age,
     format_bytes,
     format_table,
@@ -61,7 +62,8 @@ def preload() -> None:
 @click.option("--foreground", is_flag=True, help="Run in this process instead of detaching.")
 @click.option("--log-file", metavar="PATH", default=None,
               help="Daemon log (detached default: <socket>.log; in the foreground, in addition to stderr).")
-@click.option("--timeout", "timeout_s", type=float, default=120.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, callback=finite_seconds,
               help="Seconds to wait for the detached daemon to become ready.")
 @click.option("--takeover", is_flag=True,
               help="Take the models, sockets and leases over from the daemon running on --socket, without "
@@ -352,7 +354,8 @@ def _daemon_pid(client, socket: str) -> int:
 
 @preload.command()
 @daemon_options
-@click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, callback=finite_seconds,
               help="Seconds to wait for the daemon to exit before sending SIGTERM.")
 @report_daemon_errors
 def stop(daemon: DaemonAddress, timeout_s: float) -> None:

@@ -269,3 +269,18 @@ def test_stop_reaches_a_daemon_whose_status_fails(monkeypatch, short_tmp):
     assert calls == ["shutdown", 4321]
     assert "the daemon's Status failed (internal error in Status" in r.output
     assert "resident daemon (pid 4321) stopped" in r.output
+
+
+@pytest.mark.parametrize("command", ["start", "stop"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(short_tmp, command, value):
+    """`start --timeout 0` used to start a daemon, kill it at once and blame it ("not ready
+    within 0 s"); `stop --timeout 0` stopped the daemon, then said it "did not stop"."""
+    sock = short_tmp / "p.sock"
+    http = ["--http", "off"] if command == "start" else []
+    r = run_cli("preload", command, "--socket", str(sock), *http, "--timeout", value)
+    if os.path.exists(sock):   # without the check, `start --timeout inf` starts one
+        os.kill(int((short_tmp / "p.sock.lock").read_text()), 9)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Invalid value for '--timeout'" in r.stderr and "Traceback" not in r.stderr
+    assert not os.path.exists(sock) and not os.path.exists(str(sock) + ".log")
