@@ -302,30 +302,39 @@ def _model_logits_fused_vs_unfused() -> None:
             assert torch.equal(got, want), name
 
 
-def _model_logits_row_mlp_vs_unfused() -> None:
-    """A tiny fp8 Llama whose widths the row GEMV takes (hidden 128, intermediate 256; float16),
-    one request: in its one-row decode step each layer's MLP runs as `row_gemv.row_mlp_fp8` (called
-    here directly: `fp8.row_mlp` takes CUDA tensors only), and the logits equal those of the same
-    model running gate_up, silu_and_mul_fp8 and down (the prefill, 5 rows, runs those either way)."""
+def _model_logits_row_mlp_vs_unfused(quantized: bool) -> None:
+    """A tiny Llama whose widths the row GEMV takes (hidden 128, intermediate 256; float16), fp8
+    (`quantized`) or not, one request: in its one-row decode step each layer's MLP runs as
+    `row_gemv.row_mlp_fp8` / `row_mlp` (called here directly: the backend's routers take CUDA
+    tensors only), and the logits equal those of the same model running gate_up, SiLU-and-mul and
+    down (the prefill, 5 rows, runs those either way)."""
     from fixtures_models import make_tiny_model
+    from weights_util import fused_weights_from_hf_folder
 
+    from resident.worker.config import ModelConfig
     from resident.worker.kernels import dispatch, row_gemv
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(Path(tmp) / "llama", "llama", init_std=0.05, hidden_size=128, intermediate_size=256)
-        config, weights = _fp8_tiny_llama(path, torch.float16)
+        if quantized:
+            config, weights = _fp8_tiny_llama(path, torch.float16)
+        else:
+            config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+            weights = fused_weights_from_hf_folder(path, torch.float16)
         triton_kernels = dispatch._triton_kernels
         calls = []
+        fused_mlp = row_gemv.row_mlp_fp8 if quantized else row_gemv.row_mlp
 
-        def row_mlp(x_q, *args):
-            if x_q.shape[0] != 1:
+        def row_mlp(x, *args):
+            if x.shape[0] != 1:
                 return None
-            calls.append(tuple(x_q.shape))
-            return row_gemv.row_mlp_fp8(x_q, *args)
+            calls.append(tuple(x.shape))
+            return fused_mlp(x, *args)
         base = triton_kernels()
+        field = "fp8_mlp" if quantized else "mlp"
         logits = {}
-        for name, kernels in (("row_mlp", dataclasses.replace(base, fp8_mlp=row_mlp)),
-                              ("unfused", dataclasses.replace(base, fp8_mlp=None))):
+        for name, kernels in (("row_mlp", dataclasses.replace(base, **{field: row_mlp})),
+                              ("unfused", dataclasses.replace(base, mlp=None, fp8_mlp=None))):
             dispatch._triton_kernels = lambda kernels=kernels: kernels
             logits[name] = _prefill_then_decode(config, weights, "triton", {"a": [3, 14, 15, 92, 65]})
         dispatch._triton_kernels = triton_kernels
@@ -345,7 +354,8 @@ def _cases() -> dict[str, Callable[[], None]]:
             cases[f"{name}[{dname}]"] = (lambda fn=fn, dtype=dtype: fn(dtype))
     cases["paths_and_errors"] = _paths_and_errors
     cases["model_logits_fused_vs_unfused[triton]"] = _model_logits_fused_vs_unfused
-    cases["model_logits_row_mlp_vs_unfused[triton]"] = _model_logits_row_mlp_vs_unfused
+    cases["model_logits_row_mlp_vs_unfused[triton-fp8]"] = lambda: _model_logits_row_mlp_vs_unfused(True)
+    cases["model_logits_row_mlp_vs_unfused[triton-float16]"] = lambda: _model_logits_row_mlp_vs_unfused(False)
     return cases
 
 
@@ -376,7 +386,8 @@ def _fp8_tiny_llama(path: Path, dtype: torch.dtype):
     return config, weights
 
 
-def _prefill_then_decode(config, weights, backend: str, prompts: dict[str, list[int]] | None = None) -> list[torch.Tensor]:
+def _prefill_then_decode(config, weights, backend: str,
+                         prompts: dict[str, list[int]] | None = None) -> list[torch.Tensor]:
     """Logits of a two-request prefill (M = 9) and of one decode step of both (M = 2); `prompts`:
     other requests (up to two)."""
     from resident.worker.engine_config import EngineConfig
@@ -500,29 +511,30 @@ def test_fp8_scaled_mm_refuses_an_unquantized_input() -> None:
 
 
 @pytest.mark.parametrize("value, mode", [(None, "off"), ("", "off"), ("on", "on"), (" ON ", "on"), ("off", "off")])
-def test_row_mlp_switch_gives_the_triton_backend_its_fused_mlp(value, mode, monkeypatch) -> None:
-    """RESIDENT_ROW_MLP (read when kernels/fp8.py is imported): `on` gives the triton backend
-    `Kernels.fp8_mlp` = fp8.row_mlp, anything else valid none (off by default); the torch backend has
-    none; a bad value names the valid ones."""
+def test_row_mlp_switch_gives_the_triton_backend_its_fused_mlps(value, mode, monkeypatch) -> None:
+    """RESIDENT_ROW_MLP (read when kernels/gemv.py is imported): `on` gives the triton backend
+    `Kernels.mlp` = gemv.decode_mlp and `Kernels.fp8_mlp` = fp8.row_mlp, anything else valid neither
+    (off by default); the torch backend has neither; a bad value names the valid ones."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    from resident.worker.kernels import dispatch, fp8
+    from resident.worker.kernels import dispatch, fp8, gemv
 
     try:
         if value is None:
             monkeypatch.delenv("RESIDENT_ROW_MLP", raising=False)
         else:
             monkeypatch.setenv("RESIDENT_ROW_MLP", value)
-        importlib.reload(fp8)
-        assert fp8.ROW_MLP_MODE == mode
-        assert dispatch._triton_kernels().fp8_mlp is (fp8.row_mlp if mode == "on" else None)
-        assert dispatch.get_kernels("cpu", "torch").fp8_mlp is None
+        importlib.reload(gemv)
+        assert gemv.ROW_MLP_MODE == mode
+        k = dispatch._triton_kernels()
+        assert (k.mlp, k.fp8_mlp) == ((gemv.decode_mlp, fp8.row_mlp) if mode == "on" else (None, None))
+        assert (dispatch.get_kernels("cpu", "torch").mlp, dispatch.get_kernels("cpu", "torch").fp8_mlp) == (None, None)
         monkeypatch.setenv("RESIDENT_ROW_MLP", "maybe")
         with pytest.raises(ValueError, match="RESIDENT_ROW_MLP='maybe'.*valid: off, on"):
-            importlib.reload(fp8)
+            importlib.reload(gemv)
     finally:
         monkeypatch.undo()
-        importlib.reload(fp8)
+        importlib.reload(gemv)
 
 
 def test_both_backends_have_the_fused_ops() -> None:

@@ -117,6 +117,26 @@ def _mlp_matches_unfused(dtype: torch.dtype) -> None:
         row_gemv.mlp_state = real_state
 
 
+def _mlp16_matches_unfused(dtype: torch.dtype) -> None:
+    """`row_mlp` (16-bit) gives the bits of row_gemv(gate_up), activation.silu_and_mul and
+    row_gemv(down): the default launch shapes, the wide shape's 16 rows with down's 2, biases."""
+    from resident.worker.kernels.activation import silu_and_mul
+    from resident.worker.kernels.row_gemv import RowConfig, row_gemv, row_mlp
+
+    for i, (k, inter, h, configs) in enumerate([(256, 384, 40, None),
+                                                (384, 256, 24, (RowConfig(16, 128, 4), RowConfig(2, 128, 4)))]):
+        x, gate_up = _operands(2 * inter, k, 1, dtype, seed=20 + i)
+        _, down = _operands(h, inter, 1, dtype, seed=30 + i)
+        gen = torch.Generator().manual_seed(i)
+        gu_bias, d_bias = ((torch.randn(2 * inter, generator=gen).to(dtype), torch.randn(h, generator=gen).to(dtype))
+                           if i else (None, None))
+        act = silu_and_mul(row_gemv(x, gate_up, gu_bias, config=configs[0] if configs else None))
+        want = row_gemv(act, down, d_bias, config=configs[1] if configs else None)
+        got = row_mlp(x, gate_up, gu_bias, down, d_bias, configs=configs)
+        assert got.dtype == dtype and got.shape == (1, h)
+        assert torch.equal(got, want), (got - want).abs().max()
+
+
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
@@ -129,6 +149,8 @@ def _cases() -> dict[str, Callable[[], None]]:
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
     # bfloat16 here; float16 through a tiny model's logits (test_kernels_fp8_fused.py)
     cases["mlp_matches_unfused[bfloat16]"] = lambda: _mlp_matches_unfused(torch.bfloat16)
+    for dname, dtype in DTYPES.items():
+        cases[f"mlp16_matches_unfused[{dname}]"] = (lambda dtype=dtype: _mlp16_matches_unfused(dtype))
     return cases
 
 
@@ -167,7 +189,7 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
         RowConfig(rows=6)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-silu", "fp8-quant-x"])
+@pytest.mark.parametrize("variant", ["bf16", "bf16-silu", "fp8", "fp8-silu", "fp8-quant-x"])
 def test_row_gemv_builds_for_hopper(variant: str) -> None:
     """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
     PDL (the fused MLP's forms: gate_up with SiLU-and-mul and its atomic maximum, down quantizing
@@ -183,11 +205,12 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     from resident.worker.kernels import row_gemv
 
     fn = row_gemv._row_gemv_kernel
-    x_type = {"bf16": "*bf16", "fp8-quant-x": "*bf16"}.get(variant, "*fp8e4nv")
-    w_type = "*bf16" if variant == "bf16" else "*fp8e4nv"
-    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
+    bf16 = variant.startswith("bf16")
+    x_type = "*bf16" if bf16 or variant == "fp8-quant-x" else "*fp8e4nv"
+    w_type = "*bf16" if bf16 else "*fp8e4nv"
+    cfg = row_gemv.pick_config(28672, 4096, fp8=not bf16)
     constexprs = {"HAS_BIAS": False, "SCALED": variant in ("fp8", "fp8-silu"), "ROWS": cfg.rows,
-                  "BLOCK_K": cfg.block_k, "PDL": True, "SILU": variant == "fp8-silu",
+                  "BLOCK_K": cfg.block_k, "PDL": True, "SILU": variant.endswith("silu"), "AMAX": variant == "fp8-silu",
                   "QUANT_X": variant == "fp8-quant-x", "FP8_MAX": 448.0, "MIN_SCALE": 1e-12}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
                 "scale_w_ptr": "*fp32", "state_ptr": "*i32"}
@@ -205,6 +228,8 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
     if variant == "fp8-silu":
         assert "atom.global.gpu.acq_rel.max.s32" in ptx or "red.global.gpu.acq_rel.max.s32" in ptx, ptx[-3000:]
+    if variant == "bf16-silu":
+        assert "atom.global" not in ptx and "red.global" not in ptx
     if variant == "fp8-quant-x":
         assert "div.rn.f32" in ptx and "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
 
@@ -280,6 +305,67 @@ def test_row_mlp_fp8_rejects_what_it_cannot_do() -> None:
     ):
         with pytest.raises(err, match=match):
             call()
+
+
+def test_row_mlp_rejects_what_it_cannot_do() -> None:
+    _need_triton()
+    from resident.worker.kernels.row_gemv import RowConfig, row_mlp
+
+    bf16 = torch.bfloat16
+    x, gu = _operands(512, 256, 1, bf16, seed=0)
+    _, down = _operands(16, 256, 1, bf16, seed=1)
+    for call, err, match in (
+        (lambda: row_mlp(x.float(), gu.float(), None, down.float(), None), TypeError, "float16 or bfloat16"),
+        (lambda: row_mlp(x, gu, None, down.half(), None), TypeError, "down torch.float16"),
+        (lambda: row_mlp(torch.cat([x, x]), gu, None, down, None), ValueError, r"x \[1, K\]"),
+        (lambda: row_mlp(x, gu[:-128], None, down, None), ValueError, r"down \[H, I\] with I = 192"),
+        (lambda: row_mlp(x, gu, None, down, None, configs=(RowConfig(1, 256, 4), None)), ValueError,
+         "at least 2 rows"),
+        (lambda: row_mlp(x, gu, torch.zeros(3, dtype=bf16), down, None), ValueError, "bias"),
+    ):
+        with pytest.raises(err, match=match):
+            call()
+
+
+def test_row_mlp_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
+    """`gemv.decode_mlp` (Kernels.mlp of the triton backend under RESIDENT_ROW_MLP=on): None for CPU
+    tensors, more than one row, GEMV modes other than auto/on, a down whose K is not gate_up's half;
+    a TritonError is logged once and that gate_up's MLP is not tried again, its plain row GEMV still
+    is (CUDA-ness patched: CPU tensors stand in, the kernel call is recorded)."""
+    _need_triton()
+    from triton.errors import TritonError
+
+    from resident.worker.kernels import gemv, row_gemv
+
+    bf16 = torch.bfloat16
+    x, gu = _operands(512, 256, 1, bf16, seed=0)
+    _, down = _operands(16, 256, 1, bf16, seed=1)
+    monkeypatch.setattr(gemv, "GEMV_MODE", "auto")
+    assert gemv.decode_mlp(x, gu, None, down, None) is None                          # CPU tensors
+    calls = []
+
+    def fake(x, gu, gu_b, down, d_b):
+        calls.append(gu.shape)
+        if gu.shape[0] == 1024:
+            raise TritonError("no build here")
+        return torch.zeros(1, down.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(row_gemv, "row_mlp", fake)
+    monkeypatch.setattr(row_gemv, "weight_eligible", lambda w, k, dtype, device, hopper_only: w.dtype == dtype)
+    assert gemv.decode_mlp(x, gu, None, down, None).shape == (1, 16) and len(calls) == 1
+    assert gemv.decode_mlp(x.reshape(-1), gu, None, down, None).shape == (16,)        # [K] in, [H] out
+    for mode in ("off", "fp8"):
+        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
+        assert gemv.decode_mlp(x, gu, None, down, None) is None
+    monkeypatch.setattr(gemv, "GEMV_MODE", "on")
+    assert gemv.decode_mlp(torch.cat([x, x]), gu, None, down, None) is None            # two rows
+    assert gemv.decode_mlp(x, gu[:256], None, down, None) is None                     # down's K is not I
+    assert gemv.decode_mlp(x, gu, None, down.half(), None) is None                    # another dtype
+    _, gu2 = _operands(1024, 256, 1, bf16, seed=2)
+    _, down2 = _operands(16, 512, 1, bf16, seed=3)
+    for _ in range(2):
+        assert gemv.decode_mlp(x, gu2, None, down2, None) is None
+    assert len(calls) == 3 and gu2._row_mlp_unavailable and not getattr(gu2, "_gemv_unavailable", False)
 
 
 def test_fp8_row_mlp_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
@@ -433,6 +519,27 @@ def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -
     head = torch.zeros(row_gemv.MAX_N, 4096, device="cuda").to(torch.float8_e4m3fn)
     fp8.fp8_scaled_mm(x_q, s_a, head, s_w, None, torch.bfloat16)
     assert used == ([1] if takes_row else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_row_mlp_is_bit_identical_to_the_three_ops(dtype: torch.dtype) -> None:
+    """Llama-3-8B's MLP in 16 bits on one row: `row_mlp` gives the bits of the row GEMV of gate_up
+    (its wide 16-row shape), silu_and_mul and the row GEMV of down, eagerly and in graph replays."""
+    from resident.worker.kernels.activation import silu_and_mul
+    from resident.worker.kernels.row_gemv import row_gemv, row_mlp
+
+    x, gate_up = _cuda_operands(28672, 4096, dtype, seed=4)
+    _, down = _cuda_operands(4096, 14336, dtype, seed=5)
+    want = row_gemv(silu_and_mul(row_gemv(x, gate_up)), down)
+    assert torch.equal(row_mlp(x, gate_up, None, down, None), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = row_mlp(x, gate_up, None, down, None)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
 
 
 @pytest.mark.gpu

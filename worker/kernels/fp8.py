@@ -26,20 +26,18 @@ on the H200 decode was slower than with `_scaled_mm`
 (docs/benchmarks.md: session 3 with float16 upcasts, 58 % of the copy bandwidth; session 10 on
 the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
 
-`row_mlp` (`Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on, off by default): a whole fp8 MLP on one
+`row_mlp` (`Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on, `gemv.ROW_MLP_MODE`, off by default): a whole fp8 MLP on one
 quantized row in two launches (`row_gemv.row_mlp_fp8`) instead of three — gate_up, SiLU-and-mul
 with its quantization, down — bit for bit the same.
 """
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from triton.errors import TritonError
 
 from resident.worker.kernels import fp8_gemv, gemv, row_gemv
-from resident.worker.kernels._util import env_mode
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -48,10 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: `_scaled_mm`'s alignment requirement on K and N.
 SCALED_MM_ALIGN = 16
-ROW_MLP_MODES = ("off", "on")
-#: RESIDENT_ROW_MLP, read once at import: `on` gives the triton backend `Kernels.fp8_mlp` (`row_mlp`:
-#: the fused one-row fp8 MLP). Off by default until measured on a GPU (built in session 15 without one).
-ROW_MLP_MODE = env_mode(os.environ, "RESIDENT_ROW_MLP", "fused fp8 row MLP mode", ROW_MLP_MODES, "off")
 
 
 def scaled_mm_supports(in_features: int, out_features: int) -> bool:
@@ -166,15 +160,17 @@ def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
 def row_mlp(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
             gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_scale: torch.Tensor,
             down_bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """The triton backend's `Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on: an fp8_per_tensor MLP on one quantized row as
-    `row_gemv.row_mlp_fp8` (two launches, bit for bit gate_up, `silu_and_mul_fp8`, down), where both
-    GEMMs take the row GEMV (`_row_or_none`'s rules) and a stream state can be had; None otherwise
-    (the caller runs the three ops), also when Triton cannot run it (logged once per weight)."""
+    """The triton backend's `Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on: an fp8_per_tensor MLP on
+    one quantized row as `row_gemv.row_mlp_fp8` (two launches, bit for bit gate_up,
+    `silu_and_mul_fp8`, down), where both GEMMs take the row GEMV (`_row_or_none`'s rules) and a
+    stream state can be had; None otherwise (the caller runs the three ops), also when Triton
+    cannot run it (logged once, that MLP not tried again)."""
     if not (x_q.is_cuda and x_q.numel() == x_q.shape[-1] and gemv.GEMV_MODE in ("auto", "on")
             and out_dtype in (torch.float16, torch.bfloat16)):
         return None
     (n_gu, k), (n_d, inter) = gate_up.shape, down.shape
-    if (getattr(gate_up, "_row_gemv_unavailable", False) or getattr(down, "_row_gemv_unavailable", False)
+    if (any(getattr(gate_up, a, False) for a in ("_row_mlp_unavailable", "_row_gemv_unavailable"))
+            or getattr(down, "_row_gemv_unavailable", False)
             or n_gu != 2 * inter or not gemv.takes_one_row(n_gu, k, x_q.device, fp8=True)
             or not gemv.takes_one_row(n_d, inter, x_q.device, fp8=True)
             or row_gemv.mlp_state(x_q.device) is None):
@@ -186,7 +182,7 @@ def row_mlp(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gat
                                     out_dtype)
     except TritonError as e:
         logger.warning("fused fp8 row MLP kernel unavailable for %s x %s: %s; running its three ops", n_gu, k, e)
-        gate_up._row_gemv_unavailable = True
+        gate_up._row_mlp_unavailable = True
         return None
 
 

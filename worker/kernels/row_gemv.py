@@ -90,22 +90,28 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
     """One row of a 16-bit x on CUDA against a 2-D weight of its dtype with a contiguous last
     dimension, fewer than MAX_N rows and a K some BLOCK_KS divides (`hopper_only`: on compute
     capability 9.0+, where the kernel was measured)."""
-    k = x.shape[-1]
-    if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.shape[1] == k and weight.stride(1) == 1 and x.numel() == k and 0 < weight.shape[0] < MAX_N
+    return x.numel() == x.shape[-1] and weight_eligible(weight, x.shape[-1], x.dtype, x.device, hopper_only)
+
+
+def weight_eligible(weight: torch.Tensor, k: int, dtype: torch.dtype, device: torch.device, hopper_only: bool) -> bool:
+    """`eligible` for a row of K elements of `dtype` on `device` that does not exist yet (the fused
+    MLP's activation)."""
+    if not (device.type == "cuda" and dtype in DTYPES and weight.dtype == dtype and weight.dim() == 2
+            and weight.shape[1] == k and weight.stride(1) == 1 and 0 < weight.shape[0] < MAX_N
             and k % BLOCK_KS[-1] == 0):
         return False
-    return not hopper_only or sm90_or_later(x.device)
+    return not hopper_only or sm90_or_later(device)
 
 
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, state_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, SILU: tl.constexpr = False, QUANT_X: tl.constexpr = False,
-                     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12):
-    """SILU (gate_up of the fused MLP, `row_mlp_fp8`): the program's ROWS rows are ROWS // 2 gate
-    rows and the matching up rows (N = 2 I); it stores silu(gate) * up [I] and raises state[0] (the
-    float32 bits of the maximum |value|, an int32 atomic max: order-preserving for floats >= 0).
+                     PDL: tl.constexpr, SILU: tl.constexpr = False, AMAX: tl.constexpr = False,
+                     QUANT_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12):
+    """SILU (gate_up of the fused MLPs, `row_mlp` / `row_mlp_fp8`): the program's ROWS rows are
+    ROWS // 2 gate rows and the matching up rows (N = 2 I); it stores silu(gate) * up [I] and with
+    AMAX (fp8) raises state[0] (the float32 bits of the maximum |value|, an int32 atomic max:
+    order-preserving for floats >= 0).
     QUANT_X (down_proj of it): x is that 16-bit [K] and state[0] its maximum; each tile of x is
     quantized as `quantize_fp8_per_tensor` would (the scale from the maximum, then clamp(x / scale)
     cast to fp8), and the last program to finish (state[1] counts them) zeroes the state."""
@@ -149,7 +155,8 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
         y = _silu_mul(gate, up)
         g_offs = pid * (ROWS // 2) + tl.arange(0, ROWS // 2)
         tl.store(out_ptr + g_offs, y, mask=g_offs < half)
-        tl.atomic_max(state_ptr, tl.max(tl.abs(y.to(tl.float32)), axis=0).to(tl.int32, bitcast=True))
+        if AMAX:
+            tl.atomic_max(state_ptr, tl.max(tl.abs(y.to(tl.float32)), axis=0).to(tl.int32, bitcast=True))
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
     if QUANT_X:
@@ -183,12 +190,8 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         raise TypeError(f"row_gemv takes a float16 or bfloat16 weight and x of the same dtype, got weight "
                         f"{weight.dtype} and x {x.dtype}; use F.linear for other dtypes")
     x1 = _check_layout(x, "x", weight, bias)
-    n, k = weight.shape
-    config = config or pick_config(n, k)
-    if config is None or k % config.block_k:
-        raise ValueError(f"row_gemv needs K ({k}) to be a multiple of the tile's BLOCK_K "
-                         f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    config = _config_for(weight, config, "row_gemv")
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x1, weight, bias, out, None, None, config)
     return out
 
@@ -196,7 +199,8 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig,
             state: torch.Tensor | None = None, silu: bool = False) -> None:
-    """One launch; `state` with `silu` False and no scale_a: the fused MLP's down_proj (QUANT_X)."""
+    """One launch; `silu`: a fused MLP's gate_up (raising `state`'s maximum when given: fp8);
+    `state` without `silu`: the fp8 MLP's down_proj (QUANT_X)."""
     n, k = weight.shape
     pdl_opts = pdl.launch(x1.device, 1)
     quant_x = state is not None and not silu
@@ -204,7 +208,8 @@ def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, state if state is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        **pdl_opts, SILU=silu, QUANT_X=quant_x, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+        **pdl_opts, SILU=silu, AMAX=silu and state is not None, QUANT_X=quant_x, FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
         num_warps=config.num_warps)
 
 
@@ -251,6 +256,57 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+def _mlp_act(gate_up: torch.Tensor, gu_config: RowConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The fused MLPs' [1, I] activation buffer, after checking gate_up [2 I, K] and its config."""
+    inter = gate_up.shape[0] // 2
+    if gate_up.shape[0] != 2 * inter or gu_config.rows < 2:
+        raise ValueError(f"a fused row MLP takes gate_up [2 I, K] and a gate_up config of at least 2 rows, got "
+                         f"{tuple(gate_up.shape)} and {gu_config}")
+    return torch.empty((1, inter), dtype=dtype, device=device)
+
+
+def row_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+            down_bias: torch.Tensor | None, *, configs: tuple[RowConfig, RowConfig] | None = None) -> torch.Tensor:
+    """An MLP for one 16-bit row in two launches: down(silu_and_mul(gate_up(x))), bit for bit
+    `row_gemv(gate_up)`, `activation.silu_and_mul`, `row_gemv(down)` without SiLU-and-mul's launch:
+    gate_up's GEMV applies it to its rows in pairs (ROWS // 2 gate rows and their up rows a program)
+    and stores the [I] activation that down's GEMV reads.
+
+    x [1, K] float16/bfloat16; gate_up [2 I, K] and down [H, I] of x's dtype, optional biases.
+    `configs`: (gate_up's, down's) launch shapes (default `pick_config`'s; gate_up's rows even).
+    ValueError/TypeError naming a bad input."""
+    if x.dtype not in DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise TypeError(f"row_mlp takes a float16 or bfloat16 x and weights of its dtype, got x {x.dtype}, gate_up "
+                        f"{gate_up.dtype} and down {down.dtype}")
+    gu_config, d_config = configs or (None, None)
+    if x.numel() != x.shape[-1] or gate_up.dim() != 2 or x.shape[-1] != gate_up.shape[1]:
+        raise ValueError(f"row_mlp takes x [1, K] and gate_up [2 I, K], got {tuple(x.shape)} and "
+                         f"{tuple(gate_up.shape)}")
+    x1 = _check_layout(x, "x", gate_up, gate_up_bias)
+    gu_config = _config_for(gate_up, gu_config, "row_mlp (gate_up)")
+    act = _mlp_act(gate_up, gu_config, x.dtype, x.device)
+    if down.dim() != 2 or down.shape[1] != act.shape[1]:
+        raise ValueError(f"row_mlp takes down [H, I] with I = {act.shape[1]} (half of gate_up's rows), got "
+                         f"{tuple(down.shape)}")
+    _check_layout(act, "the activation", down, down_bias)
+    d_config = _config_for(down, d_config, "row_mlp (down)")
+    out = torch.empty((1, down.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x1, gate_up, gate_up_bias, act, None, None, gu_config, silu=True)
+    _launch(act.reshape(-1), down, down_bias, out, None, None, d_config)
+    return out
+
+
+def _config_for(weight: torch.Tensor, config: RowConfig | None, what: str) -> RowConfig:
+    """The 16-bit launch shape for weight [N, K] (given, or `pick_config`'s); ValueError when its
+    BLOCK_K does not divide K."""
+    n, k = weight.shape
+    config = config or pick_config(n, k)
+    if config is None or k % config.block_k:
+        raise ValueError(f"{what} needs K ({k}) to be a multiple of the tile's BLOCK_K "
+                         f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
+    return config
+
+
 # The fused MLP's states [max bits, programs done] (fp8_quant.stream_slot): per device and stream.
 _MLP_ARENAS: dict[int, torch.Tensor] = {}
 _MLP_STATES: dict[tuple[int, int], torch.Tensor] = {}
@@ -284,12 +340,9 @@ def row_mlp_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor,
     gu_config, d_config = configs or (None, None)
     x1, gu_config = _check_fp8("row_mlp_fp8 (gate_up)", "x_q", x_q, torch.float8_e4m3fn, gate_up, gate_up_scale,
                                gate_up_bias, gu_config, scale_a=scale_a)
-    inter = gate_up.shape[0] // 2
-    if gate_up.shape[0] != 2 * inter or gu_config.rows < 2:
-        raise ValueError(f"row_mlp_fp8 takes gate_up [2 I, K] and a gate_up config of at least 2 rows, got "
-                         f"{tuple(gate_up.shape)} and {gu_config}")
-    act = torch.empty((1, inter), dtype=out_dtype, device=x_q.device)
-    _, d_config = _check_fp8("row_mlp_fp8 (down)", "the activation", act, out_dtype, down, down_scale, down_bias, d_config)
+    act = _mlp_act(gate_up, gu_config, out_dtype, x_q.device)
+    _, d_config = _check_fp8("row_mlp_fp8 (down)", "the activation", act, out_dtype, down, down_scale, down_bias,
+                             d_config)
     state = mlp_state(x_q.device)
     if state is None:
         raise ValueError("row_mlp_fp8 has no state for this stream: a CUDA graph capture before any eager call "
@@ -302,4 +355,4 @@ def row_mlp_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor,
 
 
 __all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "mlp_state", "pick_config",
-           "row_gemv", "row_gemv_fp8", "row_mlp_fp8"]
+           "row_gemv", "row_gemv_fp8", "row_mlp", "row_mlp_fp8", "weight_eligible"]
