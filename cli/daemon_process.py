@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from resident.daemon.config import DaemonConfig
 
@@ -123,6 +124,18 @@ def bound_http(config: DaemonConfig) -> str:
         return config.http
 
 
+def open_log(log_path: str, log_file: str | None) -> BinaryIO:
+    """The detached daemon's log, opened for appending; a folder we cannot write is a
+    DaemonStartError naming the option to change (it was a traceback)."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
+        return open(log_path, "ab")
+    except OSError as e:
+        fix = ("pass a --log-file you can write" if log_file else
+               "choose a --socket in a folder you can write (the log goes beside it), or pass --log-file PATH")
+        raise DaemonStartError(f"cannot write the daemon's log {log_path} ({e.strerror}); {fix}") from None
+
+
 def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
                    env: dict[str, str] | None = None) -> StartedDaemon:
     """Spawn the daemon in a new session and wait until it serves (or fails, or times out)."""
@@ -135,9 +148,8 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
             f"stop it with `resident preload stop --socket {config.socket}` or choose another --socket"
         )
     log_path = log_file or config.socket + ".log"
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
     offset = log_size(log_path)
-    with open(log_path, "ab") as log:
+    with open_log(log_path, log_file) as log:
         proc = subprocess.Popen(foreground_argv(config), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                 env=env)

@@ -108,14 +108,18 @@ def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
     """Spawn `start --foreground --takeover` detached; done once it holds the lock and serves."""
     import subprocess
 
-    from resident.cli.daemon_process import foreground_argv, health_serving, log_size, log_tail
+    from resident.cli.daemon_process import (DaemonStartError, foreground_argv, health_serving, log_size, log_tail,
+                                             open_log)
     from resident.daemon.server import running_daemon_pid
 
     old_pid = running_daemon_pid(config)
     log_path = log_file or config.socket + ".log"
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), mode=0o700, exist_ok=True)
     offset = log_size(log_path)
-    with open(log_path, "ab") as log_out:
+    try:
+        log_out = open_log(log_path, log_file)
+    except DaemonStartError as e:
+        raise click.ClickException(str(e)) from None
+    with log_out:
         proc = subprocess.Popen(foreground_argv(config) + ["--takeover"], stdin=subprocess.DEVNULL, stdout=log_out,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout_s

@@ -39,8 +39,14 @@ class LockFile:
         return self._fd
 
     def acquire(self) -> None:
-        os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            # The first file the daemon writes beside --socket: say what to change, not just errno.
+            raise OSError(e.errno, f"cannot create the lock file {self.path} ({e.strerror}): the daemon needs a "
+                                   f"folder it can write for {self.socket} and its lock; choose a --socket in "
+                                   "such a folder (e.g. under $XDG_RUNTIME_DIR) or make that one writable") from None
         deadline = time.monotonic() + LOCK_RETRY_S
         while True:
             try:
@@ -105,7 +111,9 @@ def running_daemon_pid(config: DaemonConfig) -> int | None:
     """The pid of the daemon holding `config`'s lock file, or None if none does."""
     try:
         fd = os.open(config.lock_file, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError:
+        # Missing, or a folder we cannot read: no daemon we could reach. A daemon started on
+        # this path says why it cannot take the lock (this used to be a traceback).
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -284,3 +284,13 @@ def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_refused(short_tmp
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Invalid value for '--timeout'" in r.stderr and "Traceback" not in r.stderr
     assert not os.path.exists(sock) and not os.path.exists(str(sock) + ".log")
+
+
+def test_a_socket_folder_the_daemon_cannot_write_is_named_with_the_fix(short_tmp):
+    blocker = short_tmp / "not-a-folder"
+    blocker.write_text("")
+    sock = blocker / "p.sock"
+    r = run_cli("preload", "start", "--socket", str(sock), "--http", "off", "--log-file", str(short_tmp / "d.log"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"cannot create the lock file {sock}.lock" in r.stderr, r.stderr
+    assert "choose a --socket in such a folder" in r.stderr

@@ -66,3 +66,17 @@ def test_log_tail_reads_from_the_start_of_a_log_shorter_than_the_offset(tmp_path
     assert log_tail(str(log), offset=1000) == "one\ntwo"
     assert log_tail(str(log), offset=4) == "two"
     assert log_tail(str(tmp_path / "none.log")) == "(no log)"
+
+
+def test_a_log_that_cannot_be_written_names_the_option_to_change(short_tmp: Path):
+    """A --socket in a folder the user cannot write used to end `preload start` in a traceback
+    (opening the log beside it); here the folder is a file, which root cannot write in either."""
+    blocker = short_tmp / "not-a-folder"
+    blocker.write_text("")
+    config = DaemonConfig(socket=str(blocker / "d.sock"), http="")
+    with pytest.raises(DaemonStartError) as e:
+        start_detached(config, None, timeout_s=5)
+    assert f"cannot write the daemon's log {blocker}/d.sock.log" in str(e.value)
+    assert "choose a --socket in a folder you can write" in str(e.value)
+    with pytest.raises(DaemonStartError, match="pass a --log-file you can write"):
+        start_detached(config, str(blocker / "d.log"), timeout_s=5)
