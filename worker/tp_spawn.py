@@ -15,6 +15,7 @@ sees: on a mismatch the early children are stopped and the group is spawned agai
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -108,8 +109,9 @@ class SpawnedRanks:
     def port(self) -> int:
         return self.listener.getsockname()[1]
 
-    def abort(self) -> None:
-        """Stop the children (they exit when the lifeline closes) and free the socket."""
+    def abort(self, timeout_s: float = 10.0) -> None:
+        """Stop the children (they exit when the lifeline closes; killed after `timeout_s`) and
+        free the socket."""
         for fd in [self.lifeline, *self.command_fds]:
             try:
                 os.close(fd)
@@ -117,7 +119,7 @@ class SpawnedRanks:
                 pass
         for p in self.procs:
             try:
-                p.wait(10)
+                p.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
@@ -171,7 +173,19 @@ def spawn_early(config: Any) -> SpawnedRanks | None:
     if devices is None:
         return None
     _early = spawn_ranks(config, devices, spec_fields(config))
+    atexit.register(_stop_unclaimed)
     return _early
+
+
+def _stop_unclaimed() -> None:
+    """At exit, kill early ranks no TPGroup adopted (rank 0 failed first: a size that does not
+    divide the heads, a bad model path) while this process still holds the rendezvous socket.
+    Left to the lifeline, a child that had reached the rendezvous printed torch's TCPStore
+    errors after rank 0 exited: up to 200 lines of C++ frames below the one line saying why."""
+    global _early
+    early, _early = _early, None
+    if early is not None:
+        early.abort(timeout_s=0)
 
 
 def take_early(devices: list[str], spec_matches: Callable[[dict[str, Any]], bool]) -> SpawnedRanks | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -67,6 +68,30 @@ def test_take_early_adopts_matching_ranks_and_stops_others(monkeypatch):
     tp_spawn.spawn_early(_config())
     assert tp_spawn.take_early(["cuda:0", "cuda:1"], lambda spec: True) is None
     assert started[-1].waited   # stopped: its lifeline closed
+
+
+def test_ranks_never_adopted_are_stopped_when_rank_0_exits():
+    """Rank 0 failing before TPGroup adopted the early ranks (`--tensor-parallel-size 7` of a
+    9-head model) left them to the lifeline, and those that had reached the rendezvous printed
+    torch's TCPStore errors (200 lines of C++ frames) after rank 0's one line saying why."""
+    config = json.dumps(vars(_config(tensor_parallel_size=3)))
+    code = f"""
+import json, subprocess, sys, types
+from resident.worker import tp_spawn
+real = subprocess.Popen
+# A child that neither watches the lifeline nor dies with it: only a kill stops it.
+tp_spawn.subprocess.Popen = lambda cmd, pass_fds: real([sys.executable, "-c", "import time; time.sleep(60)"])
+early = tp_spawn.spawn_early(types.SimpleNamespace(**json.loads({config!r})))
+print(" ".join(str(p.pid) for p in early.procs), flush=True)
+sys.exit(1)   # as `resident serve` does when it cannot start
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    for pid in pids:   # reaped by rank 0 before it exited: gone, not merely orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_spec_fields_build_the_load_spec():
