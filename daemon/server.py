@@ -269,11 +269,17 @@ class Daemon:
         if cfg.tcp:
             self._grpc_tcp = grpc.server(ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc-tcp"))
             add_services(self._grpc_tcp, self._service, self._health)
-            self._grpc_tcp.add_insecure_port(cfg.tcp)
+            try:
+                port = self._grpc_tcp.add_insecure_port(cfg.tcp)
+            except RuntimeError:   # grpc says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
+                raise OSError(errno.EADDRNOTAVAIL, f"cannot serve gRPC on --tcp {cfg.tcp}: the port is in use or "
+                                                   "the host is not an address of this machine; choose another "
+                                                   "--tcp HOST:PORT (port 0 picks a free one)") from None
             self._grpc_tcp.start()
+            tcp = f"{cfg.tcp.rpartition(':')[0]}:{port}"   # the port bound, which differs with port 0
             log.warning("gRPC also listens on TCP %s: calls there carry session tokens issued on the "
                         "local fd socket only, and weights are only handed out over that local socket; "
-                        "do not expose this port beyond hosts you trust", cfg.tcp)
+                        "do not expose this port beyond hosts you trust", tcp)
         if cfg.http:
             deadline = time.monotonic() + HTTP_BIND_RETRY_S
             while True:

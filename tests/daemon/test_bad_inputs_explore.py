@@ -460,3 +460,29 @@ def test_a_load_refused_for_room_evicts_nothing(tiny_model, tmp_path):
         assert sorted(m.name for m in cache.registry.models()) == ["a", "b"]
     finally:
         cache.close()
+
+
+def test_a_tcp_address_that_cannot_be_bound_names_the_fix_and_port_0_logs_its_port(short_tmp):
+    """--tcp on a busy port ended the start with gRPC's own "Failed to bind ...; set
+    GRPC_VERBOSITY=debug"; --tcp HOST:0 logged port 0, not the one it listened on."""
+    import re
+    import socket
+
+    from helpers import start_daemon
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        refused = start_daemon(short_tmp, "--tcp", taken, "--http", "off", wait=False)
+        assert refused.proc.wait(timeout=60) == 1
+    log = refused.log()
+    assert f"cannot serve gRPC on --tcp {taken}: the port is in use" in log, log
+    assert "choose another --tcp HOST:PORT" in log and "GRPC_VERBOSITY" not in log
+
+    daemon = start_daemon(short_tmp, "--tcp", "127.0.0.1:0", "--http", "off", name="e.sock")
+    try:
+        port = re.search(r"gRPC also listens on TCP 127\.0\.0\.1:(\d+)", daemon.log())
+        assert port and int(port.group(1)) > 0, daemon.log()
+    finally:
+        assert daemon.stop() == 0
