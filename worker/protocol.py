@@ -236,7 +236,11 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if not isinstance(so, dict):
             raise RequestError("'stream_options' must be an object", param="stream_options")
-        include_usage = _bool(so, "include_usage")
+        usage = so.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise RequestError(f"'stream_options.include_usage' must be true or false, got {usage!r}",
+                               param="stream_options.include_usage")
+        include_usage = bool(usage)
     max_tokens = _int(body, max_tokens_field, 1, opts.max_model_len)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _int(body, "max_tokens", 1, opts.max_model_len)
@@ -311,11 +315,14 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     content = m.get("content")
     if isinstance(content, list):  # content parts: only text is supported
         texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
                 raise RequestError(f"{param}.content: only text parts are supported, got {kind!r}",
                                    param=f"{param}.content")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{param}.content[{j}] must be {{\"type\": \"text\", \"text\": \"<string>\"}}, "
+                                   f"got 'text' {part.get('text')!r}", param=f"{param}.content[{j}].text")
             texts.append(part["text"])
         content = "".join(texts)
     if content is None and not (role == "assistant" and m.get("tool_calls")):

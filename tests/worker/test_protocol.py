@@ -75,6 +75,28 @@ def test_stream_options_need_stream():
                                     "stream_options": {"include_usage": True}}).param == "stream_options"
 
 
+@pytest.mark.parametrize("usage", ["yes", 1, 0, [True]])
+def test_a_bad_include_usage_is_named_under_stream_options(usage):
+    """It was named as a top-level field, 'include_usage', which a request does not have."""
+    err = bad(parse_chat_request, {"model": "tiny", "messages": MSGS, "stream": True,
+                                   "stream_options": {"include_usage": usage}})
+    assert err.param == "stream_options.include_usage" and "'stream_options.include_usage'" in err.message
+    req = parse_chat_request({"model": "tiny", "messages": MSGS, "stream": True,
+                              "stream_options": {"include_usage": None}}, OPTS)
+    assert not req.include_usage
+
+
+@pytest.mark.parametrize("part,j", [({"type": "text"}, 0), ({"type": "text", "text": 5}, 1),
+                                    ({"type": "text", "content": "hi"}, 1)])
+def test_a_text_part_without_text_says_what_a_text_part_holds(part, j):
+    """{"type": "text"} with no string "text" was refused as "only text parts are supported,
+    got 'text'": the part was a text part."""
+    parts = [part] if j == 0 else [{"type": "text", "text": "a"}, part]
+    err = bad(parse_chat_request, {"model": "tiny", "messages": [{"role": "user", "content": parts}]})
+    assert err.param == f"messages[0].content[{j}].text"
+    assert '"text": "<string>"' in err.message and "only text parts" not in err.message
+
+
 @pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "wizard", "content": "x"}], [{"role": "user"}],
                                       [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                                       [{"role": "user", "content": 5}]])
