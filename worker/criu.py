@@ -31,6 +31,9 @@ _LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu")
 _LOADER = "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
 _VERSION = re.compile(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?")
 INSTALL_HINT = "resident snapshot install-criu"
+#: How long `criu --version` and `criu check` may take before the criu counts as unusable.
+VERSION_TIMEOUT_S = 30.0
+CHECK_TIMEOUT_S = 60.0
 
 
 class CriuError(RuntimeError):
@@ -90,20 +93,26 @@ class CriuBinary:
 
     def check(self) -> tuple[bool, str]:
         """`criu check`: (ok, its message)."""
-        proc = self.run(["check"], timeout_s=60.0)
+        try:
+            proc = self.run(["check"], timeout_s=CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return False, f"`{self.path} check` did not finish within {CHECK_TIMEOUT_S:g} s"
         text = (proc.stdout + proc.stderr).strip()
         return proc.returncode == 0 and "Looks good" in text, text
 
 
 def _probe_version(argv: Sequence[str]) -> tuple[int, ...]:
     try:
-        proc = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=30,
+        proc = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S,
                               stdin=subprocess.DEVNULL)
     except OSError as e:
         raise CriuError(f"cannot run {argv[-1]}: {e}") from None
+    except subprocess.TimeoutExpired:   # a wrapper waiting for a password, say: `snapshot doctor` said nothing
+        raise CriuError(f"{argv[-1]} --version did not answer within {VERSION_TIMEOUT_S:g} s") from None
     m = _VERSION.search(proc.stdout + proc.stderr)
     if proc.returncode != 0 or m is None:
-        raise CriuError(f"{argv[-1]} --version failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-500:]}")
+        output = (proc.stderr or proc.stdout).strip()[-500:]
+        raise CriuError(f"{argv[-1]} --version failed (exit {proc.returncode}): {output}")
     return tuple(int(g) for g in m.groups() if g is not None)
 
 

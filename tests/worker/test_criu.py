@@ -200,3 +200,19 @@ def test_pid_state_sees_zombies_until_reaped() -> None:
     assert criu.wait_pids_gone([proc.pid], 0.05) == [proc.pid]
     proc.wait()
     assert criu.wait_pids_gone([proc.pid], 5) == []
+
+
+def test_a_criu_that_hangs_is_reported_not_a_traceback(tmp_path: Path, monkeypatch) -> None:
+    """A criu on PATH that never answers `--version` (a wrapper waiting for a password) made
+    `resident snapshot doctor` end in TimeoutExpired after 30 s; `criu check` likewise."""
+    monkeypatch.setattr(criu, "VERSION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(criu, "CHECK_TIMEOUT_S", 0.5)
+    hanging = tmp_path / "bin/criu"
+    hanging.parent.mkdir()
+    hanging.write_text("#!/bin/sh\nexec sleep 30\n")
+    hanging.chmod(0o755)
+    found = criu.find_criu({"PATH": str(hanging.parent), "RESIDENT_CRIU_DIR": str(tmp_path / "none")})
+    assert found.binary is None
+    assert f"system criu unusable: {hanging} --version did not answer within 0.5 s" in found.reason()
+    slow = criu.CriuBinary((str(hanging),), (4, 2), "system", str(hanging))
+    assert slow.check() == (False, f"`{hanging} check` did not finish within 0.5 s")
