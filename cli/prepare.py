@@ -236,8 +236,16 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "resident" / "models"
 
 
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    # As a Path, "" is ".": `--cache-dir "$UNSET"` prepared ~0.5 GB into the working directory.
+    if value == "":
+        raise click.BadParameter("is empty; give the folder that holds prepared models, or leave the option out "
+                                 "for $RESIDENT_CACHE or ~/.cache/resident/models")
+    return None if value is None else Path(value)
+
+
 @click.command("prepare-model")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None, callback=_not_empty,
               help="Folder that holds prepared models [default: $RESIDENT_CACHE or ~/.cache/resident/models].")
 @click.pass_context
 def prepare_model(ctx: click.Context, cache_dir: Path | None) -> None:

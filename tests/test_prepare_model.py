@@ -130,3 +130,13 @@ def test_a_symlink_in_the_models_place_is_replaced_without_touching_what_it_poin
     assert prepare.is_prepared(folder) and not folder.is_symlink()
     assert (elsewhere / "weights.bin").read_bytes() == b"mine"
     assert not any(p.name.startswith(f"{prepare.DEFAULT_MODEL_NAME}.moved-aside-") for p in cache.iterdir())
+
+
+def test_an_empty_cache_dir_is_refused_not_the_working_directory(tmp_path, monkeypatch):
+    """`--cache-dir "$UNSET"` used to prepare the model into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(prepare, "_build", lambda gguf, out: pytest.fail("an empty --cache-dir was used"))
+    result = CliRunner().invoke(prepare_model, ["--cache-dir", ""])
+    assert result.exit_code == 2
+    assert "Invalid value for '--cache-dir': is empty" in result.output and "~/.cache/resident/models" in result.output
+    assert list(tmp_path.iterdir()) == []
