@@ -145,7 +145,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
     try:
         config = ServeConfig(
             model=model, served_model_name=served_model_name, host=host, port=port, port_file=port_file,
-            api_key=api_key or None, dtype=dtype, quantization=quantization, revision=revision,
+            api_key=api_key, dtype=dtype, quantization=quantization, revision=revision,
             preload=preload, socket=sock, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory,
             kv_cache_initial_bytes=kv_cache_initial,
             num_kv_blocks=num_kv_blocks, block_size=block_size, max_num_seqs=max_num_seqs,

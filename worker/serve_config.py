@@ -111,6 +111,10 @@ class ServeConfig:
             raise ValueError(f"unknown --frontend {self.frontend!r}; valid: {', '.join(FRONTEND_MODES)}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.api_key is not None and not self.api_key.strip():
+            # `--api-key "$KEY"` with KEY unset: serving without a key would be the silent result.
+            raise ValueError("--api-key is empty, so /v1/* would answer without a key; pass the key, or leave "
+                             "the option out to serve without one")
         if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
             raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet; "
                              "drop --speculative-model or serve with one GPU")

@@ -50,3 +50,16 @@ def test_an_unwritable_port_file_is_one_line_naming_the_fix(model, tmp_path):
 ])
 def test_both_servers_bind_error_wordings_are_read(error, words):
     assert words in cannot_listen("127.0.0.1" if "127" in words else "0.0.0.0", 80, error)
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_not_served_without_one(key, tmp_path):
+    """`--api-key "$KEY"` with KEY unset started a server that answered /v1/* without a key.
+    (An empty RESIDENT_API_KEY is unset to click: no key, as documented for unset.)"""
+    from click.testing import CliRunner
+
+    from resident.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["serve", str(tmp_path), "--preload", "off", "--port", "0", "--api-key", key])
+    assert result.exit_code == 2, result.output
+    assert "--api-key is empty" in result.output and "leave the option out" in result.output
