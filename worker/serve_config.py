@@ -82,7 +82,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                flag = "--" + name.removesuffix("_bytes").replace("_", "-")
+                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}")
         if self.kv_cache_initial_bytes < 0:
             raise ValueError(f"--kv-cache-initial must be >= 0 (0: map the whole KV cache at start), "
                              f"got {self.kv_cache_initial_bytes}")

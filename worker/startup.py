@@ -99,12 +99,19 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
 
     per_seq = -(-max_model_len // config.block_size)
     if config.num_kv_blocks is not None:
+        if config.num_kv_blocks < per_seq:
+            raise ValueError(
+                f"--num-kv-blocks {config.num_kv_blocks} holds {config.num_kv_blocks * config.block_size} tokens, "
+                f"fewer than one request of --max-model-len {max_model_len} needs ({per_seq} blocks of "
+                f"{config.block_size} tokens); raise --num-kv-blocks to {per_seq} or more, or lower --max-model-len")
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, dtype, config.block_size)
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < per_seq:
+        given = config.kv_cache_memory_bytes   # 1KiB read "0 MiB"
+        size = f"{given / 2**20:.0f} MiB" if given >= 2**20 else f"{given} bytes"
         raise ValueError(
-            f"--kv-cache-memory {config.kv_cache_memory_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
+            f"--kv-cache-memory {size} holds {blocks} blocks of "
             f"{config.block_size} tokens, fewer than one request of --max-model-len {max_model_len} needs "
             f"({per_seq} blocks = {per_seq * per_block / 2**20:.1f} MiB); raise --kv-cache-memory or lower "
             "--max-model-len")

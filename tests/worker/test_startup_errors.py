@@ -22,3 +22,33 @@ def test_refusals_and_bad_input_explain_themselves(error):
 @pytest.mark.parametrize("error", [KeyError("hidden_size"), TypeError("unhashable"), AttributeError("x")])
 def test_internal_errors_keep_their_traceback(error):
     assert not explains_itself(error)
+
+
+def _kv_blocks_error(**serve) -> str:
+    from types import SimpleNamespace
+
+    import torch
+
+    from resident.worker.serve_config import ServeConfig
+    from resident.worker.startup import _kv_blocks
+
+    config = ServeConfig(model="/m", preload="off", **serve)
+    model = SimpleNamespace(num_kv_heads=3, head_dim=64, num_layers=30)
+    with pytest.raises(ValueError) as e:
+        _kv_blocks(config, model, torch.float32, 4096)
+    return str(e.value)
+
+
+def test_kv_sizes_too_small_for_one_request_name_the_flags_and_the_size():
+    """`--num-kv-blocks 1` was refused in EngineConfig's words (max_model_len=4096, num_kv_blocks
+    >= 256), `--kv-cache-memory 1KiB` read as "0 MiB", and `--kv-cache-memory 0` named
+    kv_cache_memory_bytes."""
+    message = _kv_blocks_error(num_kv_blocks=1)
+    assert message.startswith("--num-kv-blocks 1 holds 16 tokens") and "--max-model-len 4096" in message
+    assert "raise --num-kv-blocks to 256 or more" in message
+    assert _kv_blocks_error(kv_cache_memory_bytes=1024).startswith("--kv-cache-memory 1024 bytes holds 0 blocks")
+    assert _kv_blocks_error(kv_cache_memory_bytes=2**21).startswith("--kv-cache-memory 2 MiB holds")
+    from resident.worker.serve_config import ServeConfig
+
+    with pytest.raises(ValueError, match="^--kv-cache-memory must be positive, got 0$"):
+        ServeConfig(model="/m", preload="off", kv_cache_memory_bytes=0)
