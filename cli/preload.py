@@ -110,7 +110,7 @@ def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
 
     from resident.cli.daemon_process import (DaemonStartError, foreground_argv, health_serving, log_size, log_tail,
                                              open_log)
-    from resident.daemon.server import running_daemon_pid
+    from resident.daemon.server import TOOK_OVER_WITHOUT, running_daemon_pid
 
     old_pid = running_daemon_pid(config)
     log_path = log_file or config.socket + ".log"
@@ -131,6 +131,9 @@ def _takeover_detached(config, log_file: str | None, timeout_s: float) -> None:
         if running_daemon_pid(config) == proc.pid and health_serving(config.socket):
             click.echo(f"resident daemon pid {proc.pid} took over {config.socket}"
                        + (f" from pid {old_pid}" if old_pid else "") + f"; log {log_path}")
+            for line in log_tail(log_path, num_lines=200, offset=offset).splitlines():
+                if TOOK_OVER_WITHOUT in line:   # its --http or --tcp failed; the models are safe
+                    click.echo(f"warning: {line[line.index(TOOK_OVER_WITHOUT):]}", err=True)
             _warn_over_cap(config)
             return
         time.sleep(0.05)

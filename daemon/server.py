@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 GRPC_WORKERS = 32
 #: After a hand-over, how long to retry binding the HTTP port the old daemon is releasing.
 HTTP_BIND_RETRY_S = 5.0
+#: Starts the log line of a hand-over whose HTTP or TCP address failed after the point of no
+#: return (`preload start --takeover` repeats it as a warning).
+TOOK_OVER_WITHOUT = "took over, but"
 
 
 def _unlink(path: str) -> None:
@@ -161,6 +164,8 @@ class Daemon:
                 self.cache, self.version, generation=max(doc.generation, int(store.get("generation", 0))),
                 stored=set(store.get("slabs", ())) if same_store else None,
                 state_names=set(store.get("states", ())) if same_store else None)
+            if cfg.http:
+                self._bind_http_early()
             self._serve()
             sd_notify.notify(f"MAINPID={os.getpid()}", f"STATUS=taking over from pid {inherited.old_pid}")
             self._publish_paths()  # the point of no return: new connections reach us from here on
@@ -179,7 +184,19 @@ class Daemon:
         self._lock.adopt(inherited.lock_fd)
         log.info("took over %d model(s) and %d lease(s) from pid %d (resident %s); nothing read from disk",
                  len(self.cache.registry.models()), len(doc.leases), inherited.old_pid, inherited.old_version)
-        self._start_network()
+        self._start_network(keep_going=True)   # the old daemon is gone: its models and leases are ours
+
+    def _bind_http_early(self) -> None:
+        """Bind --http before the hand-over's point of no return, so that an address that cannot
+        work fails the take-over and the old daemon keeps serving. One in use may be the old
+        daemon's own: that one waits until it lets go (_start_network)."""
+        from resident.daemon.http import HttpEndpoint
+
+        try:
+            self._http = HttpEndpoint(self.config.http, ready=lambda: self._ready, metrics=self._metrics.render)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
 
     def _build(self, backend) -> None:
         from resident.daemon.cache import WeightCache
@@ -258,11 +275,23 @@ class Daemon:
         self._grpc_ino = os.stat(cfg.socket).st_ino
         self._owns_paths = True
 
-    def _start_network(self) -> None:
-        """gRPC over TCP and HTTP (after a hand-over, once the old daemon let go of them)."""
+    def _start_network(self, keep_going: bool = False) -> None:
+        """gRPC over TCP and HTTP (after a hand-over, once the old daemon let go of them), then
+        ready. With `keep_going` (after a hand-over's point of no return) an address that fails
+        is logged and the daemon serves without it: exiting would lose the models it took over."""
+        for start in (self._start_tcp, self._start_http):
+            try:
+                start()
+            except (OSError, RuntimeError) as e:
+                if not keep_going:
+                    raise
+                log.error("%s %s; serving on %s without it: take over again with an address that works to "
+                          "add it", TOOK_OVER_WITHOUT, e, self.config.socket)
+        self._mark_ready()
+
+    def _start_tcp(self) -> None:
         import grpc
 
-        from resident.daemon.http import HttpEndpoint
         from resident.daemon.service import add_services
 
         cfg = self.config
@@ -280,12 +309,16 @@ class Daemon:
             log.warning("gRPC also listens on TCP %s: calls there carry session tokens issued on the "
                         "local fd socket only, and weights are only handed out over that local socket; "
                         "do not expose this port beyond hosts you trust", tcp)
+
+    def _start_http(self) -> None:
+        from resident.daemon.http import HttpEndpoint
+
+        cfg = self.config
         if cfg.http:
             deadline = time.monotonic() + HTTP_BIND_RETRY_S
-            while True:
+            while self._http is None:   # bound already when a hand-over could bind it early
                 try:
                     self._http = HttpEndpoint(cfg.http, ready=lambda: self._ready, metrics=self._metrics.render)
-                    break
                 except OSError as e:
                     if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
                         raise
@@ -294,6 +327,9 @@ class Daemon:
             self._http.start()
             with open(cfg.http_file, "w") as f:
                 f.write(self.http_address + "\n")
+
+    def _mark_ready(self) -> None:
+        cfg = self.config
         self._ready = True
         self._health.set_serving(True)
         backend = self.cache.backend

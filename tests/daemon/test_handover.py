@@ -225,3 +225,38 @@ def test_takeover_of_cuda_vmm_weights_keeps_client_mappings_and_serves_them(shor
         if new is not None:
             assert new.stop() == 0, new.log()
         old.stop()
+
+
+def test_a_takeover_whose_http_address_fails_loses_nothing(short_tmp, tiny_model):
+    """--http on a port another process holds failed the new daemon after the point of no
+    return: the old one had exited, the new one exited too, and every model was gone. Now an
+    address that cannot work at all is refused before (the old daemon keeps serving), and one
+    in use is only known after: the new daemon serves without HTTP and the command says so."""
+    import socket
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "resident.cli.main", "preload", *args, "--socket", old.socket],
+                              capture_output=True, text=True, timeout=120)
+
+    old = start_cli_daemon(short_tmp, "--http", "off")
+    try:
+        with old.client("admin") as c:
+            key = load(c, tiny_model("llama")).model.key
+        refused = cli("start", "--takeover", "--http", "192.0.2.1:8470")   # TEST-NET: not this machine's
+        assert refused.returncode == 1 and "cannot serve HTTP on 192.0.2.1:8470" in refused.stderr, refused.stderr
+        assert old.proc.poll() is None
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = f"127.0.0.1:{busy.getsockname()[1]}"
+            r = cli("start", "--takeover", "--http", taken)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"warning: took over, but [Errno 98] cannot serve HTTP on {taken}" in r.stderr
+        assert old.proc.wait(timeout=30) == 0
+        st = json.loads(cli("status", "--json").stdout)
+        assert st["pid"] != old.pid and st["http"] == "" and [m["key"] for m in st["models"]] == [key]
+    finally:
+        old.stop()
+        cli("stop")
