@@ -24,6 +24,8 @@ SYSTEM_SOCKET_DIR = "/run/resident"
 SOCKET_NAME = "preload.sock"
 #: AF_UNIX paths are limited to 107 bytes plus a NUL.
 MAX_UNIX_PATH = 107
+#: The largest uid or gid: (uid_t)-1 = 2^32 - 1 is no one's.
+MAX_ID = 2**32 - 2
 #: The largest --max-bytes: Status reports it as a uint64, which refuses anything larger.
 MAX_MAX_BYTES = 2**64 - 1
 
@@ -125,10 +127,13 @@ class DaemonConfig:
         if self.tcp:
             parse_host_port(self.tcp, "--tcp address")
         object.__setattr__(self, "socket_group", resolve_group(self.socket_group))
-        for name in ("allow_uids", "allow_gids", "admin_uids"):
+        for name, flag in (("allow_uids", "--allow-uid"), ("allow_gids", "--allow-gid"), ("admin_uids", "--admin-uid")):
             values = tuple(int(v) for v in getattr(self, name))
-            if any(v < 0 for v in values):
-                raise ValueError(f"{name} must hold non-negative ids, got {values}")
+            bad = [v for v in values if not 0 <= v <= MAX_ID]
+            if bad:
+                # A uid_t is 32 bits and (uid_t)-1 means "none": no peer ever has such an id.
+                raise ValueError(f"{flag} {bad[0]} is not a user or group id (0 to {MAX_ID}); give the number "
+                                 "`id -u NAME` or `getent group NAME` prints")
             object.__setattr__(self, name, values)
 
     @property

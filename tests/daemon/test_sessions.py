@@ -115,6 +115,12 @@ def test_config_derived_paths_and_validation(tmp_path):
     with pytest.raises(ValueError, match="more bytes than any machine holds"):
         DaemonConfig(socket=str(tmp_path / "p.sock"), max_bytes=2**64)   # Status's uint64 cannot carry it
     assert DaemonConfig(socket=str(tmp_path / "p.sock"), max_bytes=2**64 - 1).max_bytes == 2**64 - 1
+    with pytest.raises(ValueError, match=r"--allow-uid -1 is not a user or group id \(0 to 4294967294\)"):
+        DaemonConfig(socket=str(tmp_path / "p.sock"), allow_uids=(-1,))
+    with pytest.raises(ValueError, match="--admin-uid 4294967295 is not a user or group id"):
+        DaemonConfig(socket=str(tmp_path / "p.sock"), admin_uids=(0, 2**32 - 1))   # (uid_t)-1: no one
+    with pytest.raises(ValueError, match="--allow-gid 99999999999 is not"):
+        DaemonConfig(socket=str(tmp_path / "p.sock"), allow_gids=(99999999999,))
     with pytest.raises(ValueError, match="unknown group"):
         DaemonConfig(socket=str(tmp_path / "p.sock"), socket_group="no-such-group-xyz")
 
