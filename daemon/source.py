@@ -19,6 +19,8 @@ INDEX_FILE = "model.safetensors.index.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf")
+_GGUF_FIX = ("GGUF is llama.cpp's quantized format, which resident does not read: load the model's original "
+             "safetensors checkpoint (the Hugging Face repository the GGUF was made from) instead")
 
 
 class SourceError(ValueError):
@@ -129,6 +131,8 @@ def _is_inside(path: Path, root: Path) -> bool:
 
 def _from_folder(folder: Path, hub_id: str | None = None, revision: str | None = None) -> ModelSource:
     if not folder.is_dir():
+        if folder.suffix == ".gguf":
+            raise SourceError(f"model path {folder} is a GGUF file; {_GGUF_FIX}")
         raise SourceError(f"model path {folder} is a file; pass the folder that holds config.json and the weights")
     config = _read_config(folder)
     files = _safetensors_files(folder)
@@ -161,6 +165,9 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if files:
         return files
     others = sorted({p.name for pat in _OTHER_WEIGHTS for p in folder.glob(pat)})
+    if others and all(name.endswith(".gguf") for name in others):
+        # transformers cannot save a GGUF-loaded model as it is, and its weights are quantized.
+        raise SourceError(f"model folder {folder} has weights only in GGUF ({', '.join(others[:4])}); {_GGUF_FIX}")
     if others:
         raise SourceError(
             f"model folder {folder} has weights only in other formats ({', '.join(others[:4])}); resident needs "

@@ -61,6 +61,18 @@ def test_bin_only_folder_explains_conversion(tiny_model):
         resolve_model(str(folder))
 
 
+def test_a_gguf_folder_or_file_points_to_the_original_checkpoint(tiny_model):
+    """The conversion command offered for .bin files cannot convert a GGUF (transformers fails
+    on the folder, and refuses to save a GGUF-loaded model), so GGUF gets its own advice."""
+    folder = tiny_model("llama")
+    (folder / "model.safetensors").rename(folder / "model-Q4_K_M.gguf")
+    for path in (folder, folder / "model-Q4_K_M.gguf"):
+        with pytest.raises(SourceError) as e:
+            resolve_model(str(path))
+        assert "GGUF" in str(e.value) and "original safetensors checkpoint" in str(e.value)
+        assert "save_pretrained" not in str(e.value)
+
+
 def test_bad_config_json(tiny_model):
     folder = tiny_model("llama")
     (folder / "config.json").write_text("{broken")
