@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server (aiohttp): thin handlers that parse, validate,
 delegate to `OpenAIServing` and map errors to OpenAI-style bodies.
 
-Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE when `stream`),
-`/health` (200 while the process and its engine thread live), `/ready` (200 only once the
-weights are attached and verified, the KV cache allocated and the warm-up pass done; 503
-before that and while draining), `/metrics` (Prometheus). With an API key, `/v1/*` needs
-`Authorization: Bearer <key>`. Every error is an OpenAI-style JSON body, aiohttp's own
-included (unknown route, wrong method, body over 32 MiB) and a handler's bug (a 500).
+Routes: `/v1/models` (and `/v1/models/{model}`, one card), `/v1/completions`,
+`/v1/chat/completions` (SSE when `stream`), `/health` (200 while the process and its engine
+thread live), `/ready` (200 only once the weights are attached and verified, the KV cache
+allocated and the warm-up pass done; 503 before that and while draining), `/metrics`
+(Prometheus). With an API key, `/v1/*` needs `Authorization: Bearer <key>`. Every error is an
+OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB)
+and a handler's bug (a 500).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 * 2**20
-ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
+ROUTES = "/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
 
 
 @dataclass
@@ -179,6 +180,7 @@ class ApiServer:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)   # names may hold '/' (org/name)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         return app
@@ -204,13 +206,23 @@ class ApiServer:
         return web.Response(body=body, headers={"Content-Type": ServerMetrics.content_type})
 
     # --- OpenAI API ----------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self, name: str) -> dict:
         s = self.state
-        max_len = s.serving.opts.max_model_len if s.serving is not None else None
-        data = [{"id": name, "object": "model", "created": s.created, "owned_by": "resident",
-                 "root": s.model_root or name, "max_model_len": max_len}
-                for name in s.served_model_names]
-        return web.json_response({"object": "list", "data": data})
+        return {"id": name, "object": "model", "created": s.created, "owned_by": "resident",
+                "root": s.model_root or name,
+                "max_model_len": s.serving.opts.max_model_len if s.serving is not None else None}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list",
+                                  "data": [self._model_card(name) for name in self.state.served_model_names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model's card (the OpenAI client's `models.retrieve`); an unknown one is a 404."""
+        name = request.match_info["model"]
+        if name not in self.state.served_model_names:
+            return _error(404, f"The model '{name}' does not exist; this server serves: "
+                          + ", ".join(self.state.served_model_names), param="model", code="model_not_found")
+        return web.json_response(self._model_card(name))
 
     async def _body(self, request: web.Request) -> object:
         try:

@@ -83,6 +83,10 @@ def test_models_health_ready_metrics(server):
     status, models = http(server.base_url, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL_NAME]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    # one card, as the OpenAI client's models.retrieve asks for it; an unknown one is a JSON 404
+    assert http(server.base_url, "GET", f"/v1/models/{MODEL_NAME}") == (200, models["data"][0])
+    status, got = http(server.base_url, "GET", "/v1/models/org/not-served")
+    assert status == 404 and got["error"]["code"] == "model_not_found" and MODEL_NAME in got["error"]["message"]
     assert http(server.base_url, "GET", "/health")[0] == 200
     assert http(server.base_url, "GET", "/ready")[0] == 200
     _ok_completion(server.base_url)
