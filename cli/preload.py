@@ -89,7 +89,12 @@ def start(socket: str | None, fd_socket: str | None, http: str | None, backend: 
         from resident.daemon.server import run_daemon
 
         if log_file:
-            handler = logging.FileHandler(log_file)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
+                handler = logging.FileHandler(log_file)
+            except OSError as e:   # was a traceback, as a unit's ExecStart shows it
+                raise click.ClickException(f"cannot write --log-file {log_file} ({e.strerror}); pass a path "
+                                           "you can write") from None
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             logging.getLogger().addHandler(handler)
         sys.exit(run_daemon(config))

@@ -80,3 +80,19 @@ def test_a_log_that_cannot_be_written_names_the_option_to_change(short_tmp: Path
     assert "choose a --socket in a folder you can write" in str(e.value)
     with pytest.raises(DaemonStartError, match="pass a --log-file you can write"):
         start_detached(config, str(blocker / "d.log"), timeout_s=5)
+
+
+def test_a_foreground_log_file_that_cannot_be_written_is_one_line(short_tmp: Path):
+    """`start --foreground --log-file` with a path that cannot be a log (a folder here; a
+    missing folder is created, as the detached start does) is one line, not a traceback, and
+    no daemon starts."""
+    from click.testing import CliRunner
+
+    from resident.cli.main import cli
+
+    sock = short_tmp / "d.sock"
+    r = CliRunner().invoke(cli, ["preload", "start", "--foreground", "--socket", str(sock), "--http", "off",
+                                 "--log-file", str(short_tmp)])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"cannot write --log-file {short_tmp} (Is a directory); pass a path you can write" in r.output
+    assert not sock.exists()
