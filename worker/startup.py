@@ -94,6 +94,18 @@ class Worker:
     vocab_size: int = 0
 
 
+def resolve_max_model_len(requested: int | None, max_positions: int, device_type: str) -> int:
+    """--max-model-len, or by default the model's max_position_embeddings (on CPU at most
+    CPU_MAX_MODEL_LEN). Beyond the positions the model was trained for (rope scaling included: the
+    config's max_position_embeddings counts it) its outputs are not to be trusted, so a larger
+    value is refused, as vLLM refuses it."""
+    if requested and requested > max_positions:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {max_positions} "
+                         f"(its config.json): positions beyond it give wrong outputs; use --max-model-len "
+                         f"{max_positions} or less, or leave it unset")
+    return requested or min(max_positions, CPU_MAX_MODEL_LEN if device_type == "cpu" else 1 << 30)
+
+
 def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len: int) -> int:
     from resident.worker.kv_cache import bytes_per_block
 
@@ -197,11 +209,8 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
 
         model_config = ModelConfig.from_hf(store.config).for_tp(config.tensor_parallel_size)
         weights = weights_on(store.tensors, device)
-        max_model_len = config.max_model_len or min(
-            model_config.max_position_embeddings, CPU_MAX_MODEL_LEN if device.type == "cpu" else 1 << 30)
-        if max_model_len > model_config.max_position_embeddings:
-            logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d",
-                           max_model_len, model_config.max_position_embeddings)
+        max_model_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                              device.type)
         dtype = store.tensors["model.embed_tokens.weight"].dtype
         max_kv_blocks = None
         block_bytes = bytes_per_block(model_config, dtype, config.block_size)

@@ -52,3 +52,17 @@ def test_kv_sizes_too_small_for_one_request_name_the_flags_and_the_size():
 
     with pytest.raises(ValueError, match="^--kv-cache-memory must be positive, got 0$"):
         ServeConfig(model="/m", preload="off", kv_cache_memory_bytes=0)
+
+
+def test_a_max_model_len_beyond_the_models_positions_is_refused():
+    """It was a warning in the log, and the server then answered past the positions the model
+    knows (vLLM refuses it too); unset, it is the model's, at most CPU_MAX_MODEL_LEN on CPU."""
+    from resident.worker.serve_config import CPU_MAX_MODEL_LEN
+    from resident.worker.startup import resolve_max_model_len
+
+    with pytest.raises(ValueError, match=r"^--max-model-len 600 exceeds the model's max_position_embeddings 512 .*"
+                                         r"use --max-model-len 512 or less, or leave it unset$"):
+        resolve_max_model_len(600, 512, "cpu")
+    assert resolve_max_model_len(512, 512, "cuda") == resolve_max_model_len(None, 512, "cuda") == 512
+    assert resolve_max_model_len(None, 131072, "cpu") == CPU_MAX_MODEL_LEN
+    assert resolve_max_model_len(None, 131072, "cuda") == 131072
