@@ -151,10 +151,12 @@ class OpenAIServing:
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"  # which one of a batch
             if isinstance(p, str):
                 ids = self._encode(p, True, param)
-                check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param)
+                check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param,
+                                    max_tokens_defaulted=req.max_tokens_defaulted)
                 texts.append(p)
             else:
-                check_prompt_length(len(p), req.max_tokens, self.opts.max_model_len, param=param)
+                check_prompt_length(len(p), req.max_tokens, self.opts.max_model_len, param=param,
+                                    max_tokens_defaulted=req.max_tokens_defaulted)
                 ids = self._check_ids(list(p), param)
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
             prompts.append(ids)

@@ -84,6 +84,7 @@ class CommonRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
+    max_tokens_defaulted: bool = False   # not sent: the route's default (completions: 16, as OpenAI's)
     sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams kwargs except max_tokens/logprobs
     tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     ignored_fields: list[str] = field(default_factory=list)
@@ -244,6 +245,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     max_tokens = _int(body, max_tokens_field, 1, opts.max_model_len)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _int(body, "max_tokens", 1, opts.max_model_len)
+    defaulted = max_tokens is None and default_max_tokens is not None
     if max_tokens is None:
         max_tokens = default_max_tokens
     sampling: dict[str, Any] = {}
@@ -273,7 +275,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             sampling[flag] = _bool(body, flag)
     ignored = sorted(k for k in body if k not in known)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-               sampling=sampling, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
+               max_tokens_defaulted=defaulted, sampling=sampling, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 
 
 # --- completions --------------------------------------------------------------------------
@@ -387,14 +389,17 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        param: str = "messages") -> None:
-    """Refuse prompts that do not fit the context, with the numbers OpenAI's message gives."""
+                        param: str = "messages", max_tokens_defaulted: bool = False) -> None:
+    """Refuse prompts that do not fit the context, with the numbers OpenAI's message gives (and,
+    when max_tokens was not sent, that the completion's length is the default)."""
     if num_prompt_tokens == 0:
         raise RequestError(f"the prompt is empty: '{param}' gives no tokens; send at least one", param=param)
     requested = num_prompt_tokens + (max_tokens or 0)
     if num_prompt_tokens >= max_model_len or requested > max_model_len:
+        default = (f" 'max_tokens' was not sent, so the completion asked for the default {max_tokens}; send a "
+                   f"smaller one." if max_tokens_defaulted and num_prompt_tokens < max_model_len else "")
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{requested} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 0} for the completion). "
-            "Please reduce the prompt or the completion length.",
+            "Please reduce the prompt or the completion length." + default,
             param=param, code="context_length_exceeded")

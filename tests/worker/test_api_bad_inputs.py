@@ -297,6 +297,21 @@ def test_a_long_text_that_fits_is_tokenized_exactly():
     assert e.value.code == "context_length_exceeded" and max(tok.encoded) < len(text)
 
 
+def test_a_completion_past_the_context_says_when_its_length_was_the_default():
+    """Without max_tokens a completion asks for OpenAI's default 16: near the limit the 400 named a
+    completion length the user never sent; it now says it was the default. Sent, it says nothing more."""
+    tok = WordTokenizer()
+    _, prepare = _serving(tok, max_model_len=64)
+    with pytest.raises(RequestError) as e:
+        prepare({"prompt": [5] * 60})
+    assert e.value.code == "context_length_exceeded" and "76 tokens (60 in the prompt, 16 for" in e.value.message
+    assert "'max_tokens' was not sent, so the completion asked for the default 16" in e.value.message
+    with pytest.raises(RequestError) as e:
+        prepare({"prompt": [5] * 60, "max_tokens": 16})
+    assert "was not sent" not in e.value.message
+    assert prepare({"prompt": [5] * 60, "max_tokens": 4}).prompts == [[5] * 60]
+
+
 def test_token_ids_beyond_the_context_are_refused_before_echo_decodes_them():
     tok = WordTokenizer()
     _, prepare = _serving(tok, max_model_len=64)
