@@ -275,7 +275,8 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             sampling[flag] = _bool(body, flag)
     ignored = sorted(k for k in body if k not in known)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-               max_tokens_defaulted=defaulted, sampling=sampling, tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
+               max_tokens_defaulted=defaulted, sampling=sampling,
+               tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 
 
 # --- completions --------------------------------------------------------------------------
