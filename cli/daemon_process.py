@@ -161,7 +161,8 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
                 f"the daemon exited with code {code} before it was ready; last lines it wrote to {log_path}:\n"
                 f"{log_tail(log_path, offset=offset)}"
             )
-        if os.path.exists(config.socket) and health_serving(config.socket):
+        # Ours must hold the lock: another daemon started meanwhile on this path also answers there.
+        if running_daemon_pid(config) == proc.pid and health_serving(config.socket):
             return StartedDaemon(pid=proc.pid, log_file=log_path, http=bound_http(config))
         time.sleep(0.05)
     proc.terminate()

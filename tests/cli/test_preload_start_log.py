@@ -96,3 +96,33 @@ def test_a_foreground_log_file_that_cannot_be_written_is_one_line(short_tmp: Pat
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert f"cannot write --log-file {short_tmp} (Is a directory); pass a path you can write" in r.output
     assert not sock.exists()
+
+
+def test_a_start_that_loses_the_race_for_the_socket_is_not_reported_as_started(short_tmp: Path, monkeypatch):
+    """Two `preload start` at once on one socket: both passed the "is one running?" check, the
+    loser's daemon exited on the lock, but its command saw the winner answer on the socket and
+    printed "started: pid <the loser's pid>"."""
+    import os
+    import signal
+
+    from resident.cli.daemon_process import wait_exit
+    from resident.daemon import server
+
+    config = DaemonConfig(socket=str(short_tmp / "d.sock"), http="")
+    winner = start_detached(config, None, timeout_s=60)
+    real_check = server.running_daemon_pid
+    checks = []
+
+    def checked_just_before_the_winner_locked(cfg: DaemonConfig) -> int | None:
+        checks.append(cfg)
+        return None if len(checks) == 1 else real_check(cfg)
+
+    monkeypatch.setattr(server, "running_daemon_pid", checked_just_before_the_winner_locked)
+    try:
+        with pytest.raises(DaemonStartError) as e:
+            start_detached(config, None, timeout_s=60)
+        assert "exited with code 1" in str(e.value) and f"another resident daemon (pid {winner.pid})" in str(e.value)
+        assert real_check(config) == winner.pid
+    finally:
+        os.kill(winner.pid, signal.SIGTERM)
+        assert wait_exit(winner.pid, config.socket, 30)
