@@ -22,6 +22,9 @@ from resident.daemon.errors import NotFound, PermissionDenied, Unauthenticated
 
 log = logging.getLogger(__name__)
 
+#: A client's name is kept to this many characters.
+MAX_CLIENT_NAME_CHARS = 200
+
 
 @dataclass(frozen=True)
 class PeerCreds:
@@ -88,7 +91,10 @@ class SessionTable:
     def open_session(self, peer: PeerCreds, client_name: str = "") -> Session:
         """Check the allow-list and start a session with a fresh token."""
         self.policy.check(peer)
-        session = Session(token=secrets.token_urlsafe(32), peer=peer, client_name=client_name[:200],
+        # Shown in every `preload status` lease line: a newline or an escape sequence there
+        # could forge lines or colour the admin's terminal.
+        printable = "".join(ch if ch.isprintable() else "?" for ch in client_name[:MAX_CLIENT_NAME_CHARS])
+        session = Session(token=secrets.token_urlsafe(32), peer=peer, client_name=printable,
                           admin=self.policy.is_admin(peer), since=time.time())
         with self._lock:
             self._sessions[session.token] = session

@@ -54,6 +54,15 @@ def test_lease_records_the_peer():
     assert (lease.pid, lease.uid, lease.client_name, lease.key) == (4242, 1000, "worker-7", "k")
 
 
+def test_a_client_name_cannot_forge_status_lines_or_reach_the_terminal():
+    """`preload status` prints each lease's client name: one with a newline added a fake model
+    line to the table, one with an escape sequence coloured the admin's terminal."""
+    forged = "w\n  keep v9 (latest)  key deadbeef\x1b[31m" + "x" * 500
+    s = table().open_session(ME, forged)
+    assert s.client_name == ("w?  keep v9 (latest)  key deadbeef?[31m" + "x" * 500)[:200]
+    assert table().open_session(ME, "vLLM engine · ранг 0").client_name == "vLLM engine · ранг 0"
+
+
 def test_a_session_cannot_release_or_fetch_another_sessions_lease():
     t = table()
     a, b = t.open_session(ME), t.open_session(ME)
