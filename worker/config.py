@@ -11,6 +11,7 @@ attention applies them exactly (keys with position > query position - window), s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from resident.daemon.layout import ARCHITECTURES, check_architecture
@@ -21,6 +22,11 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 class ModelConfigError(ValueError):
     pass
+
+
+def _positive(x: float) -> bool:
+    """x > 0 and finite (NaN and inf pass a plain `<= 0` test)."""
+    return math.isfinite(x) and x > 0
 
 
 @dataclass(frozen=True)
@@ -39,14 +45,14 @@ class RopeConfig:
             raise ModelConfigError(
                 f"rope scaling type {self.type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
-        if self.theta <= 0:
-            raise ModelConfigError(f"rope_theta must be > 0, got {self.theta}")
-        if self.type in ("linear", "llama3") and self.factor <= 0:
-            raise ModelConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+        if not _positive(self.theta):
+            raise ModelConfigError(f"rope_theta must be a finite number > 0, got {self.theta}")
+        if self.type in ("linear", "llama3") and not _positive(self.factor):
+            raise ModelConfigError(f"rope scaling factor must be a finite number > 0, got {self.factor}")
         if self.type == "llama3":
             if self.original_max_position_embeddings <= 0:
                 raise ModelConfigError("llama3 rope scaling needs original_max_position_embeddings > 0")
-            if not 0 < self.low_freq_factor < self.high_freq_factor:
+            if not (0 < self.low_freq_factor < self.high_freq_factor and math.isfinite(self.high_freq_factor)):
                 raise ModelConfigError(
                     f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
                     f"{self.low_freq_factor} and {self.high_freq_factor}"
@@ -131,8 +137,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.rms_norm_eps <= 0:
-            raise ModelConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not _positive(self.rms_norm_eps):
+            raise ModelConfigError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelConfigError(
                 f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"

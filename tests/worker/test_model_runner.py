@@ -65,6 +65,13 @@ def test_config_variants(tiny_model) -> None:
     ({"architectures": ["GPT2LMHeadModel"]}, "supported: LlamaForCausalLM, MistralForCausalLM"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    # NaN and inf passed the `<= 0` checks, and the model computed NaN
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0, got nan"),
+    ({"rms_norm_eps": float("inf")}, "rms_norm_eps must be a finite number > 0, got inf"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
+     "rope_theta must be a finite number > 0, got nan"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": float("inf")}},
+     "factor must be a finite number > 0"),
 ])
 def test_unsupported_configs_fail_clearly(tiny_model, change: dict, message: str) -> None:
     with pytest.raises(ModelConfigError, match=message):
