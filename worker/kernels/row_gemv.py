@@ -30,6 +30,13 @@ two e4m3 values are exact in float32, so the sum is `_scaled_mm`'s up to summati
 RESIDENT_GEMV=auto on compute capability 9.0+ (and under `on` on any GPU). On the H200 against
 `_scaled_mm` at M = 1 (session 13, `tests/gpu_decode_probes.py fp8-row-gemv`): qkv 8.2 vs 9.2 us,
 o 5.1 vs 7.3, gate_up 28.7 vs 30.0, down 15.8 vs 18.8.
+
+A whole MLP on one row in two launches (`row_mlp` 16-bit, `row_mlp_fp8`; the triton backend's
+`Kernels.mlp` / `fp8_mlp` under RESIDENT_ROW_MLP=on, session 15, not yet measured on a GPU): the
+kernel's SILU form gives each program ROWS // 2 gate rows and their up rows, applies SiLU-and-mul
+in its epilogue and stores the activation; for fp8 it also raises a per-stream maximum (AMAX),
+from which down's GEMV (QUANT_X) quantizes its input as it loads it — SiLU-and-mul's launch gone,
+bit for bit the three ops.
 """
 from __future__ import annotations
 
