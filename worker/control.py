@@ -80,6 +80,10 @@ def _request(path: str, method: str, url: str, timeout_s: float) -> http.client.
         raise ControlUnavailable(
             f"no resident supervisor listens on {path} ({e.strerror}); is `resident serve --data-parallel-size N` "
             "running for that port, as this user (or with the same $RESIDENT_RUNTIME_DIR)?") from None
+    except http.client.HTTPException as e:   # not HTTP at all: the daemon's gRPC socket, say
+        conn.close()
+        raise _not_a_supervisor(path, f"something other than HTTP/1.1 ({type(e).__name__}: {str(e)[:60]!r})") \
+            from None
 
 
 def _not_a_supervisor(path: str, what: str) -> ControlUnavailable:

@@ -119,3 +119,33 @@ def test_a_caller_that_goes_away_mid_rollout_costs_no_traceback_and_the_rollout_
         asyncio.run(main())
     assert finished == [True]
     assert "the rollout's caller went away; the rollout goes on" in caplog.text
+
+
+@pytest.mark.parametrize("extra", [(), ("--status",)])
+def test_a_socket_that_does_not_speak_http_is_named_not_a_traceback(short_tmp, extra):
+    """--control-socket given the preload daemon's socket (gRPC: HTTP/2 frames) or anything else
+    that answers bytes that are not an HTTP/1.1 status line."""
+    import socket
+    import threading
+
+    path = str(short_tmp / "daemon.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", path, *extra])
+    finally:
+        thread.join(5)
+        server.close()
+    assert r.exit_code == 1, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "is not a resident supervisor's control socket" in r.output and "something other than HTTP" in r.output
