@@ -178,7 +178,10 @@ class AdminServer:
         if self.control.state is not ReplicaState.STANDBY:
             return web.json_response({"error": f"replica is {self.control.state.value}, not a warm standby"},
                                      status=409)
-        seconds = await self.control.promote()
+        try:
+            seconds = await self.control.promote()
+        except RuntimeError as e:   # another /promote got there first
+            return web.json_response({"error": str(e)}, status=409)
         return web.json_response({"state": self.control.state.value, "promote_s": seconds})
 
     async def drain(self, request: web.Request) -> web.Response:

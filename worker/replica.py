@@ -77,6 +77,12 @@ class Replica:
         return self.server_state.alive
 
     async def promote(self) -> float:
+        # Checked here, not only by the admin route: starting the site yields to the loop, and a
+        # second /promote in that window would start a second site on the shared socket that the
+        # drain never stops (it keeps accepting connections while this replica drains).
+        if self.state is not ReplicaState.STANDBY or self._site is not None:
+            raise RuntimeError(f"replica is {self.state.value}"
+                               + (", already being promoted" if self._site is not None else ", not a warm standby"))
         t = time.monotonic()
         await self._accept()
         self.promote_s = time.monotonic() - t

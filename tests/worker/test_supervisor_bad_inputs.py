@@ -195,3 +195,34 @@ def test_a_hangup_does_not_end_the_launcher(launcher_supervisor):
     os.kill(replica["pid"], signal.SIGKILL)
     successor = _wait_one_ready(ctl, other_than=replica["pid"])
     assert _parent(successor["pid"]) == launcher   # the same launcher forked it: it lived on
+
+
+def test_two_promotes_at_once_start_one_listener_and_the_second_is_refused():
+    """/promote twice at once (the supervisor replacing a crashed replica while an operator
+    promotes by hand): starting the site yields to the loop, and a second site on the shared
+    socket would keep accepting connections after the drain stopped the first."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from resident.worker.admin import AdminServer, ReplicaState
+    from resident.worker.replica import Replica
+
+    async def main() -> tuple[list[int], int]:
+        replica = object.__new__(Replica)   # only what promote touches; no model
+        replica.state, replica._site, replica.promote_s = ReplicaState.STANDBY, None, None
+        replica.sock = socket.create_server(("127.0.0.1", 0))
+        replica.sock.setblocking(False)
+        replica._runner = web.AppRunner(web.Application())
+        await replica._runner.setup()
+        admin = AdminServer(replica, "/nonexistent/admin.sock")
+        try:
+            answers = await asyncio.gather(*(admin.promote(make_mocked_request("POST", "/promote"))
+                                             for _ in range(3)))
+            return sorted(a.status for a in answers), len(replica._runner.sites)
+        finally:
+            await replica._runner.cleanup()
+            replica.sock.close()
+
+    statuses, num_sites = asyncio.run(main())
+    assert statuses == [200, 409, 409]
+    assert num_sites == 1
