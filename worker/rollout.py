@@ -62,9 +62,12 @@ async def rollout(sup: Supervisor, emit: Emit, ready_timeout_s: float | None = N
         except Exception as e:  # noqa: BLE001 - reported to the caller; the service keeps serving
             logger.exception("rollout failed")
             ok, summary = False, f"rollout failed: {e}"
+        if not ok and sup.stopping:
+            summary = "the supervisor is stopping (SIGTERM or SIGINT): the rollout ended with it; no replica serves"
     summary += f" ({time.monotonic() - t0:.1f} s)"
     (logger.info if ok else logger.error)("rollout: %s", summary)
-    sd_notify.ready(f"{sup.status_line()}; last rollout {'ok' if ok else 'FAILED'}", env=sup.env)
+    if not sup.stopping:   # after STOPPING=1, READY=1 would tell systemd the service serves again
+        sd_notify.ready(f"{sup.status_line()}; last rollout {'ok' if ok else 'FAILED'}", env=sup.env)
     return ok, summary
 
 
@@ -79,7 +82,10 @@ async def _start_ready(sup: Supervisor, role: Role, timeout_s: float, step: _Ste
     try:
         await new.wait_ready(timeout_s)
     except ReplicaFailed as e:
-        step("error", f"{tag} {e}; stopping it — the old replicas keep serving", replica_id=new.replica_id)
+        # SIGTERM to the supervisor mid-rollout stops the new replica too: the old ones then do not serve on.
+        after = ("the supervisor is stopping, its replicas with it" if sup.stopping else
+                 "stopping it — the old replicas keep serving")
+        step("error", f"{tag} {e}; {after}", replica_id=new.replica_id)
         await new.stop()
         return None
     step("ready", f"{tag} replica {new.replica_id} ready in {new.ready_s:.2f} s", replica_id=new.replica_id,

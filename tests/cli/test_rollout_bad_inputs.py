@@ -149,3 +149,60 @@ def test_a_socket_that_does_not_speak_http_is_named_not_a_traceback(short_tmp, e
     assert r.exit_code == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert "is not a resident supervisor's control socket" in r.output and "something other than HTTP" in r.output
+
+
+def test_a_rollout_ended_by_the_supervisors_stop_does_not_say_the_old_replicas_keep_serving(tmp_path):
+    """SIGTERM to the supervisor mid-rollout stops the new replica and drains the old ones:
+    the caller must not read "the old replicas keep serving", and systemd, told STOPPING=1,
+    must not hear READY=1 when the rollout ends."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from resident.worker.replica_handle import ReplicaFailed, Role
+    from resident.worker.rollout import rollout as run_rollout
+
+    notify_path = str(tmp_path / "notify.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.setblocking(False)
+
+    async def main() -> tuple[bool, str, list[dict]]:
+        sup = SimpleNamespace(started=True, stopping=False, rollout_lock=asyncio.Lock(), port=8000, replicas={},
+                              env={"NOTIFY_SOCKET": notify_path}, status_line=lambda: "1/1 replicas serving",
+                              config=SimpleNamespace(ready_timeout_s=5.0, use_launcher=False),
+                              ready_standby=lambda: None)
+        old = SimpleNamespace(replica_id=1, kv_share=1.0, leaving=False, role=Role.SERVING)
+        sup.replicas[1] = old
+        sup.serving = lambda: [old]
+
+        class New:
+            replica_id, pid, kv_share = 2, 4242, 1.0
+
+            async def wait_ready(self, timeout_s: float) -> None:
+                sup.stopping = True   # SIGTERM arrives while the new replica starts; _shutdown stops it
+                raise ReplicaFailed("replica 2 (pid 4242) exited with code -15 before it was ready")
+
+            async def stop(self) -> None:
+                pass
+
+        async def spawn(role):
+            return New()
+
+        sup.spawn = spawn
+        events: list[dict] = []
+        ok, summary = await run_rollout(sup, events.append)
+        return ok, summary, events
+
+    ok, summary, events = asyncio.run(main())
+    said = []
+    while True:
+        try:
+            said.append(notify.recv(4096).decode())
+        except BlockingIOError:
+            break
+    notify.close()
+    assert not ok
+    assert "keep serving" not in summary and "the supervisor is stopping" in summary
+    assert not any("keep serving" in e["message"] for e in events), events
+    assert not any("READY=1" in line for line in said), said
