@@ -43,7 +43,7 @@ def test_a_replica_admin_socket_is_not_taken_for_the_supervisor(replica_admin, e
     assert '"replica_id"' not in r.output.split("Error:")[0], "a replica's status was printed as the supervisor's"
 
 
-@pytest.mark.parametrize("value", ["nan", "NaN", "0", "-1"])
+@pytest.mark.parametrize("value", ["nan", "NaN", "0", "-1", "inf", "1e999"])
 def test_a_ready_timeout_that_is_not_a_positive_number_is_refused(short_tmp, value):
     r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", str(short_tmp / "none.ctl"),
                                      "--ready-timeout", value])
