@@ -115,7 +115,7 @@ logger = logging.getLogger(__name__)
 @click.option("--admin-socket", type=click.Path(dir_okay=False), default=None,
               help="This worker's admin Unix socket (/ready, /drain, snapshot prepare/resume) [default: "
                    "$RESIDENT_RUNTIME_DIR or /run/resident or $XDG_RUNTIME_DIR/resident or /tmp/resident-UID, "
-                   "then worker-PID.sock]. Replicas of a supervisor keep their own.")
+                   "then worker-PID.sock]. Not with --data-parallel-size: each replica has its own.")
 @click.option("--frontend", type=click.Choice(("inline", "process")), default="inline", show_default=True,
               help="process: HTTP, the tokenizer and detokenization in a front-end process of their own, "
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "

@@ -103,6 +103,11 @@ class SupervisorConfig:
         if self.use_launcher and self.serve.frontend == "process":
             raise ValueError("--launcher forks replicas that serve inline; with --frontend process every replica "
                              "starts its own front-end at exec: drop one of them")
+        if self.serve.admin_socket is not None:
+            # Otherwise ignored without a word: the operator's curl --unix-socket then finds nothing there.
+            raise ValueError(f"--admin-socket {self.serve.admin_socket} names a single worker's admin socket; each "
+                             "replica of a supervisor has its own (<runtime dir>/engine-PORT/replica-ID.sock, listed "
+                             "by `resident rollout --port PORT --status`): drop --admin-socket")
         if self.use_launcher and self.serve.tensor_parallel_size > 1:
             raise ValueError("--launcher cannot start tensor-parallel replicas: a group's other ranks are fresh "
                              "interpreters started by its rank 0, so forking rank 0 saves nothing; drop --launcher "

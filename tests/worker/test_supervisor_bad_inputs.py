@@ -84,6 +84,13 @@ def test_timeouts_that_are_not_numbers_are_refused(field, value, flag):
         SupervisorConfig(serve=serve, **{field: value})
 
 
+def test_an_admin_socket_flag_is_refused_rather_than_ignored():
+    """--admin-socket is one worker's; the replicas' own sockets are the supervisor's to name."""
+    serve = ServeConfig(model="m", preload="off", admin_socket="/tmp/mine.sock")
+    with pytest.raises(ValueError, match="--admin-socket /tmp/mine.sock names a single worker's .* drop --admin"):
+        SupervisorConfig(serve=serve, num_replicas=2)
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
 def test_a_drain_timeout_that_is_not_a_finite_number_is_refused(value):
     with pytest.raises(ValueError, match="--drain-timeout"):   # a single worker's and a supervisor's
