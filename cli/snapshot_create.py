@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from resident.cli.snapshot_doctor import privileges
-from resident.cli.snapshot_manifest import (IMAGES, Manifest, address_ranges, gpu_facts, gpu_used_bytes, versions,
-                                            write_manifest)
+from resident.cli.snapshot_manifest import (IMAGES, Manifest, address_ranges, gpu_facts, gpu_used_bytes, image_sizes,
+                                            versions, write_manifest)
 from resident.cli.snapshot_worker import AdminClient, daemon_socket_of, find_admin, listening_tcp
 from resident.worker import criu, criu_images
 from resident.worker.criu import find_criu, format_version
@@ -151,7 +151,7 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
             criu_options=options, address_ranges=tuple(ranges), image_bytes=criu_images.image_bytes(images),
             canary=worker.get("canary"),
             gpu=gpu,
-            worker=worker, created_at=time.time())
+            worker=worker, created_at=time.time(), image_sizes=image_sizes(images))
         write_manifest(tmp, manifest)
         os.rename(tmp, config.output)
     except BaseException as e:

@@ -119,6 +119,8 @@ class Manifest:
     gpu: dict[str, str] = field(default_factory=dict)   # uuid, driver; used_bytes: held at checkpoint
     worker: dict = field(default_factory=dict)    # the worker's own prepare manifest, verbatim
     created_at: float = 0.0
+    # name -> bytes of each file in images/ as written; {} in a snapshot made before this was kept
+    image_sizes: dict[str, int] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -190,9 +192,28 @@ def load_manifest(directory: Path) -> Manifest:
     images = directory / IMAGES
     if not (images / "pstree.img").is_file() or not (images / "inventory.img").is_file():
         raise ManifestError(f"{images} lacks CRIU's pstree.img/inventory.img: the snapshot is incomplete")
+    # A truncated page image sends `criu restore` into an endless read loop: found here instead.
+    damaged = [f"{name} ({_size(images / name)}, written as {size} bytes)"
+               for name, size in sorted(manifest.image_sizes.items()) if _size(images / name) != str(size)]
+    if damaged:
+        raise ManifestError(f"{images} is damaged (a partial copy?): {', '.join(damaged[:3])}"
+                            + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+                            + "; copy the snapshot again or create a new one")
     return manifest
 
 
+def image_sizes(images: Path) -> dict[str, int]:
+    """name -> bytes of each file in a snapshot's images/ folder (kept in the manifest)."""
+    return {p.name: p.stat().st_size for p in images.iterdir() if p.is_file()}
+
+
+def _size(path: Path) -> str:
+    try:
+        return str(path.stat().st_size)
+    except OSError:
+        return "missing"
+
+
 __all__ = ["FORMAT_VERSION", "IMAGES", "MANIFEST", "Manifest", "ManifestError", "address_ranges", "gpu_facts",
-           "gpu_used_bytes",
+           "gpu_used_bytes", "image_sizes",
            "load_manifest", "versions", "write_manifest"]

@@ -156,6 +156,9 @@ def restore_snapshot(config: RestoreConfig) -> RestoreResult:
     try:
         result = criu.restore(binary, config.directory / IMAGES, manifest.criu_options, log)
     except CriuError as e:
+        # A criu that failed or was killed can leave part of the tree behind, holding the pids
+        # and the port; they were free before it ran, so whatever holds them now is its.
+        criu.kill_tree(list(manifest.tree_pids))
         raise SnapshotError(str(e)) from None
     timings["criu_restore"] = result.seconds
     try:

@@ -241,9 +241,12 @@ class CriuResult:
     args: tuple[str, ...] = field(default=())
 
 
-def _log_tail(path: Path, n: int = 15) -> str:
+def _log_tail(path: Path, n: int = 15, max_bytes: int = 1 << 20) -> str:
+    # Only the end is read: a criu stuck in a loop at -v4 writes gigabytes of log.
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return "(no log)"
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
@@ -253,7 +256,11 @@ def _log_tail(path: Path, n: int = 15) -> str:
 def _run(binary: CriuBinary, args: list[str], timeout_s: float, what: str, log_path: Path) -> float:
     """Run criu with args; its seconds, or CriuError naming `what` with the log's errors."""
     t = time.monotonic()
-    proc = binary.run(args, timeout_s)
+    try:
+        proc = binary.run(args, timeout_s)
+    except subprocess.TimeoutExpired:   # run() has killed criu; the caller cleans up what it left
+        raise CriuError(f"{what} did not finish within {timeout_s:g} s (criu was killed); from {log_path}:\n"
+                        f"{_log_tail(log_path)}") from None
     seconds = time.monotonic() - t
     if proc.returncode != 0:
         raise CriuError(f"{what} failed (exit {proc.returncode}); from {log_path}:\n{_log_tail(log_path)}")

@@ -73,3 +73,32 @@ def test_a_process_whose_sockets_cannot_be_read_is_an_error_not_a_traceback(monk
     monkeypatch.setattr(psutil, "Process", Denied)
     with pytest.raises(WorkerError, match="permission denied"):
         listening_tcp(1)
+
+
+def test_a_criu_restore_that_fails_leaves_none_of_the_tree_behind(tmp_path, monkeypatch):
+    """A criu restore killed at its timeout left the half-restored tree running on the snapshot's
+    pid and port (spinning, in the truncated-image case): its pids were free before, so they go."""
+    import subprocess
+
+    from resident.cli import snapshot_restore
+    from resident.cli.snapshot_manifest import Manifest
+    from resident.worker import criu
+    from resident.worker.criu import CriuError, CriuOptions
+
+    left = subprocess.Popen(["sleep", "60"])
+    manifest = Manifest(model_key="k", device="cpu", pid=left.pid, tree_pids=(left.pid,), host="127.0.0.1",
+                        port=8000, admin_socket="/nonexistent", daemon_socket="", kernel="", versions={},
+                        criu_version="4.2", criu_options=CriuOptions(), address_ranges=(), image_bytes=0, canary=None)
+
+    def restore(*args, **kwargs):
+        raise CriuError("criu restore did not finish within 600 s (criu was killed)")
+
+    monkeypatch.setattr(snapshot_restore, "check_host", lambda config: (manifest, object()))
+    monkeypatch.setattr(criu, "restore", restore)
+    try:
+        with pytest.raises(SnapshotError, match="did not finish"):
+            snapshot_restore.restore_snapshot(RestoreConfig(tmp_path))
+        assert left.wait(timeout=10) == -9
+    finally:
+        left.kill()
+        left.wait()

@@ -216,3 +216,17 @@ def test_a_criu_that_hangs_is_reported_not_a_traceback(tmp_path: Path, monkeypat
     assert f"system criu unusable: {hanging} --version did not answer within 0.5 s" in found.reason()
     slow = criu.CriuBinary((str(hanging),), (4, 2), "system", str(hanging))
     assert slow.check() == (False, f"`{hanging} check` did not finish within 0.5 s")
+
+
+def test_a_dump_or_restore_that_runs_past_its_timeout_is_a_criu_error(tmp_path: Path) -> None:
+    """A criu restore of a truncated page image loops for ever; its timeout was a TimeoutExpired
+    traceback. The error quotes only the end of the log (that loop writes gigabytes of it)."""
+    hanging = tmp_path / "criu"
+    hanging.write_text("#!/bin/sh\nexec sleep 30\n")
+    hanging.chmod(0o755)
+    log = tmp_path / "restore.log"
+    log.write_text("(0.1) Error (criu/early.c:1): early\n" + "(0.2) pie: Preadv\n" * 200_000 + "(0.3) Error: last\n")
+    slow = criu.CriuBinary((str(hanging),), (4, 2), "system", str(hanging))
+    with pytest.raises(CriuError, match="did not finish within 0.3 s") as e:
+        criu.restore(slow, tmp_path, CriuOptions(), log, timeout_s=0.3)
+    assert str(e.value).endswith("(0.3) Error: last") and "early" not in str(e.value)
