@@ -155,18 +155,41 @@ def create_snapshot(config: CreateConfig) -> CreateResult:
         write_manifest(tmp, manifest)
         os.rename(tmp, config.output)
     except BaseException as e:
+        kept_log = _keep_dump_log(tmp, config.output)
         shutil.rmtree(tmp, ignore_errors=True)
         logger.error("snapshot failed (%s); resuming the worker", e)
         try:
             _resume(admin, cuda, config.resume_timeout_s)
         except Exception as resume_error:  # report both; the first is the cause
             raise SnapshotError(f"{e}; resuming the worker afterwards failed too: {resume_error}") from e
+        if isinstance(e, (criu.CriuError, OSError)):   # e.g. the disk filled up: a message, not a traceback
+            raise SnapshotError(_describe_failure(e, tmp, kept_log)) from e
         raise
     if config.leave_running:
         timings.update(_resume(admin, cuda, config.resume_timeout_s))
     else:
         criu.kill_tree(tree, wait_s=30)
     return CreateResult(manifest, timings)
+
+
+def _keep_dump_log(tmp: Path, output: Path) -> Path | None:
+    """Move DIR.tmp/dump.log beside DIR (a rename: works on a full disk) before DIR.tmp goes."""
+    kept = output.with_name(output.name + ".dump.log")
+    try:
+        os.replace(tmp / "dump.log", kept)
+    except OSError:
+        return None
+    return kept
+
+
+def _describe_failure(e: BaseException, tmp: Path, kept_log: Path | None) -> str:
+    text = str(e) if isinstance(e, criu.CriuError) else f"cannot write the snapshot into {tmp}: {e}"
+    text = text.replace(str(tmp / "dump.log"), str(kept_log) if kept_log else "(its log is gone with the tmp folder)")
+    if "No space left" in text:
+        fix = "Free some space there or choose another --output."
+    else:
+        fix = "Choose another --output." if isinstance(e, OSError) else "The log names the cause."
+    return f"{text}\nNothing was kept; the worker was resumed and serves again. {fix}"
 
 
 def _resume(admin: AdminClient, cuda: object, timeout_s: float) -> dict[str, float]:

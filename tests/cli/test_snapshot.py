@@ -130,6 +130,26 @@ def test_create_with_leave_running_keeps_serving(standin: Standin, tmp_path: Pat
     assert r.returncode != 0 and "port" in r.stderr and "in use" in r.stderr
 
 
+def test_a_dump_that_cannot_write_its_images_is_an_error_and_the_worker_serves(standin: Standin,
+                                                                               tmp_path: Path) -> None:
+    """A full disk under --output made criu's dump fail: that was a CriuError traceback naming a
+    log in the removed .tmp folder. (A 1 MiB file size limit stands in for the full disk.)"""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+    out = tmp_path / "snap"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "snapshot", "create", "--pid", str(standin.pid),
+                        "--output", str(out)], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       preexec_fn=small_files)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "criu dump of pid" in r.stderr and "the worker was resumed and serves again" in r.stderr, r.stderr
+    assert f"from {out}.dump.log" in r.stderr and Path(f"{out}.dump.log").is_file()
+    assert not out.exists() and not Path(f"{out}.tmp").exists()
+    assert standin.get()[0] == 200
+
+
 def test_create_by_url(standin: Standin, tmp_path: Path) -> None:
     r = resident("create", "--url", f"http://127.0.0.1:{standin.port}", "--output", str(tmp_path / "s"),
                  "--leave-running")
