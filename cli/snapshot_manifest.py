@@ -99,6 +99,16 @@ def address_ranges(addresses: Any) -> list[tuple[int, int]]:
     return out
 
 
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "model_key": str, "device": str, "pid": int, "host": str, "port": int, "admin_socket": str,
+    "daemon_socket": str, "kernel": str, "versions": dict, "criu_version": str, "image_bytes": int, "gpu": dict,
+    "worker": dict, "created_at": (int, float), "image_sizes": dict, "format_version": int}
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+
+
 @dataclass(frozen=True)
 class Manifest:
     model_key: str
@@ -124,6 +134,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
+        # A hand-edited or foreign manifest with a field of the wrong type failed deep in the
+        # restore checks with an AttributeError traceback; named here instead.
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise ManifestError(f"manifest field {name} is {value!r}, not {_type_names(kind)}")
         if not self.model_key:
             raise ManifestError("manifest has no model_key")
         if self.pid <= 0 or self.pid not in self.tree_pids:
@@ -158,6 +174,8 @@ class Manifest:
             fields["address_ranges"] = tuple(address_ranges(data["address_ranges"]))
             fields["tree_pids"] = tuple(int(p) for p in data["tree_pids"])
             return cls(**fields)
+        except ManifestError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"manifest is incomplete or malformed: {e!r}") from None
 
@@ -188,13 +206,16 @@ def load_manifest(directory: Path) -> Manifest:
         raise ManifestError(f"{path} is corrupt ({e}); create the snapshot again") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is corrupt (not a JSON object); create the snapshot again")
-    manifest = Manifest.from_json(data)
+    try:
+        manifest = Manifest.from_json(data)
+    except ManifestError as e:
+        raise ManifestError(f"{path}: {e}; create the snapshot again") from None
     images = directory / IMAGES
     if not (images / "pstree.img").is_file() or not (images / "inventory.img").is_file():
         raise ManifestError(f"{images} lacks CRIU's pstree.img/inventory.img: the snapshot is incomplete")
     # A truncated page image sends `criu restore` into an endless read loop: found here instead.
-    damaged = [f"{name} ({_size(images / name)}, written as {size} bytes)"
-               for name, size in sorted(manifest.image_sizes.items()) if _size(images / name) != str(size)]
+    damaged = [f"{name} ({_size(images / name)}, written with {size} bytes)"
+               for name, size in sorted(manifest.image_sizes.items()) if _size(images / name) != f"{size} bytes"]
     if damaged:
         raise ManifestError(f"{images} is damaged (a partial copy?): {', '.join(damaged[:3])}"
                             + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
@@ -209,7 +230,7 @@ def image_sizes(images: Path) -> dict[str, int]:
 
 def _size(path: Path) -> str:
     try:
-        return str(path.stat().st_size)
+        return f"{path.stat().st_size} bytes"
     except OSError:
         return "missing"
 

@@ -75,20 +75,49 @@ def test_a_process_whose_sockets_cannot_be_read_is_an_error_not_a_traceback(monk
         listening_tcp(1)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("versions", [], "manifest field versions is [], not dict"),
+    ("host", 5, "manifest field host is 5, not str"),
+    ("device", None, "manifest field device is None, not str"),
+    ("port", True, "manifest field port is True, not int"),
+    ("format_version", 2, "manifest format 2; this resident reads 1"),
+])
+def test_a_manifest_field_of_the_wrong_type_is_named(tmp_path, field, value, message):
+    """A hand-edited or foreign manifest.json that is valid JSON with a field of the wrong type
+    ended the restore in an AttributeError/TypeError traceback."""
+    from resident.cli.snapshot_manifest import ManifestError, load_manifest, write_manifest
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    write_manifest(snap, _manifest(os.getpid()))
+    data = json.loads((snap / "manifest.json").read_text())
+    data[field] = value
+    (snap / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError) as e:
+        load_manifest(snap)
+    assert str(e.value) == f"{snap}/manifest.json: {message}; create the snapshot again"
+
+
+def _manifest(pid: int):
+    from resident.cli.snapshot_manifest import Manifest
+    from resident.worker.criu import CriuOptions
+
+    return Manifest(model_key="k", device="cpu", pid=pid, tree_pids=(pid,), host="127.0.0.1", port=8000,
+                    admin_socket="/nonexistent", daemon_socket="", kernel="", versions={}, criu_version="4.2",
+                    criu_options=CriuOptions(), address_ranges=(), image_bytes=0, canary=None)
+
+
 def test_a_criu_restore_that_fails_leaves_none_of_the_tree_behind(tmp_path, monkeypatch):
     """A criu restore killed at its timeout left the half-restored tree running on the snapshot's
     pid and port (spinning, in the truncated-image case): its pids were free before, so they go."""
     import subprocess
 
     from resident.cli import snapshot_restore
-    from resident.cli.snapshot_manifest import Manifest
     from resident.worker import criu
-    from resident.worker.criu import CriuError, CriuOptions
+    from resident.worker.criu import CriuError
 
     left = subprocess.Popen(["sleep", "60"])
-    manifest = Manifest(model_key="k", device="cpu", pid=left.pid, tree_pids=(left.pid,), host="127.0.0.1",
-                        port=8000, admin_socket="/nonexistent", daemon_socket="", kernel="", versions={},
-                        criu_version="4.2", criu_options=CriuOptions(), address_ranges=(), image_bytes=0, canary=None)
+    manifest = _manifest(left.pid)
 
     def restore(*args, **kwargs):
         raise CriuError("criu restore did not finish within 600 s (criu was killed)")
