@@ -13,6 +13,7 @@ ChatML template for tiny; the folder can be served as it is.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -230,6 +231,15 @@ def _fill(placed: list[Placed], fds: list[int], data_start: list[int], dtype, de
             f.result()
 
 
+def _remove_partial(out: Path, existed: bool) -> None:
+    """Remove what a failed write left in OUT (it was empty or replaced): a partial checkpoint loads as garbage."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+    elif out.is_dir():
+        for p in out.iterdir():
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 @click.command("checkpoint")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--shape", default="llama3-8b", show_default=True, type=click.Choice(sorted(SHAPES)))
@@ -246,6 +256,7 @@ def bench_checkpoint(out: Path, shape: str, dtype: str, device: str, shards: int
         if not force:
             raise click.UsageError(f"{out} exists and is not empty; pass --force to replace it")
         shutil.rmtree(out)
+    existed = out.exists()
     last = [0.0]
     t0 = time.monotonic()
 
@@ -260,5 +271,10 @@ def bench_checkpoint(out: Path, shape: str, dtype: str, device: str, shards: int
         summary = write_checkpoint(out, shape, dtype, device, shards, seed, progress)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    except OSError as e:   # a read-only place, a full disk (the default shape is 16 GB): a message, not a traceback
+        _remove_partial(out, existed)
+        fix = "free some space or choose another OUT" if e.errno == errno.ENOSPC else "choose another OUT"
+        raise click.ClickException(f"cannot write the checkpoint to {out}: {e.strerror or e}; nothing was kept; "
+                                   f"{fix}") from None
     click.echo(f"wrote {summary['bytes'] / 1e9:.2f} GB ({summary['num_tensors']} tensors, {summary['num_shards']} "
                f"shard(s), {dtype}, generated on {summary['device']}) to {out} in {summary['seconds']:.1f} s")

@@ -213,3 +213,20 @@ def test_throughput_with_a_tp_size_that_does_not_divide_the_heads_is_a_usage_err
     r = _bench("throughput", str(tiny_model("llama")), "--tensor-parallel-size", "3", "--batch-sizes", "1",
                "--context", "8", "--steps", "1", "--warmup-steps", "0")
     _one_line_error(r, "--tensor-parallel-size 3 does not divide")
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    """A full disk (a 64 KiB file size limit stands in for it) or a read-only OUT ended
+    `bench checkpoint` in an OSError traceback, with the partial shard left behind."""
+    import resource
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+    out = tmp_path / "ck"
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "bench", "checkpoint", str(out), "--shape", "tiny",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       preexec_fn=small_files)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot write the checkpoint to {out}: File too large; nothing was kept; choose another OUT" in r.stderr
+    assert not out.exists()
