@@ -202,13 +202,13 @@ def run_throughput(model: str, device: str, dtype: str, quantization: str, batch
                 "resident_bytes": v.loaded.nbytes, "results": rows}
 
 
-def _csv_ints(value: str) -> list[int]:
+def _csv_ints(value: str, flag: str = "--batch-sizes") -> list[int]:
     try:
         out = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag) from None
     if not out or any(x < 1 for x in out):
-        raise click.BadParameter(f"expected positive integers, got {value!r}")
+        raise click.BadParameter(f"expected positive integers, got {value!r}", param_hint=flag)
     return out
 
 

@@ -230,3 +230,11 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot write the checkpoint to {out}: File too large; nothing was kept; choose another OUT" in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["throughput", "speculative"])
+@pytest.mark.parametrize("sizes", ["", "0", "a,b"])
+def test_bad_batch_sizes_name_the_flag(name, sizes, tiny_model):
+    """The error said only "Invalid value: expected positive integers, got ''", naming no option."""
+    r = _bench(name, str(tiny_model("llama")), "--batch-sizes", sizes)
+    _one_line_error(r, "Invalid value for --batch-sizes", repr(sizes))
