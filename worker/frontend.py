@@ -185,8 +185,17 @@ def _replica_control(fe: Frontend) -> Any:
             return ReplicaState.STANDBY if state is ReplicaState.SERVING and not fe.accepting else state
 
         async def promote(self) -> float:
+            # A second /promote while the first starts the site (it yields to the loop): a 409, not aiohttp's
+            # "Site ... is already registered" as a 500.
+            if fe.accepting or self.promote_s is not None:
+                raise RuntimeError(f"replica is {self.state.value}, already being promoted")
+            self.promote_s = 0.0
             t = time.monotonic()
-            await fe.site.start()
+            try:
+                await fe.site.start()
+            except BaseException:
+                self.promote_s = None   # not promoted: a retry may try again
+                raise
             fe.accepting = True
             self.promote_s = time.monotonic() - t
             logger.info("promoted: accepting on the shared socket (%.1f ms)", self.promote_s * 1e3)

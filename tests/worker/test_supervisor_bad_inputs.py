@@ -233,3 +233,31 @@ def test_two_promotes_at_once_start_one_listener_and_the_second_is_refused():
     statuses, num_sites = asyncio.run(main())
     assert statuses == [200, 409, 409]
     assert num_sites == 1
+
+
+def test_two_promotes_at_once_of_a_frontend_process_replica_answer_200_and_409():
+    """The same with --frontend process, where the front-end process answers /promote."""
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from resident.worker.admin import AdminServer
+    from resident.worker.frontend import _replica_control
+
+    starts = []
+
+    class Site:
+        async def start(self) -> None:
+            starts.append(1)
+            await asyncio.sleep(0)
+
+    state = SimpleNamespace(failed=None, draining=False, ready=True, alive=True)
+    fe = SimpleNamespace(site=Site(), accepting=False, state=state, stop=SimpleNamespace(set=lambda: None))
+    admin = AdminServer(_replica_control(fe), "/nonexistent/admin.sock")
+
+    async def main() -> list[int]:
+        answers = await asyncio.gather(*(admin.promote(make_mocked_request("POST", "/promote")) for _ in range(3)))
+        return sorted(a.status for a in answers)
+
+    assert asyncio.run(main()) == [200, 409, 409]
+    assert starts == [1]
