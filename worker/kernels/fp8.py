@@ -152,8 +152,7 @@ def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
         return row_gemv.row_gemv_fp8(x_q, scale_a, weight, weight_scale.reshape(()),
                                      bias.contiguous() if bias is not None else None, out_dtype, config=config)
     except TritonError as e:
-        logger.warning("fp8 row GEMV kernel unavailable for %s x %s: %s; using torch._scaled_mm", n, k, e)
-        weight._row_gemv_unavailable = True
+        gemv._unavailable(weight, "fp8 row GEMV kernel", 1, e, "_row_gemv_unavailable", "torch._scaled_mm")
         return None
 
 
@@ -181,8 +180,7 @@ def row_mlp(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gat
                                     down_scale.reshape(()), down_bias.contiguous() if down_bias is not None else None,
                                     out_dtype)
     except TritonError as e:
-        logger.warning("fused fp8 row MLP kernel unavailable for %s x %s: %s; running its three ops", n_gu, k, e)
-        gate_up._row_mlp_unavailable = True
+        gemv._unavailable(gate_up, "fused fp8 row MLP kernel", 1, e, "_row_mlp_unavailable", "its three ops")
         return None
 
 

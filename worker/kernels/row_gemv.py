@@ -235,12 +235,7 @@ def _check_fp8(what: str, x_name: str, x: torch.Tensor, x_dtype: torch.dtype, we
         if t.numel() != 1 or t.dtype != torch.float32:
             raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
     x1 = _check_layout(x, x_name, weight, bias, weight_scale=weight_scale, **scales)
-    n, k = weight.shape
-    config = config or pick_config(n, k, fp8=True)
-    if config is None or k % config.block_k:
-        raise ValueError(f"{what} needs K ({k}) to be a multiple of the tile's BLOCK_K "
-                         f"({config.block_k if config else min(FP8_BLOCK_KS)}); use _scaled_mm for this weight")
-    return x1, config
+    return x1, _config_for(weight, config, what, fp8=True)
 
 
 def _check_out_dtype(out_dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
@@ -303,14 +298,15 @@ def row_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor |
     return out
 
 
-def _config_for(weight: torch.Tensor, config: RowConfig | None, what: str) -> RowConfig:
-    """The 16-bit launch shape for weight [N, K] (given, or `pick_config`'s); ValueError when its
-    BLOCK_K does not divide K."""
+def _config_for(weight: torch.Tensor, config: RowConfig | None, what: str, fp8: bool = False) -> RowConfig:
+    """The launch shape for weight [N, K] (given, or `pick_config`'s); ValueError, naming the GEMM to
+    use instead, when its BLOCK_K does not divide K."""
     n, k = weight.shape
-    config = config or pick_config(n, k)
+    config = config or pick_config(n, k, fp8=fp8)
     if config is None or k % config.block_k:
         raise ValueError(f"{what} needs K ({k}) to be a multiple of the tile's BLOCK_K "
-                         f"({config.block_k if config else min(BLOCK_KS)}); use F.linear for this weight")
+                         f"({config.block_k if config else min(FP8_BLOCK_KS if fp8 else BLOCK_KS)}); use "
+                         f"{'_scaled_mm' if fp8 else 'F.linear'} for this weight")
     return config
 
 
