@@ -6,20 +6,12 @@ become ready (the old replicas then keep serving). Standard library only: no tor
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 import click
 
-
-def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    # FloatRange lets NaN through (it compares false with every bound); the supervisor would
-    # then give each new replica no time at all and fail the rollout. It refuses inf (a new
-    # replica that hangs would hold the rollout forever), so say so here, by the flag's name.
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"must be a finite number of seconds greater than 0, not {value}")
-    return value
+from resident.cli.common import finite_seconds
 
 
 @click.command()
@@ -27,7 +19,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
               help="The port the supervisor (`resident serve --data-parallel-size N`) serves.")
 @click.option("--control-socket", type=click.Path(dir_okay=False), default=None,
               help="The supervisor's control socket [default: derived from --port, see `resident serve --help`].")
-@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=_finite,
+@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=None, callback=finite_seconds,
               help="Seconds each new replica may take to become ready [default: the supervisor's --ready-timeout].")
 @click.option("--status", "show_status", is_flag=True, help="Print the supervisor's replicas as JSON and exit.")
 def rollout(port: int, control_socket: str | None, ready_timeout: float | None, show_status: bool) -> None:
