@@ -70,6 +70,7 @@ class Replica:
         self.ready_s: float | None = None
         self.promote_s: float | None = None
         self._growth: Any = None       # the KV growth thread (GPU), joined when leaving
+        self._snapshot_paused = False  # stop_accepting() stopped the site; start_accepting() restarts it
 
     # --- admin.ReplicaControl ------------------------------------------------------------
     @property
@@ -83,6 +84,8 @@ class Replica:
         if self.state is not ReplicaState.STANDBY or self._site is not None:
             raise RuntimeError(f"replica is {self.state.value}"
                                + (", already being promoted" if self._site is not None else ", not a warm standby"))
+        if self.server_state.paused:   # being snapshotted (or failed to resume): it would answer 503
+            raise RuntimeError(f"replica is {self.state.value} but refuses requests: {self.server_state.paused}")
         t = time.monotonic()
         await self._accept()
         self.promote_s = time.monotonic() - t
@@ -125,9 +128,32 @@ class Replica:
 
     async def _accept(self) -> None:
         assert self._runner is not None
-        self._site = web.SockSite(self._runner, self.sock)
+        # A duplicate of the shared fd: stopping the site closes it, and a snapshot's pause
+        # (stop_accepting) is followed by accepting again on the same socket.
+        self._site = web.SockSite(self._runner, socket.socket(fileno=os.dup(self.sock.fileno())))
         await self._site.start()
         self.state = ReplicaState.SERVING
+
+    # --- snapshot_control listener: a replica being snapshotted leaves new connections to the others
+    async def stop_accepting(self) -> None:
+        """Stop taking connections from the shared socket (the other replicas take them; with
+        none, they wait in its queue) and answer `Connection: close` on the open ones, so a
+        client's next request reconnects. Returns at once for a standby (not accepting)."""
+        if self._site is None or self._snapshot_paused:
+            return
+        self._snapshot_paused = True
+        site, self._site = self._site, None
+        self.closer.closing = True
+        await site.stop()
+        logger.info("snapshot: not accepting connections on the shared socket until the worker serves again")
+
+    async def start_accepting(self) -> None:
+        if not self._snapshot_paused or self._drain.is_set():
+            return
+        self._snapshot_paused = False
+        self.closer.closing = False
+        await self._accept()
+        logger.info("snapshot: accepting connections on the shared socket again")
 
     async def run(self) -> int:
         app = ApiServer(self.server_state).app()
@@ -177,7 +203,7 @@ class Replica:
         self.server_state.ready = True
         from resident.worker.snapshot_control import SnapshotControl
 
-        admin.snapshot = SnapshotControl(self.server_state, self.worker, self.config)
+        admin.snapshot = SnapshotControl(self.server_state, self.worker, self.config, listener=self)
         # GPU: grow the KV cache to this replica's share, chunk by chunk as the GPU has room
         # (an outgoing replica's cache is unmapped only when it exits; kv_budget.py).
         self._growth = start_kv_growth(self.worker, self.metrics, self.config.gpu_memory_utilization)
@@ -197,9 +223,8 @@ class Replica:
         self.state = ReplicaState.DRAINING
         deadline = time.monotonic() + self.config.drain_timeout_s
         if self._site is not None:
-            await self._site.stop()  # closes only this process's copy of the listening fd
-        else:
-            self.sock.close()
+            await self._site.stop()  # closes its duplicate of the listening fd
+        self.sock.close()            # this process's copy; the supervisor's and the other replicas' stay open
         report = await self.closer.close_connections(self._runner.server, self.config.drain_timeout_s)
         logger.info("connections handed back in %.2f s (%d seen, %d closed idle, %d cut at the deadline)",
                     report.seconds, report.num_connections, report.num_closed_idle, report.num_left_at_deadline)

@@ -132,12 +132,19 @@ class SnapshotControl:
 
     `server_state` is the HTTP server's ServerState (its `paused` gates requests), `worker`
     the built startup.Worker, `config` the ServeConfig. Coroutines run on the event loop;
-    the blocking parts run in a thread while the loop keeps answering probes."""
+    the blocking parts run in a thread while the loop keeps answering probes.
 
-    def __init__(self, server_state: Any, worker: Any, config: Any) -> None:
+    `listener`, when given (a replica on its supervisor's shared socket), is told to stop
+    accepting connections when prepare begins and to accept again once the worker serves
+    (a prepare that gave up, a resume that passed its canary): meanwhile the other replicas
+    take every new connection instead of this one answering a share of them 503. It has
+    `async stop_accepting()` and `async start_accepting()`."""
+
+    def __init__(self, server_state: Any, worker: Any, config: Any, listener: Any = None) -> None:
         self.server_state = server_state
         self.worker = worker
         self.config = config
+        self.listener = listener
         self.state = SnapshotState.SERVING
         self.error: str | None = None
         self.canary: Canary | None = None
@@ -175,11 +182,14 @@ class SnapshotControl:
             self.server_state.paused = PAUSED_MESSAGE
             t0 = time.monotonic()
             try:
+                if self.listener is not None:
+                    await self.listener.stop_accepting()
                 await self._quiesce(timeout_s)
                 t1 = time.monotonic()
                 canary = await self._run_canary()
             except BaseException as e:
                 self.state, self.server_state.paused = SnapshotState.SERVING, None
+                await self._accept_again()
                 if isinstance(e, SnapshotError):
                     raise
                 raise SnapshotError(500, f"the canary request failed ({e}); the worker serves again") from e
@@ -330,6 +340,7 @@ class SnapshotControl:
                 raise SnapshotError(500, f"{self.error}; the worker stays not ready: restart it")
             self.last_resume = timings
             self.state, self.server_state.paused, self.manifest = SnapshotState.SERVING, None, None
+            await self._accept_again()
             logger.info("snapshot resumed: serving again (re-attach %.3f s, KV %.3f s, canary %.3f s)",
                         timings["reattach_s"], timings["kv_s"], timings["canary_s"])
             return {"state": self.state.value, **timings, "canary": replay.to_dict()}
@@ -403,6 +414,14 @@ class SnapshotControl:
             raise NotFound(f"after loading {config.model}, the daemon still holds no model with key "
                            f"{store.model_key[:16]}: the checkpoint changed since this worker started; start a "
                            "new worker instead") from None
+
+    async def _accept_again(self) -> None:
+        if self.listener is None:
+            return
+        try:
+            await self.listener.start_accepting()
+        except Exception as e:  # noqa: BLE001 - it serves through its open connections; say why not through new ones
+            logger.error("the worker serves again but could not accept new connections: %s; restart it", e)
 
     def _fail(self, why: str) -> None:
         self.state, self.error = SnapshotState.FAILED, why

@@ -227,6 +227,42 @@ def test_resume_after_the_daemon_unloaded_the_model_stays_detached_until_it_can(
     assert _completion(w.base_url) == before
 
 
+def test_a_supervised_replica_being_snapshotted_leaves_new_connections_to_the_other_one(setup):
+    """Two replicas on one shared socket: while replica 0 is prepared (and detached) it takes no
+    connection, so every request reaches replica 1 (none is answered 503); after resume it
+    accepts again."""
+    from resident.worker.control import control_socket_path, get_status
+
+    s = setup
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(s["run_dir"]))
+    sup = start_serve(s["model"], s["tmp"] / "sup.log", "--preload", "require", "--socket", s["daemon"].socket,
+                      "--data-parallel-size", "2", "--max-model-len", "128", "--kv-cache-memory", "8MiB",
+                      "--cpu-threads", "1", env=env)
+    try:
+        ctl = control_socket_path(int(sup.base_url.rsplit(":", 1)[1]), env)
+        deadline = time.monotonic() + 60
+        while True:
+            replicas = get_status(ctl)["replicas"]
+            if len(replicas) == 2 and all(r["phase"] == "ready" for r in replicas):
+                break
+            assert time.monotonic() < deadline, replicas
+            time.sleep(0.05)
+        path = replicas[0]["admin_socket"]
+        status, body = admin(path, "POST", "/snapshot/prepare", {"timeout_s": 10})
+        assert status == 200, body
+        assert admin(path, "GET", "/status")[1]["accepting"] is False
+        codes = [http(sup.base_url, "POST", "/v1/completions", {**PROMPT, "max_tokens": 1})[0] for _ in range(12)]
+        assert codes == [200] * 12, f"a paused replica still took connections: {codes}"
+
+        status, body = admin(path, "POST", "/snapshot/resume", {})
+        assert status == 200, body
+        assert admin(path, "GET", "/status")[1]["accepting"] is True
+        assert http(sup.base_url, "POST", "/v1/completions", {**PROMPT, "max_tokens": 1})[0] == 200
+        assert "not accepting connections on the shared socket" in sup.log_path.read_text()
+    finally:
+        stop_serve(sup)
+
+
 def test_bad_bodies_are_refused(setup):
     s = setup
     _serving(s)

@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from serve_helpers import serve_env, servable_tiny_model, start_serve, stop_serve
@@ -217,6 +218,7 @@ def test_two_promotes_at_once_start_one_listener_and_the_second_is_refused():
     async def main() -> tuple[list[int], int]:
         replica = object.__new__(Replica)   # only what promote touches; no model
         replica.state, replica._site, replica.promote_s = ReplicaState.STANDBY, None, None
+        replica.server_state = SimpleNamespace(paused=None)
         replica.sock = socket.create_server(("127.0.0.1", 0))
         replica.sock.setblocking(False)
         replica._runner = web.AppRunner(web.Application())
@@ -233,6 +235,34 @@ def test_two_promotes_at_once_start_one_listener_and_the_second_is_refused():
     statuses, num_sites = asyncio.run(main())
     assert statuses == [200, 409, 409]
     assert num_sites == 1
+
+
+def test_a_standby_being_snapshotted_is_not_promoted():
+    """A standby detached for a snapshot would answer every request it accepted 503: /promote
+    says so (409) and starts no listener."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from resident.worker.admin import AdminServer, ReplicaState
+    from resident.worker.replica import Replica
+    from resident.worker.snapshot_control import PAUSED_MESSAGE
+
+    async def main() -> tuple[int, str, int]:
+        replica = object.__new__(Replica)
+        replica.state, replica._site, replica.promote_s = ReplicaState.STANDBY, None, None
+        replica.server_state = SimpleNamespace(paused=PAUSED_MESSAGE)
+        replica._runner = web.AppRunner(web.Application())
+        await replica._runner.setup()
+        try:
+            answer = await AdminServer(replica, "/nonexistent/admin.sock").promote(
+                make_mocked_request("POST", "/promote"))
+            return answer.status, answer.text, len(replica._runner.sites)
+        finally:
+            await replica._runner.cleanup()
+
+    status, text, num_sites = asyncio.run(main())
+    assert status == 409 and "being snapshotted" in text, text
+    assert num_sites == 0
 
 
 def test_two_promotes_at_once_of_a_frontend_process_replica_answer_200_and_409():
