@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 #: Report order of the categories, and the label each prints with.
 CATEGORIES: dict[str, str] = {
     "gemm": "GEMM/GEMV",
-    "attention": "attention",
+    "attention": "attention",          # on CUDA decode also the rotation and the KV write (one kernel)
     "norm": "norm/residual",
     "rotary_kv": "rotary+KV write",
     "activation": "activation (silu-mul)",
