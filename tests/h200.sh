@@ -25,7 +25,9 @@
 #      session 11's: attention, attention-fp8, bf16-gemm — name them in PROBES)
 #   criu: unpack .devdata/criu.tar.xz (here: tar cJf .devdata/criu.tar.xz -C ~/.cache/resident criu; 8 MB; carry
 #      it) where the snapshot tests find CRIU
-#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones); GPU_TESTS_K: a -k filter;
+#   GPU_TESTS: the test paths for `gputests` (default: every test; -m gpu selects the GPU ones; the whole GPU suite
+#      takes ~12 min on one H200 since session 16, more than one call: split it, e.g. the fp8 fused and row GEMV
+#      files in one call, "tests --ignore=FILE ..." in another); GPU_TESTS_K: a -k filter;
 #      GPU_TEST_TIMEOUT: seconds per test (default 90);
 #      -s, so the figures tests print (snapshot restore times, TP agreement, shard load GB/s) reach the log
 #   Each step has its own timeout (*_TIMEOUT, seconds), so a slow one cannot eat the others.
