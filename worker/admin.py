@@ -11,7 +11,8 @@ Routes:
 - `POST /promote`: a standby starts accepting on the shared socket at once (200 with the
   seconds it took); 409 if the replica is not a warm standby.
 - `POST /drain`: stop accepting, hand connections back (see graceful.py), finish in-flight
-  requests, exit 0. Answers 202 at once; the supervisor watches the process exit.
+  requests, exit 0. Answers 202 at once with `{"state": "draining", "previous_state": ...}`;
+  the supervisor watches the process exit.
 - `GET /status`: the replica's state as JSON.
 
 Every `resident serve` process has one (a single worker too: `ServeControl`, at
@@ -185,8 +186,11 @@ class AdminServer:
         return web.json_response({"state": self.control.state.value, "promote_s": seconds})
 
     async def drain(self, request: web.Request) -> web.Response:
+        was = self.control.state.value
         self.control.request_drain("asked on the admin socket")
-        return web.json_response({"state": self.control.state.value}, status=202)
+        # The drain runs on the loop after this answer: say what was asked, and from what state
+        # (the replica's own state still reads as before until the drain task starts).
+        return web.json_response({"state": "draining", "previous_state": was}, status=202)
 
     # --- snapshot (snapshot_control.py) ---------------------------------------------------
     async def snapshot_state(self, request: web.Request) -> web.Response:

@@ -390,7 +390,7 @@ def test_admin_drain_stops_both_processes_with_0(model, tmp_path, short_tmp):
     fe = frontend_pid(w)
     try:
         status, body = admin_call(admin_path(w), "POST", "/drain")
-        assert status == 202, body
+        assert status == 202 and body == {"state": "draining", "previous_state": "serving"}, body
         assert w.proc.wait(EXIT_WAIT_S) == 0, w.log_tail()
         assert wait_gone(fe), "the front-end process outlived the engine process"
         assert "ERROR" not in w.log_path.read_text(), w.log_tail()
