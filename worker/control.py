@@ -70,11 +70,21 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def _request(path: str, method: str, url: str, timeout_s: float) -> http.client.HTTPResponse:
+def _request(path: str, method: str, url: str, timeout_s: float,
+             body_timeout_s: float | None = None) -> http.client.HTTPResponse:
+    """The response's status line and headers within `timeout_s`; its body is read with
+    `body_timeout_s` (default: the same) for each read."""
     conn = UnixHTTPConnection(path, timeout_s)
     try:
         conn.request(method, url)
-        return conn.getresponse()
+        sock = conn.sock   # the response reads through it, also once getresponse has closed `conn`
+        resp = conn.getresponse()
+        if body_timeout_s is not None:
+            sock.settimeout(body_timeout_s)
+        return resp
+    except TimeoutError:
+        conn.close()
+        raise _not_a_supervisor(path, f"nothing within {timeout_s:g} s to {method} {url.split('?')[0]}") from None
     except (FileNotFoundError, ConnectionRefusedError) as e:
         conn.close()
         raise ControlUnavailable(
@@ -104,10 +114,16 @@ def get_status(path: str, timeout_s: float = 10.0) -> dict[str, Any]:
     return status
 
 
+#: Seconds the supervisor has to answer POST /rollout's headers: it sends them before the first step.
+ROLLOUT_ANSWER_TIMEOUT_S = 30.0
+
+
 def request_rollout(path: str, ready_timeout_s: float | None = None, timeout_s: float = 3600.0) -> Iterator[dict]:
-    """Ask for a rolling restart; yields the supervisor's step messages as they happen."""
+    """Ask for a rolling restart; yields the supervisor's step messages as they happen. The
+    answer's headers must come within ROLLOUT_ANSWER_TIMEOUT_S (a socket that accepts and never
+    answers is no supervisor); then up to `timeout_s` may pass between two steps' messages."""
     url = ROLLOUT_PATH + (f"?ready_timeout={ready_timeout_s}" if ready_timeout_s is not None else "")
-    resp = _request(path, "POST", url, timeout_s)
+    resp = _request(path, "POST", url, min(timeout_s, ROLLOUT_ANSWER_TIMEOUT_S), body_timeout_s=timeout_s)
     if resp.status in (404, 405):
         raise _not_a_supervisor(path, f"{resp.status} to POST {ROLLOUT_PATH}")
     if resp.status != 200:

@@ -206,3 +206,29 @@ def test_a_rollout_ended_by_the_supervisors_stop_does_not_say_the_old_replicas_k
     assert "keep serving" not in summary and "the supervisor is stopping" in summary
     assert not any("keep serving" in e["message"] for e in events), events
     assert not any("READY=1" in line for line in said), said
+
+
+
+def test_a_socket_that_accepts_and_never_answers_is_given_up_on_promptly(short_tmp, monkeypatch):
+    """A stuck process (or something else) on the control socket's path: the rollout client waited
+    up to an hour for the answer's first byte; the supervisor answers at once, so a short wait is
+    enough (GET /status, for --status, waits 10 s), and the error names the path."""
+    import socket
+    import time
+
+    from resident.worker import control
+
+    monkeypatch.setattr(control, "ROLLOUT_ANSWER_TIMEOUT_S", 0.5)
+    path = str(short_tmp / "stuck.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+    t = time.monotonic()
+    try:
+        r = CliRunner().invoke(rollout, ["--port", "8000", "--control-socket", path])
+    finally:
+        server.close()
+    assert time.monotonic() - t < 5
+    assert r.exit_code == 1, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert path in r.output and "nothing within 0.5 s" in r.output, r.output
