@@ -40,6 +40,12 @@ def rollout(port: int, control_socket: str | None, ready_timeout: float | None, 
                 break
             click.echo(event["message"], err=event.get("step") == "error")
     except ControlUnavailable as e:
+        if not control_socket and not os.path.exists(path) and _port_answers(port):
+            raise click.ClickException(
+                f"port {port} answers, but no supervisor's control socket is at {path}: a single `resident serve` "
+                "has no replicas to roll (restart it, e.g. `systemctl restart` for a unit, or serve with "
+                "--data-parallel-size N for rolling restarts without failed requests); a supervisor of another "
+                "user or $RESIDENT_RUNTIME_DIR: pass its --control-socket") from None
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         if show_status:
@@ -60,3 +66,14 @@ def rollout(port: int, control_socket: str | None, ready_timeout: float | None, 
         click.echo(f"rollout FAILED: {final['message']}", err=True)
         sys.exit(1)
     click.echo(f"rollout complete: {final['message']}")
+
+
+def _port_answers(port: int) -> bool:
+    """Whether something accepts TCP connections on this host's `port` (loopback)."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False

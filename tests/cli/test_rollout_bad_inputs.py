@@ -232,3 +232,22 @@ def test_a_socket_that_accepts_and_never_answers_is_given_up_on_promptly(short_t
     assert r.exit_code == 1, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert path in r.output and "nothing within 0.5 s" in r.output, r.output
+
+
+def test_a_port_served_without_a_supervisor_is_named(short_tmp, monkeypatch):
+    """`resident rollout --port P` where P is a plain worker's (no control socket): say so and how
+    to restart it, not only that no supervisor listens."""
+    import socket
+
+    monkeypatch.setenv("RESIDENT_RUNTIME_DIR", str(short_tmp / "rt"))
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        r = CliRunner().invoke(rollout, ["--port", str(port)])
+    finally:
+        listener.close()
+    assert r.exit_code == 1, r.output
+    assert f"port {port} answers, but no supervisor's control socket" in r.output
+    assert "--data-parallel-size N" in r.output
+    r = CliRunner().invoke(rollout, ["--port", str(port)])   # nothing there now: the plain message
+    assert "no resident supervisor listens" in r.output, r.output
