@@ -18,7 +18,7 @@ from typing import Any
 from resident.daemon.config import DaemonConfig
 from resident.daemon.errors import DaemonError, FailedPrecondition, InvalidArgument, NotFound, ProtocolMismatch
 from resident.daemon.load_gate import LoadAbandoned, LoadGate, as_daemon_error, check_memory, estimate_nbytes
-from resident.daemon.registry import Registry, ResidentModel, fmt_bytes
+from resident.daemon.registry import MIN_KEY_PREFIX, Registry, ResidentModel, fmt_bytes
 from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class WeightCache:
         self._force_ended: dict[str, str] = {}
         #: The tensor-parallel rank each lease of a sharded model attached (its fds are that rank's slabs).
         self._lease_ranks: dict[str, int] = {}
+        #: Loads planned and not yet resident (waiting for their turn included): id -> (name, model, key).
+        self._loading: dict[int, tuple[str, str, str]] = {}
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -190,6 +192,21 @@ class WeightCache:
         resident = self._resident(spec, key, devices, start, promote=False)
         if resident is not None:
             return resident
+        token = object()
+        with self._state_lock:
+            self._loading[id(token)] = (spec.display_name, spec.model, key)
+        try:
+            return self._load_new(spec, plan, devices, progress, start)
+        finally:
+            with self._state_lock:
+                self._loading.pop(id(token), None)
+
+    def _load_new(self, spec: Any, plan: Any, devices: tuple[str, ...], progress: Callable[[Any], None] | None,
+                  start: float) -> LoadResult:
+        """The part of `load` that waits for the load turn and reads the weights."""
+        from resident.daemon import loader
+
+        key = plan.key
         with self._gate.turn(progress, plan.bytes_to_read, start):
             self._gate.refuse_during_handover("load")
             resident = self._resident(spec, key, devices, start, promote=True)
@@ -297,9 +314,24 @@ class WeightCache:
                 self.observer.on_evict(m)
         self._changed()
 
+    def _still_loading(self, name_or_key: str) -> str | None:
+        """The name of a load in progress (or waiting for its turn) that `name_or_key` names
+        (its name, the model it reads, its key or a key prefix), else None."""
+        prefix = len(name_or_key) >= MIN_KEY_PREFIX and all(c in "0123456789abcdef" for c in name_or_key)
+        for name, model, key in self._loading.values():
+            if name_or_key in (name, model, key) or (prefix and key.startswith(name_or_key)):
+                return name
+        return None
+
     def unload(self, name_or_key: str, force: bool = False) -> list[ResidentModel]:
         self._gate.refuse_during_handover("unload")
         with self._state_lock:
+            loading = self._still_loading(name_or_key)
+            if loading is not None:
+                # Unloading the resident versions now would not stick: the load makes it resident again.
+                raise FailedPrecondition(
+                    f"{loading} is still loading; nothing was unloaded. Retry `resident preload unload "
+                    f"{name_or_key}` when `resident preload status` shows it resident")
             removed = self.registry.remove(name_or_key, force)
             for m in removed:
                 self.sessions.forget_awaiting(m.key)
