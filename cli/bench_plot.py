@@ -47,6 +47,16 @@ def _title(results: dict) -> str:
                if f else ""))
 
 
+def plot_target(path: Path) -> Path:
+    """The file `plot_phases` will write for `path`: itself, or its .svg twin when `path` needs
+    matplotlib and it is not installed (so a bench can say so before its run, not after)."""
+    import importlib.util
+
+    if path.suffix.lower() == ".svg" or importlib.util.find_spec("matplotlib") is not None:
+        return path
+    return path.with_suffix(".svg")
+
+
 def plot_phases(results: dict, variants: list[str], path: Path) -> Path:
     """Draw the bars to `path` (.png or .svg); returns the file written."""
     bars = _bars(results, variants)

@@ -358,6 +358,12 @@ def bench_restart(model: str | None, runs: int, device: str, dtype: str, quantiz
     if plot_path is not None and plot_path.suffix.lower() not in PLOT_SUFFIXES:
         raise click.BadParameter(f"{plot_path.name!r} has no known picture extension; end it in "
                                  f"{' or '.join(PLOT_SUFFIXES)}", param_hint="--plot")
+    if plot_path is not None:
+        from resident.cli.bench_plot import plot_target
+
+        if (target := plot_target(plot_path)) != plot_path:
+            click.echo(f"--plot {plot_path.name}: matplotlib is not installed (pip install matplotlib), so the "
+                       f"picture will be {target}", err=True)
     check_weight_options([quantization], dtype, device)
     if model is None:
         from resident.cli.prepare import default_cache_dir, prepare_default_model

@@ -238,3 +238,16 @@ def test_bad_batch_sizes_name_the_flag(name, sizes, tiny_model):
     """The error said only "Invalid value: expected positive integers, got ''", naming no option."""
     r = _bench(name, str(tiny_model("llama")), "--batch-sizes", sizes)
     _one_line_error(r, "Invalid value for --batch-sizes", repr(sizes))
+
+
+def test_restart_says_before_the_run_that_a_png_will_be_an_svg_without_matplotlib(tiny_model, tmp_path, monkeypatch):
+    """Without matplotlib a .png/.jpg --plot falls back to .svg: said at the start, not only after
+    the whole run (the quantization error stops this run right after the option checks)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    r = _bench("restart", str(tiny_model("llama")), "--plot", str(tmp_path / "phases.jpg"), "--quantization", "int3")
+    _one_line_error(r, "unknown quantization 'int3'")
+    assert f"matplotlib is not installed (pip install matplotlib), so the picture will be {tmp_path / 'phases.svg'}" \
+        in r.output, r.output
