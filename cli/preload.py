@@ -364,6 +364,11 @@ def _daemon_pid(client, socket: str) -> int:
         return _running_pid(socket) or 0
 
 
+#: How long `stop` gives a daemon that is stopping already (another `stop`, a signal: its lock is
+#: gone or its health says NOT_SERVING) to exit before it sends SIGTERM.
+_STOPPING_S = 5.0
+
+
 @preload.command()
 @daemon_options
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
@@ -372,10 +377,11 @@ def _daemon_pid(client, socket: str) -> int:
 @report_daemon_errors
 def stop(daemon: DaemonAddress, timeout_s: float) -> None:
     """Shut the daemon down (Shutdown RPC; SIGTERM if it does not exit in time or does not answer)."""
-    from resident.cli.daemon_process import wait_exit
+    from resident.cli.daemon_process import health_serving, wait_exit
     from resident.daemon.errors import DaemonUnavailable
 
     socket = daemon.socket
+    pid_before = _running_pid(socket)
     try:
         with connect(daemon) as client:
             pid = _daemon_pid(client, socket)
@@ -383,6 +389,11 @@ def stop(daemon: DaemonAddress, timeout_s: float) -> None:
         stopped = wait_exit(pid, socket, timeout_s)
     except (DaemonUnavailable, click.ClickException):
         pid = _running_pid(socket)
+        stopping = pid is None or (pid == pid_before and not health_serving(socket, timeout_s=0.5))
+        if pid_before and stopping and wait_exit(pid_before, socket, min(timeout_s, _STOPPING_S)):
+            # It was stopping already (another `stop`, a signal): it closed its sockets under our hello.
+            click.echo(f"resident daemon (pid {pid_before}) stopped (it was already stopping)")
+            return
         if not pid:  # None: no daemon at all; 0: its pid is unknown
             raise
         click.echo(f"the daemon (pid {pid}) holds {socket}.lock but does not answer", err=True)
