@@ -30,12 +30,15 @@ class ChatTemplateError(ValueError):
     """A chat template could not be compiled or rendered; the message says why.
 
     `kind` is one of "syntax", "security", "raised" (the template called raise_exception),
-    "render" (the template failed on this input) or "missing" (the model has no template).
+    "render" (the template failed on this input), "missing" (the model has no template) or
+    "tool_calls" (the messages hold tool calls or tool results the template does not render).
+    `param` names the message at fault, when one is.
     """
 
-    def __init__(self, message: str, kind: str = "render") -> None:
+    def __init__(self, message: str, kind: str = "render", param: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.param = param
 
 
 class NoChatTemplateError(ChatTemplateError):
@@ -153,6 +156,34 @@ def plain_data(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _reads_tool_calls(template: Any) -> bool:
+    """Whether a template's source reads `tool_calls` at all (`message.tool_calls`,
+    `message['tool_calls']`, `'tool_calls' in message`, `message.get('tool_calls')`): one
+    that never does cannot render an assistant turn that only calls tools."""
+    return any(node.attr == "tool_calls" for node in template.find_all(jinja2.nodes.Getattr)) or any(
+        node.value == "tool_calls" for node in template.find_all(jinja2.nodes.Const))
+
+
+def _tool_message(messages: list[dict], content_only: bool = False) -> tuple[int, dict] | None:
+    """The first message of a tool-use conversation: an assistant turn with tool_calls (with
+    `content_only`, only one without content) or a tool result; None when there is none."""
+    for i, m in enumerate(messages):
+        if m.get("tool_calls") and not (content_only and m.get("content")):
+            return i, m
+        if not content_only and m.get("role") == "tool":
+            return i, m
+    return None
+
+
+def _no_tool_support(found: tuple[int, dict], why: str) -> ChatTemplateError:
+    i, m = found
+    what = "tool_calls" if m.get("tool_calls") else "a tool result"
+    return ChatTemplateError(
+        f"messages[{i}] (role {m.get('role')}) holds {what}, but the model's chat template does not support "
+        f"tool calls ({why}); start the server with a --chat-template that renders tool calls, or send the "
+        "tool call and its result as plain 'content'", kind="tool_calls", param=f"messages[{i}]")
+
+
 def normalize_messages(messages: Any) -> list[dict]:
     """Messages as plain dicts without None values: OpenAI clients send `content: null` or
     `tool_calls: null`, which many templates would render as "None" (transformers drops them)."""
@@ -176,7 +207,9 @@ class ChatTemplate:
             raise ChatTemplateError("the chat template is empty", kind="syntax")
         self.source = source
         try:
-            self._template = _environment().from_string(source)
+            env = _environment()
+            self._template = env.from_string(source)
+            self.reads_tool_calls = _reads_tool_calls(env.parse(source))
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}",
                                     kind="syntax") from e
@@ -188,19 +221,30 @@ class ChatTemplate:
                **kwargs: Any) -> str:
         """Render a conversation. Variables: messages, add_generation_prompt, tools, documents,
         the special tokens (bos_token, eos_token, ...) and any extra kwargs (which win over
-        the special tokens, as in transformers)."""
+        the special tokens, as in transformers). A template that never reads `tool_calls`
+        refuses an assistant turn that only calls tools (it would vanish from the prompt or
+        crash the template), and its failure on a tool-use conversation says so."""
         variables = {**(special_tokens or {}), **kwargs}
         variables = plain_data(variables)
-        variables.update(messages=normalize_messages(messages), add_generation_prompt=bool(add_generation_prompt),
+        messages = normalize_messages(messages)
+        if not self.reads_tool_calls and (found := _tool_message(messages, content_only=True)):
+            raise _no_tool_support(found, "it never reads a message's tool_calls")
+        variables.update(messages=messages, add_generation_prompt=bool(add_generation_prompt),
                          tools=plain_data(tools), documents=plain_data(documents))
         try:
             return self._template.render(**variables)
-        except SecurityError as e:
-            raise ChatTemplateError(f"chat template tried an unsafe operation: {e}", kind="security") from e
-        except TemplateError as e:
-            if type(e) is TemplateError:  # raise_exception(...) from the template itself
-                raise ChatTemplateError(str(e), kind="raised") from e
-            raise ChatTemplateError(f"chat template failed: {e}", kind="render") from e
         except Exception as e:  # noqa: BLE001  untrusted code on user input: any crash is a bad request
-            raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}",
-                                    kind="render") from e
+            error = _render_failure(e)
+            if error.kind != "security" and not self.reads_tool_calls and (found := _tool_message(messages)):
+                error = _no_tool_support(found, f"it failed on them: {error}")
+            raise error from e
+
+
+def _render_failure(e: Exception) -> ChatTemplateError:
+    if isinstance(e, SecurityError):
+        return ChatTemplateError(f"chat template tried an unsafe operation: {e}", kind="security")
+    if type(e) is TemplateError:  # raise_exception(...) from the template itself
+        return ChatTemplateError(str(e), kind="raised")
+    if isinstance(e, TemplateError):
+        return ChatTemplateError(f"chat template failed: {e}", kind="render")
+    return ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}", kind="render")

@@ -173,6 +173,8 @@ class OpenAIServing:
                 chat_template=req.chat_template, tools=req.tools,
                 **req.chat_template_kwargs)
         except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+            if getattr(e, "kind", None) == "tool_calls":   # names the message and the fix itself
+                raise RequestError(str(e), param=e.param) from None
             raise RequestError(f"the chat template failed to render these messages: {e}",
                                param="messages") from None
         ids = self._encode(text, False, "messages")

@@ -328,13 +328,65 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                                    f"got 'text' {part.get('text')!r}", param=f"{param}.content[{j}].text")
             texts.append(part["text"])
         content = "".join(texts)
-    if content is None and not (role == "assistant" and m.get("tool_calls")):
-        raise RequestError(f"{param}.content is required", param=f"{param}.content")
+    tool_calls = m.get("tool_calls") or None   # null or [] (some clients send it): none
+    if tool_calls is not None and role != "assistant":
+        raise RequestError(f"{param} has role {role}; only an assistant message carries tool_calls",
+                           param=f"{param}.tool_calls")
+    if content is None and tool_calls is None:
+        raise RequestError(f"{param}.content is required" + (" (or tool_calls)" if role == "assistant" else ""),
+                           param=f"{param}.content")
     if content is not None and not isinstance(content, str):
         raise RequestError(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
+    tool_call_id = m.get("tool_call_id")
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise RequestError(f"{param}.tool_call_id must be a string (the id of the tool call it answers), "
+                           f"got {tool_call_id!r}", param=f"{param}.tool_call_id")
     out = dict(m)
     out["content"] = content
+    out["tool_calls"] = None if tool_calls is None else _tool_calls(tool_calls, f"{param}.tool_calls")
     return out
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, checked as OpenAI defines them. `function.arguments`
+    (a JSON string on the wire) reaches the template decoded, as vLLM hands it to templates
+    (they write it with `tojson`); missing or empty, it is {} as there."""
+    shape = ('{"id": "<id>", "type": "function", "function": {"name": "<name>", '
+             '"arguments": "<JSON object as a string>"}}')
+    if not isinstance(calls, list):
+        raise RequestError(f"{param} must be a list of tool calls {shape}, got {type(calls).__name__}", param=param)
+    out = []
+    for j, call in enumerate(calls):
+        where = f"{param}[{j}]"
+        if not isinstance(call, dict):
+            raise RequestError(f"{where} must be an object {shape}, got {type(call).__name__}", param=where)
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise RequestError(f"{where}.id is required: the id a tool message's tool_call_id answers; "
+                               f"each tool call is {shape}", param=f"{where}.id")
+        if call.get("type", "function") != "function":
+            raise RequestError(f"{where}.type must be 'function', got {call.get('type')!r}", param=f"{where}.type")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(f"{where}.function.name is required; each tool call is {shape}",
+                               param=f"{where}.function.name" if isinstance(fn, dict) else f"{where}.function")
+        out.append({**call, "type": "function",
+                    "function": {**fn, "arguments": _arguments(fn.get("arguments"), f"{where}.function.arguments")}})
+    return out
+
+
+def _arguments(args: Any, param: str) -> dict[str, Any]:
+    if args is None or args == "":
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError) as e:
+            raise RequestError(f"{param} must be a JSON object encoded as a string; it does not decode ({e})",
+                               param=param) from None
+    if not isinstance(args, dict):
+        raise RequestError(f"{param} must be a JSON object encoded as a string, got {json.dumps(args)[:100]}",
+                           param=param)
+    return args
 
 
 def _tool(tool: Any, i: int) -> None:

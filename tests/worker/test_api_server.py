@@ -54,8 +54,9 @@ BAD = {
         {"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template"),
     "request-supplied template kwargs": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
         {"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
-    "template fails on these messages": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]}, "messages"),
+    "tool call without its function": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]},
+        "messages[0].tool_calls[0].function"),
     "messages not a list": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, "messages"),
 }
 
