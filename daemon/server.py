@@ -70,6 +70,23 @@ def check_path_free(path: str, option: str) -> None:
                      f"choose another {option}, or stop what listens there")
 
 
+def check_socket_folder(path: str, option: str) -> None:
+    """Make the folder of a socket the daemon binds (`--fd-socket`'s: the lock file makes
+    --socket's), and refuse one it cannot create or write with the option to change (the bind
+    failed with a bare errno)."""
+    folder = os.path.dirname(path)
+    try:
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{folder} is not writable")
+    except OSError as e:
+        raise ValueError(f"cannot create the {option} {path} ({e.strerror}): the daemon needs a folder it can "
+                         f"write for it; choose an {option} in such a folder (e.g. leave it out: <socket>.fd) or "
+                         "make that one writable") from None
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -116,6 +133,7 @@ class Daemon:
         # The lock guards --socket's own path only: the paths our sockets are renamed onto
         # must not be a live socket of another daemon (its fd socket, say) or any other file.
         check_path_free(self.config.socket, "--socket")
+        check_socket_folder(self.config.fd_socket, "--fd-socket")
         check_path_free(self.config.fd_socket, "--fd-socket")
         self._owns_paths = True
         backend = get_backend(self.config.backend or default_backend_name())
