@@ -35,9 +35,8 @@ from resident.cli.common import format_table
 log = logging.getLogger(__name__)
 
 EMBED = "model.embed_tokens.weight"
-#: Environment switches that choose decode kernels (kernels/gemv.py, kernels/pdl.py, kernels/fp8.py), recorded in
-#: the JSON.
-KERNEL_SWITCHES = ("RESIDENT_GEMV", "RESIDENT_PDL", "RESIDENT_ROW_MLP")
+#: Environment switches that choose decode kernels (kernels/gemv.py, kernels/pdl.py), recorded in the JSON.
+KERNEL_SWITCHES = ("RESIDENT_GEMV", "RESIDENT_PDL")
 
 
 def copy_bandwidth(device, nbytes: int, repeats: int) -> float:

@@ -9,7 +9,6 @@
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
     python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~30 s on the H200)
     python3 tests/gpu_decode_probes.py fp8-row-gemv  --json OUT.json   (~30 s)
-    python3 tests/gpu_decode_probes.py row-mlp       --json OUT.json   (~60 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -37,8 +36,6 @@
   with its first weight tile loaded before PDL's wait).
 - fp8-row-gemv (session 12, run in session 13): `row_gemv_fp8` per shape over launch shapes
   against `_scaled_mm`, and the same fp8 weights against a bf16 activation (W8A16).
-- row-mlp (session 15, not run yet): the fused one-row MLPs (`row_gemv.row_mlp_fp8`, `row_mlp`)
-  against the three ops each replaces, 32 layers in a graph, over both GEMVs' launch shapes.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -688,90 +685,9 @@ def fp8_row_gemv() -> dict:
     return {"copy_bw": bw, "shapes": rows_out}
 
 
-def _time_mlp_forms(forms: list, layers: list, nbytes: int, bw: float, tag: str) -> dict:
-    """Each (label, fn(configs, gate_up, down), configs) over all `layers` in one CUDA graph: µs a
-    layer, share of the copy bandwidth for `nbytes`, whether layer 0's output equals the first form's."""
-    want, timed = None, {}
-    for label, fn, cfgs in forms:
-        try:
-            got = fn(cfgs, *layers[0])
-            want = want if want is not None else got
-            us = _graph_us(lambda fn=fn, cfgs=cfgs: [fn(cfgs, *layer) for layer in layers], reps=10) / len(layers)
-        except Exception as e:  # noqa: BLE001 - a shape that does not build here: listed
-            timed[label] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
-            continue
-        timed[label] = {"us_per_layer": us, "of_copy_bandwidth": nbytes / (us * 1e-6) / bw,
-                        "equal_to_first": bool(torch.equal(got, want))}
-        print(f"row-mlp {tag} {label}: {us:.2f} us a layer ({nbytes / (us * 1e-6) / bw:.1%})", file=sys.stderr)
-    return timed
-
-
-def row_mlp() -> dict:
-    """The fused one-row MLPs against the three ops each replaces, as 32 Llama-3-8B layers' MLPs
-    (distinct weights) chained in one CUDA graph under the default PDL: microseconds per layer and
-    share of the copy bandwidth for the weights, over launch shapes of the two GEMVs. fp8
-    (`row_gemv.row_mlp_fp8`: gate_up's GEMV applies SiLU-and-mul and raises the maximum, down's
-    quantizes its input; against row_gemv_fp8, silu_and_mul_fp8, row_gemv_fp8; 5.6 GB), then bf16
-    (`row_gemv.row_mlp`; against row_gemv, silu_and_mul, row_gemv; 11.3 GB)."""
-    from resident.worker.kernels import row_gemv
-    from resident.worker.kernels.activation import silu_and_mul, silu_and_mul_fp8
-
-    bw = _copy_bandwidth()
-    f8, bf16 = torch.float8_e4m3fn, torch.bfloat16
-    h, inter = 4096, 14336
-    out = {"copy_bw": bw, "ideal_us_per_layer": {}, "fp8": {}, "bf16": {}}
-    # fp8
-    layers = [((torch.randn(2 * inter, h, device="cuda") * 100).clamp(-440, 440).to(f8),
-               (torch.randn(h, inter, device="cuda") * 100).clamp(-440, 440).to(f8)) for _ in range(32)]
-    x_q = (torch.randn(1, h, device="cuda") * 100).clamp(-440, 440).to(f8)
-    s_a, s_gu, s_d = (torch.tensor(v, device="cuda") for v in (0.01, 2e-5, 7e-4))
-
-    def unfused8(cfgs, gu, d):
-        a_q, s_act = silu_and_mul_fp8(row_gemv.row_gemv_fp8(x_q, s_a, gu, s_gu, None, bf16, config=cfgs[0]))
-        return row_gemv.row_gemv_fp8(a_q, s_act, d, s_d, None, bf16, config=cfgs[1])
-
-    def fused8(cfgs, gu, d):
-        return row_gemv.row_mlp_fp8(x_q, s_a, gu, s_gu, None, d, s_d, None, bf16, configs=cfgs)
-
-    picked = (row_gemv.pick_config(2 * inter, h, fp8=True), row_gemv.pick_config(h, inter, fp8=True))
-    forms = [("unfused picked", unfused8, picked), ("fused picked", fused8, picked)]
-    for gu_rows, gu_warps in ((2, 4), (4, 4), (8, 4), (8, 8)):
-        for d_rows, d_warps in ((2, 4), (4, 4), (8, 8)):
-            cfgs = (row_gemv.RowConfig(gu_rows, 2048, gu_warps), row_gemv.RowConfig(d_rows, 2048, d_warps))
-            if cfgs != picked:
-                forms.append((f"fused gate_up {gu_rows}x2048 w{gu_warps}, down {d_rows}x2048 w{d_warps}", fused8, cfgs))
-    out["ideal_us_per_layer"]["fp8"] = 3 * h * inter / bw * 1e6
-    out["fp8"] = _time_mlp_forms(forms, layers, 3 * h * inter, bw, "fp8")
-    del layers
-    torch.cuda.empty_cache()
-    # bf16
-    layers = [((torch.randn(2 * inter, h, device="cuda", dtype=bf16) * 0.02),
-               (torch.randn(h, inter, device="cuda", dtype=bf16) * 0.02)) for _ in range(32)]
-    x = torch.randn(1, h, device="cuda", dtype=bf16)
-
-    def unfused16(cfgs, gu, d):
-        return row_gemv.row_gemv(silu_and_mul(row_gemv.row_gemv(x, gu, config=cfgs[0])), d, config=cfgs[1])
-
-    def fused16(cfgs, gu, d):
-        return row_gemv.row_mlp(x, gu, None, d, None, configs=cfgs)
-
-    picked = (row_gemv.pick_config(2 * inter, h), row_gemv.pick_config(h, inter))
-    forms = [("unfused picked", unfused16, picked), ("fused picked", fused16, picked)]
-    for gu_cfg in ((8, 1024, 8), (16, 512, 4), (16, 1024, 8), (32, 512, 8)):
-        for d_cfg in ((4, 1024, 4), (8, 1024, 8), (16, 512, 4)):
-            cfgs = (row_gemv.RowConfig(*gu_cfg), row_gemv.RowConfig(*d_cfg))
-            if cfgs != picked:
-                forms.append((f"fused gate_up {'x'.join(map(str, gu_cfg))}, down {'x'.join(map(str, d_cfg))}",
-                              fused16, cfgs))
-    out["ideal_us_per_layer"]["bf16"] = 6 * h * inter / bw * 1e6
-    out["bf16"] = _time_mlp_forms(forms, layers, 6 * h * inter, bw, "bf16")
-    return out
-
-
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv,
-          "row-mlp": row_mlp}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv}
 
 
 def main(argv: list[str] | None = None) -> int:

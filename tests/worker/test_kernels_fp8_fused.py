@@ -302,47 +302,6 @@ def _model_logits_fused_vs_unfused() -> None:
             assert torch.equal(got, want), name
 
 
-def _model_logits_row_mlp_vs_unfused(quantized: bool) -> None:
-    """A tiny Llama whose widths the row GEMV takes (hidden 128, intermediate 256; float16), fp8
-    (`quantized`) or not, one request: in its one-row decode step each layer's MLP runs as
-    `row_gemv.row_mlp_fp8` / `row_mlp` (called here directly: the backend's routers take CUDA
-    tensors only), and the logits equal those of the same model running gate_up, SiLU-and-mul and
-    down (the prefill, 5 rows, runs those either way)."""
-    from fixtures_models import make_tiny_model
-    from weights_util import fused_weights_from_hf_folder
-
-    from resident.worker.config import ModelConfig
-    from resident.worker.kernels import dispatch, row_gemv
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(Path(tmp) / "llama", "llama", init_std=0.05, hidden_size=128, intermediate_size=256)
-        if quantized:
-            config, weights = _fp8_tiny_llama(path, torch.float16)
-        else:
-            config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-            weights = fused_weights_from_hf_folder(path, torch.float16)
-        triton_kernels = dispatch._triton_kernels
-        calls = []
-        fused_mlp = row_gemv.row_mlp_fp8 if quantized else row_gemv.row_mlp
-
-        def row_mlp(x, *args):
-            if x.shape[0] != 1:
-                return None
-            calls.append(tuple(x.shape))
-            return fused_mlp(x, *args)
-        base = triton_kernels()
-        field = "fp8_mlp" if quantized else "mlp"
-        logits = {}
-        for name, kernels in (("row_mlp", dataclasses.replace(base, **{field: row_mlp})),
-                              ("unfused", dataclasses.replace(base, mlp=None, fp8_mlp=None))):
-            dispatch._triton_kernels = lambda kernels=kernels: kernels
-            logits[name] = _prefill_then_decode(config, weights, "triton", {"a": [3, 14, 15, 92, 65]})
-        dispatch._triton_kernels = triton_kernels
-    assert calls == [(1, 128)] * 2, calls                  # 2 layers, the decode step only
-    for got, want in zip(logits["row_mlp"], logits["unfused"]):
-        assert torch.equal(got, want)
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for dname, dtype in DTYPES.items():
@@ -354,8 +313,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             cases[f"{name}[{dname}]"] = (lambda fn=fn, dtype=dtype: fn(dtype))
     cases["paths_and_errors"] = _paths_and_errors
     cases["model_logits_fused_vs_unfused[triton]"] = _model_logits_fused_vs_unfused
-    cases["model_logits_row_mlp_vs_unfused[triton-fp8]"] = lambda: _model_logits_row_mlp_vs_unfused(True)
-    cases["model_logits_row_mlp_vs_unfused[triton-float16]"] = lambda: _model_logits_row_mlp_vs_unfused(False)
     return cases
 
 
@@ -386,10 +343,8 @@ def _fp8_tiny_llama(path: Path, dtype: torch.dtype):
     return config, weights
 
 
-def _prefill_then_decode(config, weights, backend: str,
-                         prompts: dict[str, list[int]] | None = None) -> list[torch.Tensor]:
-    """Logits of a two-request prefill (M = 9) and of one decode step of both (M = 2); `prompts`:
-    other requests (up to two)."""
+def _prefill_then_decode(config, weights, backend: str) -> list[torch.Tensor]:
+    """Logits of a two-request prefill (M = 9) and of one decode step of both (M = 2)."""
     from resident.worker.engine_config import EngineConfig
     from resident.worker.model_runner import ModelRunner
     from resident.worker.outputs import ScheduledRequest, SchedulerOutput
@@ -398,12 +353,11 @@ def _prefill_then_decode(config, weights, backend: str,
     greedy = SamplingParams(temperature=0.0)
     runner = ModelRunner(config, EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=32,
                                               max_num_batched_tokens=64), weights, kernel_backend=backend)
-    prompts = prompts or {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32]}
+    prompts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32]}
     tables = {"a": [0, 1], "b": [2, 3]}
     prefill = [ScheduledRequest(r, p, 0, tables[r], False, greedy, p, []) for r, p in prompts.items()]
     decode = [ScheduledRequest(r, [7], len(p), tables[r], False, greedy, p, []) for r, p in prompts.items()]
-    return [runner.logits(SchedulerOutput(prefill, sum(map(len, prompts.values())))),
-            runner.logits(SchedulerOutput(decode, len(prompts)))]
+    return [runner.logits(SchedulerOutput(prefill, 9)), runner.logits(SchedulerOutput(decode, 2))]
 
 
 # --- in-process: the torch backend, the model's wiring ----------------------------------------
@@ -508,33 +462,6 @@ def test_fp8_scaled_mm_refuses_an_unquantized_input() -> None:
         fp8.fp8_scaled_mm(torch.zeros(2, 32), one, w, one, None, torch.float32)
     with pytest.raises(ValueError, match="last dimension 16 does not match the weight's in_features 32"):
         fp8.fp8_scaled_mm(torch.zeros(2, 16, dtype=FP8_DTYPE), one, w, one, None, torch.float32)
-
-
-@pytest.mark.parametrize("value, mode", [(None, "off"), ("", "off"), ("on", "on"), (" ON ", "on"), ("off", "off")])
-def test_row_mlp_switch_gives_the_triton_backend_its_fused_mlps(value, mode, monkeypatch) -> None:
-    """RESIDENT_ROW_MLP (read when kernels/gemv.py is imported): `on` gives the triton backend
-    `Kernels.mlp` = gemv.decode_mlp and `Kernels.fp8_mlp` = fp8.row_mlp, anything else valid neither
-    (off by default); the torch backend has neither; a bad value names the valid ones."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    from resident.worker.kernels import dispatch, fp8, gemv
-
-    try:
-        if value is None:
-            monkeypatch.delenv("RESIDENT_ROW_MLP", raising=False)
-        else:
-            monkeypatch.setenv("RESIDENT_ROW_MLP", value)
-        importlib.reload(gemv)
-        assert gemv.ROW_MLP_MODE == mode
-        k = dispatch._triton_kernels()
-        assert (k.mlp, k.fp8_mlp) == ((gemv.decode_mlp, fp8.row_mlp) if mode == "on" else (None, None))
-        assert (dispatch.get_kernels("cpu", "torch").mlp, dispatch.get_kernels("cpu", "torch").fp8_mlp) == (None, None)
-        monkeypatch.setenv("RESIDENT_ROW_MLP", "maybe")
-        with pytest.raises(ValueError, match="RESIDENT_ROW_MLP='maybe'.*valid: off, on"):
-            importlib.reload(gemv)
-    finally:
-        monkeypatch.undo()
-        importlib.reload(gemv)
 
 
 def test_both_backends_have_the_fused_ops() -> None:

@@ -69,74 +69,6 @@ def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
             assert_close_to_reference(got, want, out_dtype)
 
 
-def mlp_operands(k: int, inter: int, h: int, seed: int, device: str = "cpu"):
-    """(x_q, scale_a, gate_up [2I, K], its scale, down [H, I], its scale): fp8 operands whose
-    SiLU-and-mul output spans fp8's range after quantization (gate_up's outputs ~0.1)."""
-    x_q, _, gate_up, _ = fp8_operands(2 * inter, k, seed=seed, device=device)
-    _, _, down, s_down = fp8_operands(h, inter, seed=seed + 1, device=device)
-    return (x_q, torch.tensor(0.01, device=device), gate_up, torch.tensor(2e-5, device=device), down,
-            s_down)
-
-
-def _unfused_mlp(x_q, s_a, gate_up, s_gu, down, s_d, dtype, configs=None, gu_bias=None, d_bias=None):
-    """row_gemv_fp8(gate_up) -> activation.silu_and_mul_fp8 -> row_gemv_fp8(down): the three ops."""
-    from resident.worker.kernels.activation import silu_and_mul_fp8
-    from resident.worker.kernels.row_gemv import row_gemv_fp8
-
-    g = row_gemv_fp8(x_q, s_a, gate_up, s_gu, gu_bias, dtype, config=configs[0] if configs else None)
-    a_q, s_act = silu_and_mul_fp8(g)
-    return row_gemv_fp8(a_q, s_act, down, s_d, d_bias, dtype, config=configs[1] if configs else None)
-
-
-def _mlp_matches_unfused(dtype: torch.dtype) -> None:
-    """`row_mlp_fp8` gives the three ops' bits (the default launch shapes, gate_up's 8 rows with
-    down's 2, biases); the stream state it raises is left zeroed, so calls back to back agree."""
-    from resident.worker.kernels import row_gemv
-    from resident.worker.kernels.row_gemv import RowConfig, row_mlp_fp8
-
-    state = torch.zeros(2, dtype=torch.int32)
-    real_state = row_gemv.mlp_state
-    row_gemv.mlp_state = lambda device: state          # one state across calls, as on a GPU's stream
-    try:
-        for i, (k, inter, h, configs) in enumerate([(256, 384, 40, None),
-                                                    (384, 256, 24, (RowConfig(8, 128, 4), RowConfig(2, 128, 4)))]):
-            ops = mlp_operands(k, inter, h, seed=10 * i)
-            biases = {}
-            if i:
-                gen = torch.Generator().manual_seed(5)
-                biases = {"gu_bias": (0.05 * torch.randn(2 * inter, generator=gen)).to(dtype),
-                          "d_bias": torch.randn(h, generator=gen).to(dtype)}
-            want = _unfused_mlp(*ops, dtype, configs, **biases)
-            for _ in range(2):
-                got = row_mlp_fp8(*ops[:4], biases.get("gu_bias"), *ops[4:], biases.get("d_bias"), dtype,
-                                  configs=configs)
-                assert got.dtype == dtype and got.shape == (1, h)
-                assert torch.equal(got, want), (got - want).abs().max()
-                assert state.tolist() == [0, 0]
-    finally:
-        row_gemv.mlp_state = real_state
-
-
-def _mlp16_matches_unfused(dtype: torch.dtype) -> None:
-    """`row_mlp` (16-bit) gives the bits of row_gemv(gate_up), activation.silu_and_mul and
-    row_gemv(down): the default launch shapes, the wide shape's 16 rows with down's 2, biases."""
-    from resident.worker.kernels.activation import silu_and_mul
-    from resident.worker.kernels.row_gemv import RowConfig, row_gemv, row_mlp
-
-    for i, (k, inter, h, configs) in enumerate([(256, 384, 40, None),
-                                                (384, 256, 24, (RowConfig(16, 128, 4), RowConfig(2, 128, 4)))]):
-        x, gate_up = _operands(2 * inter, k, 1, dtype, seed=20 + i)
-        _, down = _operands(h, inter, 1, dtype, seed=30 + i)
-        gen = torch.Generator().manual_seed(i)
-        gu_bias, d_bias = ((torch.randn(2 * inter, generator=gen).to(dtype), torch.randn(h, generator=gen).to(dtype))
-                           if i else (None, None))
-        act = silu_and_mul(row_gemv(x, gate_up, gu_bias, config=configs[0] if configs else None))
-        want = row_gemv(act, down, d_bias, config=configs[1] if configs else None)
-        got = row_mlp(x, gate_up, gu_bias, down, d_bias, configs=configs)
-        assert got.dtype == dtype and got.shape == (1, h)
-        assert torch.equal(got, want), (got - want).abs().max()
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
@@ -147,10 +79,6 @@ def _cases() -> dict[str, Callable[[], None]]:
              for dname, dtype in DTYPES.items() for b in (False, True)}
     cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
-    # bfloat16 here; float16 through a tiny model's logits (test_kernels_fp8_fused.py)
-    cases["mlp_matches_unfused[bfloat16]"] = lambda: _mlp_matches_unfused(torch.bfloat16)
-    for dname, dtype in DTYPES.items():
-        cases[f"mlp16_matches_unfused[{dname}]"] = (lambda dtype=dtype: _mlp16_matches_unfused(dtype))
     return cases
 
 
@@ -189,12 +117,10 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
         RowConfig(rows=6)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "bf16-silu", "fp8", "fp8-silu", "fp8-quant-x"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
 def test_row_gemv_builds_for_hopper(variant: str) -> None:
     """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
-    PDL (the fused MLP's forms: gate_up with SiLU-and-mul and its atomic maximum, down quantizing
-    its input with IEEE division and counting finished programs): no shared-memory tiles beyond the
-    reductions', no spills."""
+    PDL: no shared-memory tiles beyond the reductions', no spills."""
     _need_triton()
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
@@ -205,15 +131,12 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     from resident.worker.kernels import row_gemv
 
     fn = row_gemv._row_gemv_kernel
-    bf16 = variant.startswith("bf16")
-    x_type = "*bf16" if bf16 or variant == "fp8-quant-x" else "*fp8e4nv"
-    w_type = "*bf16" if bf16 else "*fp8e4nv"
-    cfg = row_gemv.pick_config(28672, 4096, fp8=not bf16)
-    constexprs = {"HAS_BIAS": False, "SCALED": variant in ("fp8", "fp8-silu"), "ROWS": cfg.rows,
-                  "BLOCK_K": cfg.block_k, "PDL": True, "SILU": variant.endswith("silu"), "AMAX": variant == "fp8-silu",
-                  "QUANT_X": variant == "fp8-quant-x", "FP8_MAX": 448.0, "MIN_SCALE": 1e-12}
+    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
+    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
+    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
+                  "PDL": True}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                "scale_w_ptr": "*fp32", "state_ptr": "*i32"}
+                "scale_w_ptr": "*fp32"}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
     try:
@@ -226,12 +149,6 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
-    if variant == "fp8-silu":
-        assert "atom.global.gpu.acq_rel.max.s32" in ptx or "red.global.gpu.acq_rel.max.s32" in ptx, ptx[-3000:]
-    if variant == "bf16-silu":
-        assert "atom.global" not in ptx and "red.global" not in ptx
-    if variant == "fp8-quant-x":
-        assert "div.rn.f32" in ptx and "ld.global.cg" in ptx and "atom.global.gpu.acq_rel.add" in ptx
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:
@@ -281,132 +198,6 @@ def test_row_gemv_fp8_rejects_what_it_cannot_do() -> None:
     ):
         with pytest.raises(err, match=match):
             call()
-
-
-def test_row_mlp_fp8_rejects_what_it_cannot_do() -> None:
-    _need_triton()
-    from resident.worker.kernels.row_gemv import RowConfig, row_mlp_fp8
-
-    x_q, s_a, gu, s_gu, down, s_d = mlp_operands(256, 256, 16, seed=0)
-    bf16 = torch.bfloat16
-    for call, err, match in (
-        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down, s_d, None, torch.float32), TypeError,
-         "float16 or bfloat16"),
-        (lambda: row_mlp_fp8(x_q, s_a, gu[:-128], s_gu, None, down, s_d, None, bf16), ValueError,
-         "takes the activation"),
-        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down[:, :128], s_d, None, bf16), ValueError,
-         r"takes the activation \[1, K\]"),
-        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16,
-                             configs=(RowConfig(1, 256, 4), RowConfig(4, 256, 4))), ValueError, "at least 2 rows"),
-        (lambda: row_mlp_fp8(x_q.float(), s_a, gu, s_gu, None, down, s_d, None, bf16), TypeError, "x_q"),
-        (lambda: row_mlp_fp8(x_q, s_a, gu, s_gu, None, down.float(), s_d, None, bf16), TypeError,
-         "float8_e4m3fn weight"),
-        (lambda: row_mlp_fp8(x_q, s_a.double(), gu, s_gu, None, down, s_d, None, bf16), ValueError, "scale_a"),
-    ):
-        with pytest.raises(err, match=match):
-            call()
-
-
-def test_row_mlp_rejects_what_it_cannot_do() -> None:
-    _need_triton()
-    from resident.worker.kernels.row_gemv import RowConfig, row_mlp
-
-    bf16 = torch.bfloat16
-    x, gu = _operands(512, 256, 1, bf16, seed=0)
-    _, down = _operands(16, 256, 1, bf16, seed=1)
-    for call, err, match in (
-        (lambda: row_mlp(x.float(), gu.float(), None, down.float(), None), TypeError, "float16 or bfloat16"),
-        (lambda: row_mlp(x, gu, None, down.half(), None), TypeError, "down torch.float16"),
-        (lambda: row_mlp(torch.cat([x, x]), gu, None, down, None), ValueError, r"x \[1, K\]"),
-        (lambda: row_mlp(x, gu[:-128], None, down, None), ValueError, r"down \[H, I\] with I = 192"),
-        (lambda: row_mlp(x, gu, None, down, None, configs=(RowConfig(1, 256, 4), None)), ValueError,
-         "at least 2 rows"),
-        (lambda: row_mlp(x, gu, torch.zeros(3, dtype=bf16), down, None), ValueError, "bias"),
-    ):
-        with pytest.raises(err, match=match):
-            call()
-
-
-def test_row_mlp_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
-    """`gemv.decode_mlp` (Kernels.mlp of the triton backend under RESIDENT_ROW_MLP=on): None for CPU
-    tensors, more than one row, GEMV modes other than auto/on, a down whose K is not gate_up's half;
-    a TritonError is logged once and that gate_up's MLP is not tried again, its plain row GEMV still
-    is (CUDA-ness patched: CPU tensors stand in, the kernel call is recorded)."""
-    _need_triton()
-    from triton.errors import TritonError
-
-    from resident.worker.kernels import gemv, row_gemv
-
-    bf16 = torch.bfloat16
-    x, gu = _operands(512, 256, 1, bf16, seed=0)
-    _, down = _operands(16, 256, 1, bf16, seed=1)
-    monkeypatch.setattr(gemv, "GEMV_MODE", "auto")
-    assert gemv.decode_mlp(x, gu, None, down, None) is None                          # CPU tensors
-    calls = []
-
-    def fake(x, gu, gu_b, down, d_b):
-        calls.append(gu.shape)
-        if gu.shape[0] == 1024:
-            raise TritonError("no build here")
-        return torch.zeros(1, down.shape[0], dtype=x.dtype)
-
-    monkeypatch.setattr(row_gemv, "row_mlp", fake)
-    monkeypatch.setattr(row_gemv, "weight_eligible", lambda w, k, dtype, device, hopper_only: w.dtype == dtype)
-    assert gemv.decode_mlp(x, gu, None, down, None).shape == (1, 16) and len(calls) == 1
-    assert gemv.decode_mlp(x.reshape(-1), gu, None, down, None).shape == (16,)        # [K] in, [H] out
-    for mode in ("off", "fp8"):
-        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
-        assert gemv.decode_mlp(x, gu, None, down, None) is None
-    monkeypatch.setattr(gemv, "GEMV_MODE", "on")
-    assert gemv.decode_mlp(torch.cat([x, x]), gu, None, down, None) is None            # two rows
-    assert gemv.decode_mlp(x, gu[:256], None, down, None) is None                     # down's K is not I
-    assert gemv.decode_mlp(x, gu, None, down.half(), None) is None                    # another dtype
-    _, gu2 = _operands(1024, 256, 1, bf16, seed=2)
-    _, down2 = _operands(16, 512, 1, bf16, seed=3)
-    for _ in range(2):
-        assert gemv.decode_mlp(x, gu2, None, down2, None) is None
-    assert len(calls) == 3 and gu2._row_mlp_unavailable and not getattr(gu2, "_gemv_unavailable", False)
-
-
-def test_fp8_row_mlp_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:
-    """`fp8.row_mlp` (Kernels.fp8_mlp of the triton backend): None for CPU tensors, more than one row,
-    a float32 output, GEMV modes other than auto/on, a down_proj whose K is not gate_up's half, shapes
-    the row GEMV does not take, no stream state; a TritonError is logged once and that gate_up is not
-    tried again (CUDA-ness patched: CPU tensors stand in, the kernel call is recorded)."""
-    _need_triton()
-    from triton.errors import TritonError
-
-    from resident.worker.kernels import fp8, gemv, row_gemv
-
-    x_q, s_a, gu, s_gu, down, s_d = mlp_operands(256, 256, 16, seed=0)
-    bf16 = torch.bfloat16
-    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None      # CPU tensors
-    calls = []
-
-    def fake(x_q, s_a, gu, s_gu, gu_b, down, s_d, d_b, dtype):
-        calls.append(gu.shape)
-        if gu.shape[0] == 1024:
-            raise TritonError("no build here")
-        return torch.zeros(1, down.shape[0], dtype=dtype)
-
-    monkeypatch.setattr(row_gemv, "row_mlp_fp8", fake)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(gemv, "takes_one_row", lambda n, k, device, fp8=False: k % 128 == 0)
-    monkeypatch.setattr(gemv, "GEMV_MODE", "auto")
-    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is not None and len(calls) == 1
-    for mode in ("off", "fp8"):
-        monkeypatch.setattr(gemv, "GEMV_MODE", mode)
-        assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None
-    monkeypatch.setattr(gemv, "GEMV_MODE", "on")
-    for args in ((torch.cat([x_q, x_q]), s_a, gu, s_gu, None, down, s_d, None, bf16),       # two rows
-                 (x_q, s_a, gu, s_gu, None, down, s_d, None, torch.float32),
-                 (x_q, s_a, gu[:256], s_gu, None, down, s_d, None, bf16),                 # down's K is not I
-                 (x_q, s_a, gu[:200], s_gu, None, down[:, :100], s_d, None, bf16)):       # no tile divides I
-        assert fp8.row_mlp(*args) is None
-    monkeypatch.setattr(row_gemv, "mlp_state", lambda device: None)
-    assert fp8.row_mlp(x_q, s_a, gu, s_gu, None, down, s_d, None, bf16) is None
-    monkeypatch.undo()
-    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("mode", ["auto", "off", "fp8", "on"])
@@ -519,61 +310,6 @@ def test_gpu_fp8_one_row_takes_the_row_gemv_unless_off(mode: str, monkeypatch) -
     head = torch.zeros(row_gemv.MAX_N, 4096, device="cuda").to(torch.float8_e4m3fn)
     fp8.fp8_scaled_mm(x_q, s_a, head, s_w, None, torch.bfloat16)
     assert used == ([1] if takes_row else [])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_row_mlp_is_bit_identical_to_the_three_ops(dtype: torch.dtype) -> None:
-    """Llama-3-8B's MLP in 16 bits on one row: `row_mlp` gives the bits of the row GEMV of gate_up
-    (its wide 16-row shape), silu_and_mul and the row GEMV of down, eagerly and in graph replays."""
-    from resident.worker.kernels.activation import silu_and_mul
-    from resident.worker.kernels.row_gemv import row_gemv, row_mlp
-
-    x, gate_up = _cuda_operands(28672, 4096, dtype, seed=4)
-    _, down = _cuda_operands(4096, 14336, dtype, seed=5)
-    want = row_gemv(silu_and_mul(row_gemv(x, gate_up)), down)
-    assert torch.equal(row_mlp(x, gate_up, None, down, None), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = row_mlp(x, gate_up, None, down, None)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_row_mlp_fp8_is_bit_identical_to_the_three_ops(dtype: torch.dtype) -> None:
-    """Llama-3-8B's MLP (K 4096, I 14336, H 4096) on one quantized row: `row_mlp_fp8` gives the bits
-    of row_gemv_fp8(gate_up), silu_and_mul_fp8 (its coop path here) and row_gemv_fp8(down), eagerly,
-    in a CUDA graph replayed 20 times (and eagerly between replays: one state per stream), on a
-    second stream (its own state); every state is left zeroed."""
-    from resident.worker.kernels import row_gemv
-    from resident.worker.kernels.row_gemv import row_mlp_fp8
-
-    ops = mlp_operands(4096, 14336, 4096, seed=3, device="cuda")
-    want = _unfused_mlp(*ops, dtype)
-    got = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
-    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-    state = row_gemv.mlp_state(got.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
-    for _ in range(20):
-        graph.replay()
-        eager = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
-    torch.cuda.synchronize()
-    assert torch.equal(captured, want) and torch.equal(eager, want)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        other = row_mlp_fp8(*ops[:4], None, *ops[4:], None, dtype)
-        side_state = row_gemv.mlp_state(got.device)
-    torch.cuda.synchronize()
-    assert torch.equal(other, want) and side_state.data_ptr() != state.data_ptr()
-    assert state.tolist() == [0, 0] and side_state.tolist() == [0, 0]
-    assert all(s.tolist() == [0, 0] for s in row_gemv._MLP_STATES.values())
 
 
 def test_fp8_row_routing_falls_back_where_it_does_not_apply(monkeypatch) -> None:

@@ -64,15 +64,6 @@ class Kernels:
     rotary_paged_attention: Callable[..., torch.Tensor] | None = None
     #: the same with paged_attention_fp8's output (x_q [T, Hq*D] fp8, scale_a float32 ())
     rotary_paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    #: (x [T, H], gate_up weight [2I, H], its bias | None, down weight [H, I], its bias | None) -> [T, H] | None:
-    #: an unquantized MLP (gate_up, silu_and_mul, down) in fewer launches where the backend can for this input;
-    #: None (the field or the result): models run the three
-    mlp: Callable[..., torch.Tensor | None] | None = None
-    #: (x_q [T, H] fp8, scale_a float32 (), gate_up weight [2I, H] fp8, its scale, its bias | None, down weight
-    #: [H, I] fp8, its scale, its bias | None, out_dtype) -> [T, H] | None: an fp8_per_tensor MLP (gate_up,
-    #: silu_and_mul_fp8, down on its quantized output) in fewer launches where the backend can for this
-    #: input; None (the field or the result): models run the three
-    fp8_mlp: Callable[..., torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -101,9 +92,7 @@ def _triton_kernels() -> Kernels:
                    fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
                    paged_attention_fp8=paged_attention.paged_attention_fp8,
                    rotary_paged_attention=paged_attention.rotary_paged_attention,
-                   rotary_paged_attention_fp8=paged_attention.rotary_paged_attention_fp8,
-                   mlp=gemv.decode_mlp if gemv.ROW_MLP_MODE == "on" else None,
-                   fp8_mlp=fp8.row_mlp if gemv.ROW_MLP_MODE == "on" else None)
+                   rotary_paged_attention_fp8=paged_attention.rotary_paged_attention_fp8)
 
 
 def triton_available() -> bool:

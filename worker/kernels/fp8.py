@@ -25,10 +25,6 @@ TritonError), the call logs a warning and takes the `_scaled_mm` path instead. O
 on the H200 decode was slower than with `_scaled_mm`
 (docs/benchmarks.md: session 3 with float16 upcasts, 58 % of the copy bandwidth; session 10 on
 the fp8 tensor cores, 264 against 305 tokens/s at batch 1).
-
-`row_mlp` (`Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on, `gemv.ROW_MLP_MODE`, off by default): a whole fp8 MLP on one
-quantized row in two launches (`row_gemv.row_mlp_fp8`) instead of three — gate_up, SiLU-and-mul
-with its quantization, down — bit for bit the same.
 """
 from __future__ import annotations
 
@@ -153,34 +149,6 @@ def _row_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
                                      bias.contiguous() if bias is not None else None, out_dtype, config=config)
     except TritonError as e:
         gemv._unavailable(weight, "fp8 row GEMV kernel", 1, e, "_row_gemv_unavailable", "torch._scaled_mm")
-        return None
-
-
-def row_mlp(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-            gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_scale: torch.Tensor,
-            down_bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """The triton backend's `Kernels.fp8_mlp` under RESIDENT_ROW_MLP=on: an fp8_per_tensor MLP on
-    one quantized row as `row_gemv.row_mlp_fp8` (two launches, bit for bit gate_up,
-    `silu_and_mul_fp8`, down), where both GEMMs take the row GEMV (`_row_or_none`'s rules) and a
-    stream state can be had; None otherwise (the caller runs the three ops), also when Triton
-    cannot run it (logged once, that MLP not tried again)."""
-    if not (x_q.is_cuda and x_q.numel() == x_q.shape[-1] and gemv.GEMV_MODE in ("auto", "on")
-            and out_dtype in (torch.float16, torch.bfloat16)):
-        return None
-    (n_gu, k), (n_d, inter) = gate_up.shape, down.shape
-    if (any(getattr(gate_up, a, False) for a in ("_row_mlp_unavailable", "_row_gemv_unavailable"))
-            or getattr(down, "_row_gemv_unavailable", False)
-            or n_gu != 2 * inter or not gemv.takes_one_row(n_gu, k, x_q.device, fp8=True)
-            or not gemv.takes_one_row(n_d, inter, x_q.device, fp8=True)
-            or row_gemv.mlp_state(x_q.device) is None):
-        return None
-    try:
-        return row_gemv.row_mlp_fp8(x_q.contiguous(), scale_a, gate_up, gate_up_scale.reshape(()),
-                                    gate_up_bias.contiguous() if gate_up_bias is not None else None, down,
-                                    down_scale.reshape(()), down_bias.contiguous() if down_bias is not None else None,
-                                    out_dtype)
-    except TritonError as e:
-        gemv._unavailable(gate_up, "fused fp8 row MLP kernel", 1, e, "_row_mlp_unavailable", "its three ops")
         return None
 
 

@@ -241,7 +241,7 @@ def stream_slot(device: torch.device, arenas: dict[int, torch.Tensor],
     """The current stream's int32 [2] slot on `device` of the arena kept in `arenas` (one per device:
     MAX_COOP_STREAMS slots zeroed once, never freed; `states` remembers which stream has which), or
     None when none can be had without allocating inside a CUDA graph capture (or all slots are
-    taken). The coop barrier's states here; the fused row MLP's in `row_gemv`."""
+    taken). The coop barrier's states (`_coop_state`)."""
     stream = torch.cuda.current_stream(device)
     key = (device.index, stream.cuda_stream)
     state = states.get(key)

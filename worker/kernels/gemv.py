@@ -75,11 +75,6 @@ def gemv_mode(env: Mapping[str, str]) -> str:
 
 #: Read once per process; fp8.fp8_linear and dispatch.get_kernels consult it.
 GEMV_MODE = gemv_mode(os.environ)
-ROW_MLP_MODES = ("off", "on")
-#: RESIDENT_ROW_MLP, read once at import: `on` gives the triton backend the fused one-row MLPs
-#: (`Kernels.mlp` = `decode_mlp`, `Kernels.fp8_mlp` = `fp8.row_mlp`: gate_up applies SiLU-and-mul,
-#: two launches instead of three). Off by default until measured on a GPU (built in session 15 without one).
-ROW_MLP_MODE = env_mode(os.environ, "RESIDENT_ROW_MLP", "fused row MLP mode", ROW_MLP_MODES, "off")
 
 
 def pick_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
@@ -261,30 +256,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def decode_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-               down_bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The triton backend's `Kernels.mlp` under RESIDENT_ROW_MLP=on: an unquantized MLP on one row as
-    `row_gemv.row_mlp` (two launches, bit for bit `decode_linear(gate_up)`, `silu_and_mul`,
-    `decode_linear(down)`) where both linears take the row GEMV (`row_gemv.eligible`'s rules under
-    GEMV_MODE auto/on) and down's K is half of gate_up's N; None otherwise (the caller runs the three
-    ops), also when Triton cannot run it (logged once, that MLP not tried again)."""
-    if (x.numel() != x.shape[-1] or GEMV_MODE not in ("auto", "on") or getattr(gate_up, "_row_mlp_unavailable", False)
-            or gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] != 2 * down.shape[1]):
-        return None
-    hopper_only = GEMV_MODE != "on"
-    if not (row_gemv_mod.eligible(x, gate_up, hopper_only)
-            and row_gemv_mod.weight_eligible(down, down.shape[-1], x.dtype, x.device, hopper_only)):
-        return None
-    try:
-        out = row_gemv_mod.row_mlp(x.reshape(1, x.shape[-1]).contiguous(), gate_up,
-                                   gate_up_bias.contiguous() if gate_up_bias is not None else None, down,
-                                   down_bias.contiguous() if down_bias is not None else None)
-    except TritonError as e:
-        _unavailable(gate_up, "fused row MLP kernel", 1, e, "_row_mlp_unavailable", "its three ops")
-        return None
-    return out.reshape(*x.shape[:-1], down.shape[0])
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through `gemv` for decode sizes: x on CUDA with at most
     MAX_TOKENS rows, 16-bit weight of x's dtype with a contiguous last dimension. Everything else
@@ -304,5 +275,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "ROW_MLP_MODE", "ROW_MLP_MODES",
-           "decode_linear", "decode_mlp", "gemv", "gemv_mode", "linear", "pick_config", "takes_one_row"]
+__all__ = ["BLOCK_K", "DEFAULT_GEMV_MODE", "GEMV_DTYPES", "GEMV_MODE", "GEMV_MODES", "decode_linear", "gemv",
+           "gemv_mode", "linear", "pick_config", "takes_one_row"]

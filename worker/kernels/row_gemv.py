@@ -30,13 +30,6 @@ two e4m3 values are exact in float32, so the sum is `_scaled_mm`'s up to summati
 RESIDENT_GEMV=auto on compute capability 9.0+ (and under `on` on any GPU). On the H200 against
 `_scaled_mm` at M = 1 (session 13, `tests/gpu_decode_probes.py fp8-row-gemv`): qkv 8.2 vs 9.2 us,
 o 5.1 vs 7.3, gate_up 28.7 vs 30.0, down 15.8 vs 18.8.
-
-A whole MLP on one row in two launches (`row_mlp` 16-bit, `row_mlp_fp8`; the triton backend's
-`Kernels.mlp` / `fp8_mlp` under RESIDENT_ROW_MLP=on, session 15, not yet measured on a GPU): the
-kernel's SILU form gives each program ROWS // 2 gate rows and their up rows, applies SiLU-and-mul
-in its epilogue and stores the activation; for fp8 it also raises a per-stream maximum (AMAX),
-from which down's GEMV (QUANT_X) quantizes its input as it loads it — SiLU-and-mul's launch gone,
-bit for bit the three ops.
 """
 from __future__ import annotations
 
@@ -48,9 +41,6 @@ import triton.language as tl
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
-from resident.worker.kernels.activation import _silu_mul
-from resident.worker.kernels.fp8_quant import _quantize_tile, _scale_from_amax, stream_slot
-from resident.worker.layers.linear import FP8_MAX, FP8_MIN_SCALE
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
@@ -101,8 +91,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 
 
 def weight_eligible(weight: torch.Tensor, k: int, dtype: torch.dtype, device: torch.device, hopper_only: bool) -> bool:
-    """`eligible` for a row of K elements of `dtype` on `device` that does not exist yet (the fused
-    MLP's activation)."""
+    """`eligible`'s test of the weight, for a row of K elements of `dtype` on `device`."""
     if not (device.type == "cuda" and dtype in DTYPES and weight.dtype == dtype and weight.dim() == 2
             and weight.shape[1] == k and weight.stride(1) == 1 and 0 < weight.shape[0] < MAX_N
             and k % BLOCK_KS[-1] == 0):
@@ -111,66 +100,28 @@ def weight_eligible(weight: torch.Tensor, k: int, dtype: torch.dtype, device: to
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, state_ptr, N, K, stride_wn,
+def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, SILU: tl.constexpr = False, AMAX: tl.constexpr = False,
-                     QUANT_X: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12):
-    """SILU (gate_up of the fused MLPs, `row_mlp` / `row_mlp_fp8`): the program's ROWS rows are
-    ROWS // 2 gate rows and the matching up rows (N = 2 I); it stores silu(gate) * up [I] and with
-    AMAX (fp8) raises state[0] (the float32 bits of the maximum |value|, an int32 atomic max:
-    order-preserving for floats >= 0).
-    QUANT_X (down_proj of it): x is that 16-bit [K] and state[0] its maximum; each tile of x is
-    quantized as `quantize_fp8_per_tensor` would (the scale from the maximum, then clamp(x / scale)
-    cast to fp8), and the last program to finish (state[1] counts them) zeroes the state."""
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
-    if SILU:
-        half = N // 2
-        j = tl.arange(0, ROWS)
-        rows = tl.minimum(pid * (ROWS // 2) + j % (ROWS // 2), half - 1) + tl.where(j < ROWS // 2, 0, half)
-    else:
-        offs = pid * ROWS + tl.arange(0, ROWS)
-        rows = tl.minimum(offs, N - 1)       # rows past N re-read row N - 1, never stored: unmasked loads
+    offs = pid * ROWS + tl.arange(0, ROWS)
+    rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
     pdl.wait_previous(PDL)
-    if QUANT_X:
-        # .cg: the maximum other SMs' atomics raised, read from L2
-        scale_a = _scale_from_amax(tl.load(state_ptr, cache_modifier=".cg").to(tl.float32, bitcast=True),
-                                   FP8_MAX, MIN_SCALE)
-        x = _quantize_tile(tl.load(x_ptr + cols).to(tl.float32), scale_a, FP8_MAX).to(w.dtype)
-    else:
-        x = tl.load(x_ptr + cols)
+    x = tl.load(x_ptr + cols)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_ptrs + k0)
-        if QUANT_X:
-            x = _quantize_tile(tl.load(x_ptr + k0 + cols).to(tl.float32), scale_a, FP8_MAX).to(w.dtype)
-        else:
-            x = tl.load(x_ptr + k0 + cols)
+        x = tl.load(x_ptr + k0 + cols)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if QUANT_X:       # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
-        acc = acc * (scale_a * tl.load(scale_w_ptr))
-    elif SCALED:
+    if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
         acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
-    if SILU:
-        # gate_up's output in its dtype (what the unfused GEMV stores), then SiLU-and-mul's math
-        gate, up = tl.split(tl.permute(tl.reshape(acc.to(out_ptr.dtype.element_ty), (2, ROWS // 2)), (1, 0)))
-        y = _silu_mul(gate, up)
-        g_offs = pid * (ROWS // 2) + tl.arange(0, ROWS // 2)
-        tl.store(out_ptr + g_offs, y, mask=g_offs < half)
-        if AMAX:
-            tl.atomic_max(state_ptr, tl.max(tl.abs(y.to(tl.float32)), axis=0).to(tl.int32, bitcast=True))
-    else:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
-    if QUANT_X:
-        tl.debug_barrier()                   # every thread of the program has read the maximum
-        if tl.atomic_add(state_ptr + 1, 1) == tl.num_programs(0) - 1:
-            tl.store(state_ptr, 0)           # the last program: ready for the next MLP on this stream
-            tl.store(state_ptr + 1, 0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
 def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -203,101 +154,6 @@ def row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
-def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig,
-            state: torch.Tensor | None = None, silu: bool = False) -> None:
-    """One launch; `silu`: a fused MLP's gate_up (raising `state`'s maximum when given: fp8);
-    `state` without `silu`: the fp8 MLP's down_proj (QUANT_X)."""
-    n, k = weight.shape
-    pdl_opts = pdl.launch(x1.device, 1)
-    quant_x = state is not None and not silu
-    _row_gemv_kernel[(triton.cdiv(n // 2 if silu else n, config.rows // 2 if silu else config.rows),)](
-        x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
-        scale_w if scale_w is not None else out, state if state is not None else out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        **pdl_opts, SILU=silu, AMAX=silu and state is not None, QUANT_X=quant_x, FP8_MAX=FP8_MAX,
-        MIN_SCALE=FP8_MIN_SCALE,
-        num_warps=config.num_warps)
-
-
-def _check_fp8(what: str, x_name: str, x: torch.Tensor, x_dtype: torch.dtype, weight: torch.Tensor,
-               weight_scale: torch.Tensor, bias: torch.Tensor | None, config: RowConfig | None,
-               **scales: torch.Tensor) -> tuple[torch.Tensor, RowConfig]:
-    """row_gemv_fp8's checks of x [1, K] (of x_dtype), weight [N, K] fp8, its scale, bias and any
-    other one-value float32 scales; (x as a [K] view, the config: given, or `pick_config`'s)."""
-    fp8 = torch.float8_e4m3fn
-    if x.numel() != x.shape[-1] or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{what} takes {x_name} [1, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x.dtype != x_dtype or weight.dtype != fp8:
-        raise TypeError(f"{what} takes a {x_dtype} {x_name} and a {fp8} weight, got {x.dtype} and {weight.dtype}")
-    for name, t in (*scales.items(), ("weight_scale", weight_scale)):
-        if t.numel() != 1 or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
-    x1 = _check_layout(x, x_name, weight, bias, weight_scale=weight_scale, **scales)
-    return x1, _config_for(weight, config, what, fp8=True)
-
-
-def _check_out_dtype(out_dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
-    if out_dtype not in allowed:
-        raise TypeError(f"out_dtype must be {' or '.join(str(d).removeprefix('torch.') for d in allowed)}, "
-                        f"got {out_dtype}")
-
-
-def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: RowConfig | None = None) -> torch.Tensor:
-    """out [1, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [1, K]
-    (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
-    bias [N] of any float dtype. K must be a multiple of the config's block_k (default
-    `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
-    _check_out_dtype(out_dtype, (torch.float16, torch.bfloat16, torch.float32))
-    x1, config = _check_fp8("row_gemv_fp8", "x_q", x_q, torch.float8_e4m3fn, weight, weight_scale, bias, config,
-                            scale_a=scale_a)
-    out = torch.empty((1, weight.shape[0]), dtype=out_dtype, device=x_q.device)
-    _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
-    return out
-
-
-def _mlp_act(gate_up: torch.Tensor, gu_config: RowConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The fused MLPs' [1, I] activation buffer, after checking gate_up [2 I, K] and its config."""
-    inter = gate_up.shape[0] // 2
-    if gate_up.shape[0] != 2 * inter or gu_config.rows < 2:
-        raise ValueError(f"a fused row MLP takes gate_up [2 I, K] and a gate_up config of at least 2 rows, got "
-                         f"{tuple(gate_up.shape)} and {gu_config}")
-    return torch.empty((1, inter), dtype=dtype, device=device)
-
-
-def row_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-            down_bias: torch.Tensor | None, *, configs: tuple[RowConfig, RowConfig] | None = None) -> torch.Tensor:
-    """An MLP for one 16-bit row in two launches: down(silu_and_mul(gate_up(x))), bit for bit
-    `row_gemv(gate_up)`, `activation.silu_and_mul`, `row_gemv(down)` without SiLU-and-mul's launch:
-    gate_up's GEMV applies it to its rows in pairs (ROWS // 2 gate rows and their up rows a program)
-    and stores the [I] activation that down's GEMV reads.
-
-    x [1, K] float16/bfloat16; gate_up [2 I, K] and down [H, I] of x's dtype, optional biases.
-    `configs`: (gate_up's, down's) launch shapes (default `pick_config`'s; gate_up's rows even).
-    ValueError/TypeError naming a bad input."""
-    if x.dtype not in DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise TypeError(f"row_mlp takes a float16 or bfloat16 x and weights of its dtype, got x {x.dtype}, gate_up "
-                        f"{gate_up.dtype} and down {down.dtype}")
-    gu_config, d_config = configs or (None, None)
-    if x.numel() != x.shape[-1] or gate_up.dim() != 2 or x.shape[-1] != gate_up.shape[1]:
-        raise ValueError(f"row_mlp takes x [1, K] and gate_up [2 I, K], got {tuple(x.shape)} and "
-                         f"{tuple(gate_up.shape)}")
-    x1 = _check_layout(x, "x", gate_up, gate_up_bias)
-    gu_config = _config_for(gate_up, gu_config, "row_mlp (gate_up)")
-    act = _mlp_act(gate_up, gu_config, x.dtype, x.device)
-    if down.dim() != 2 or down.shape[1] != act.shape[1]:
-        raise ValueError(f"row_mlp takes down [H, I] with I = {act.shape[1]} (half of gate_up's rows), got "
-                         f"{tuple(down.shape)}")
-    _check_layout(act, "the activation", down, down_bias)
-    d_config = _config_for(down, d_config, "row_mlp (down)")
-    out = torch.empty((1, down.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x1, gate_up, gate_up_bias, act, None, None, gu_config, silu=True)
-    _launch(act.reshape(-1), down, down_bias, out, None, None, d_config)
-    return out
-
-
 def _config_for(weight: torch.Tensor, config: RowConfig | None, what: str, fp8: bool = False) -> RowConfig:
     """The launch shape for weight [N, K] (given, or `pick_config`'s); ValueError, naming the GEMM to
     use instead, when its BLOCK_K does not divide K."""
@@ -310,52 +166,40 @@ def _config_for(weight: torch.Tensor, config: RowConfig | None, what: str, fp8: 
     return config
 
 
-# The fused MLP's states [max bits, programs done] (fp8_quant.stream_slot): per device and stream.
-_MLP_ARENAS: dict[int, torch.Tensor] = {}
-_MLP_STATES: dict[tuple[int, int], torch.Tensor] = {}
+def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            scale_a: torch.Tensor | None, scale_w: torch.Tensor | None, config: RowConfig) -> None:
+    n, k = weight.shape
+    pdl_opts = pdl.launch(x1.device, 1)
+    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
+        x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
+        scale_w if scale_w is not None else out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
+        **pdl_opts, num_warps=config.num_warps)
 
 
-def mlp_state(device: torch.device) -> torch.Tensor | None:
-    """The fused MLP's state on `device` for the current stream: a slot of a zeroed arena kept for the
-    process (each MLP leaves it zeroed), on CPU (Triton's interpreter) a new zeroed pair; None inside
-    a CUDA graph capture before any eager call on the device (the caller then takes the unfused ops)."""
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    return stream_slot(device, _MLP_ARENAS, _MLP_STATES)
-
-
-def row_mlp_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
-                gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_scale: torch.Tensor,
-                down_bias: torch.Tensor | None, out_dtype: torch.dtype, *,
-                configs: tuple[RowConfig, RowConfig] | None = None) -> torch.Tensor:
-    """An fp8_per_tensor MLP for one quantized row in two launches: down(silu_and_mul(gate_up(x)))
-    with down's input quantized per tensor, bit for bit `row_gemv_fp8(gate_up)`, then
-    `activation.silu_and_mul_fp8`, then `row_gemv_fp8(down)` — without SiLU-and-mul's launch (and
-    its grid barrier). gate_up's GEMV applies SiLU-and-mul to its rows in pairs and raises the
-    stream's maximum (`mlp_state`); down_proj's GEMV quantizes its input tile by tile from it.
-
-    x_q [1, K] fp8 with scale_a (float32, one value); gate_up [2 I, K] and down [H, I] fp8 with
-    their scales and optional biases; out_dtype (float16 or bfloat16) is gate_up's output and the
-    activation's dtype, as in the unfused ops. `configs`: (gate_up's, down's) launch shapes
-    (default `pick_config`'s; gate_up's rows even). ValueError/TypeError naming a bad input, or no
-    state to be had (a CUDA graph capture before any eager call on the device)."""
-    _check_out_dtype(out_dtype, (torch.float16, torch.bfloat16))
-    gu_config, d_config = configs or (None, None)
-    x1, gu_config = _check_fp8("row_mlp_fp8 (gate_up)", "x_q", x_q, torch.float8_e4m3fn, gate_up, gate_up_scale,
-                               gate_up_bias, gu_config, scale_a=scale_a)
-    act = _mlp_act(gate_up, gu_config, out_dtype, x_q.device)
-    _, d_config = _check_fp8("row_mlp_fp8 (down)", "the activation", act, out_dtype, down, down_scale, down_bias,
-                             d_config)
-    state = mlp_state(x_q.device)
-    if state is None:
-        raise ValueError("row_mlp_fp8 has no state for this stream: a CUDA graph capture before any eager call "
-                         "on this device; run it once outside the capture first")
-    out = torch.empty((1, down.shape[0]), dtype=out_dtype, device=x_q.device)
-    _launch(x1, gate_up, gate_up_bias, act, scale_a.reshape(1), gate_up_scale.reshape(1), gu_config, state,
-            silu=True)
-    _launch(act.reshape(-1), down, down_bias, out, None, down_scale.reshape(1), d_config, state)
+def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: RowConfig | None = None) -> torch.Tensor:
+    """out [1, N] = (x_q @ weight.T) * (scale_a * weight_scale) (+ bias), in out_dtype: x_q [1, K]
+    (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
+    bias [N] of any float dtype. K must be a multiple of the config's block_k (default
+    `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
+    fp8 = torch.float8_e4m3fn
+    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x_q.dtype != fp8 or weight.dtype != fp8:
+        raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
+    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    x1 = _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
+    config = _config_for(weight, config, "row_gemv_fp8", fp8=True)
+    out = torch.empty((1, weight.shape[0]), dtype=out_dtype, device=x_q.device)
+    _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
     return out
 
 
-__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "mlp_state", "pick_config",
-           "row_gemv", "row_gemv_fp8", "row_mlp", "row_mlp_fp8", "weight_eligible"]
+__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
+           "row_gemv_fp8", "weight_eligible"]

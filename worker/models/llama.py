@@ -34,7 +34,7 @@ from resident.worker.config import ModelConfig
 from resident.worker.kernels.dispatch import Kernels, get_kernels
 from resident.worker.kernels.reference import build_cos_sin_cache
 from resident.worker.layers.attention import AttentionMetadata
-from resident.worker.layers.linear import FP8_DTYPE, Fp8PerTensorLinear, UnquantizedLinear, make_linear
+from resident.worker.layers.linear import FP8_DTYPE, Fp8PerTensorLinear, make_linear
 from resident.worker.layers.rotary import compute_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -144,9 +144,6 @@ class LlamaDecoderLayer:
         #: ... and paged attention emits o_proj's fp8 input (`Kernels.paged_attention_fp8`).
         self.fuse_o_quant = (self.fuse_fp8_quant and kernels.paged_attention_fp8 is not None
                              and self.o_bias is None and isinstance(self.o_proj, Fp8PerTensorLinear))
-        #: The unquantized MLP offered to `kernels.mlp` (the fused one-row MLP, where the backend has it).
-        self.fused_mlp = (kernels.mlp if kernels.mlp is not None and isinstance(self.gate_up_proj, UnquantizedLinear)
-                          and isinstance(self.down_proj, UnquantizedLinear) else None)
 
     def attention(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
                   kv_cache: torch.Tensor, quantized_o: bool = False) -> torch.Tensor:
@@ -191,9 +188,7 @@ class LlamaDecoderLayer:
         else:
             hidden, residual = self.add_norm(hidden, residual, self.post_attention_layernorm)
         # Under TP a partial sum: the next layer's (or the final) add_norm reduces it.
-        gu, down = self.gate_up_proj, self.down_proj
-        out = self.fused_mlp(hidden, gu.weight, gu.bias, down.weight, down.bias) if self.fused_mlp else None
-        return (out if out is not None else down(kern.silu_and_mul(gu(hidden)))), residual
+        return self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden))), residual
 
     def forward_fp8(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                     meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,13 +202,8 @@ class LlamaDecoderLayer:
         hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache,
                                 quantized_o=self.fuse_o_quant)
         x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
-        gu, down = self.gate_up_proj, self.down_proj
-        out = (kern.fp8_mlp(x_q, scale, gu.weight, gu.weight_scale, gu.bias, down.weight, down.weight_scale,
-                            down.bias, dtype) if kern.fp8_mlp is not None else None)
-        if out is None:
-            x_q, scale = kern.silu_and_mul_fp8(gu.apply_quantized(x_q, scale, dtype))
-            out = down.apply_quantized(x_q, scale, dtype)
-        return out, residual
+        x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
+        return self.down_proj.apply_quantized(x_q, scale, dtype), residual
 
 
 class ReduceAddNorm:
