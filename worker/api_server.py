@@ -6,8 +6,8 @@ Routes: `/v1/models` (and `/v1/models/{model}`, one card), `/v1/completions`,
 thread live), `/ready` (200 only once the weights are attached and verified, the KV cache
 allocated and the warm-up pass done; 503 before that and while draining), `/metrics`
 (Prometheus). With an API key, `/v1/*` needs `Authorization: Bearer <key>`. Every error is an
-OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB)
-and a handler's bug (a 500).
+OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB:
+refused from its Content-Length before it is read) and a handler's bug (a 500).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
@@ -86,6 +86,44 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                       "and its log has the traceback", "server_error")
 
 
+_TOO_LARGE = (f"the request body is larger than this server's limit of {MAX_BODY_BYTES // 2**20} MiB; "
+              "send a shorter prompt or fewer prompts per request")
+
+
+def _declared_too_large(request: web.BaseRequest) -> web.Response | None:
+    """A JSON 413 for a request whose Content-Length is over the limit, None for any other.
+    The body stays unread, so the response closes the connection (aiohttp reads and drops
+    what the client still sends for a few seconds, so the client sees the 413, not a reset)."""
+    if request.content_length is None or request.content_length <= MAX_BODY_BYTES:
+        return None
+    resp = _error(413, f"{_TOO_LARGE} (its Content-Length is {request.content_length} bytes)")
+    resp.force_close()
+    return resp
+
+
+@web.middleware
+async def _body_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a declared body over the limit as soon as the headers are read: aiohttp's own
+    check (client_max_size) answers only once 32 MiB have arrived."""
+    return _declared_too_large(request) or await handler(request)
+
+
+async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' `Expect: 100-continue` handler (it runs before the middlewares): a body over
+    the limit is refused instead of invited (curl asks so for bodies over 1 MiB); an unknown
+    expectation is a JSON 417. Otherwise "100 Continue", as aiohttp's default handler and
+    its documentation's example write it."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        return _error(417, f"this server does not take 'Expect: {expect}'; send 'Expect: 100-continue' or none")
+    refused = _declared_too_large(request)
+    if refused is None and request.transport is not None:
+        request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return refused
+
+
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     """aiohttp's plain-text errors as OpenAI-style JSON bodies."""
     if isinstance(e, web.HTTPNotFound):
@@ -94,8 +132,7 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
         message = (f"{request.path} does not take {request.method}; "
                    f"use {' or '.join(sorted(e.allowed_methods))}")
     elif isinstance(e, web.HTTPRequestEntityTooLarge):
-        message = (f"the request body is larger than this server's limit of {MAX_BODY_BYTES // 2**20} MiB; "
-                   "send a shorter prompt or fewer prompts per request")
+        message = _TOO_LARGE
     else:
         message = e.text or e.reason
     resp = _error(e.status, message)
@@ -175,14 +212,15 @@ class ApiServer:
         self.state = state
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_auth_middleware(self.state), _errors], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[_body_limit, _auth_middleware(self.state), _errors],
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)   # names may hold '/' (org/name)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=_expect_continue)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=_expect_continue)
         return app
 
     # --- probes --------------------------------------------------------------------------

@@ -71,6 +71,62 @@ def test_unknown_route_wrong_method_and_huge_body_answer_json(server):
     _ok_completion(server.base_url)
 
 
+def _raw_exchange(base_url: str, head: str, body: bytes = b"", timeout_s: float = 5.0) -> tuple[bytes, float]:
+    """Send a request's head and `body` over a raw socket; (what came back by the time the server
+    closed or `timeout_s` passed, seconds to the first bytes of it)."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    url = urlparse(base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=timeout_s) as sock:
+        start = time.monotonic()
+        sock.sendall(head.encode("latin-1") + body)
+        got, first_s = b"", None
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            first_s = time.monotonic() - start if first_s is None else first_s
+            got += chunk
+            if b"\r\n\r\n" in got and b"Content-Length: " in got:
+                head_end = got.index(b"\r\n\r\n") + 4
+                length = int(got.split(b"Content-Length: ", 1)[1].split(b"\r\n", 1)[0])
+                if len(got) >= head_end + length and not got.startswith(b"HTTP/1.1 100 "):
+                    break
+    return got, first_s if first_s is not None else timeout_s
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_a_declared_body_over_the_limit_is_a_413_before_it_is_sent(server, expect):
+    """The 413 came only once 32 MiB had arrived: a client declaring 40 MiB and sending a few
+    bytes waited for ever; with Expect: 100-continue (curl sends it past 1 MiB) it was told to
+    go on and upload it all."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {40 * 2**20}\r\n" + ("Expect: 100-continue\r\n" if expect else "") + "\r\n")
+    got, first_s = _raw_exchange(server.base_url, head, b"" if expect else b'{"model": "tiny", ')
+    assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+    assert first_s < 3.0 and b"Connection: close" in got
+    error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "32 MiB" in error["message"] and str(40 * 2**20) in error["message"], error
+    _ok_completion(server.base_url)
+
+
+def test_expect_100_continue_within_the_limit_is_served_and_an_unknown_expectation_is_json(server):
+    body = _completion_body()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n")
+    got, _ = _raw_exchange(server.base_url, head, timeout_s=1.0)   # the server invites the body ...
+    assert got == b"HTTP/1.1 100 Continue\r\n\r\n", got
+    status, got = http(server.base_url, "POST", "/v1/completions", raw=body, headers={"Expect": "100-continue"})
+    assert status == 200, got                                  # ... and serves it
+    status, got = http(server.base_url, "POST", "/v1/completions", raw=body, headers={"Expect": "telepathy"})
+    _assert_error(got, status, 417, None, "telepathy")
+
+
 @pytest.mark.parametrize("field,value", [("top_p", 0), ("repetition_penalty", 0), ("seed", 2**64)])
 def test_sampling_params_refusals_name_the_field(server, field, value):
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, field: value}

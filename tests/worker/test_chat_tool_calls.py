@@ -123,7 +123,7 @@ def _with_calls(calls) -> list:
     ([{**CALL, "type": "retrieval"}], "messages[1].tool_calls[0].type"),
     ([{"id": "x", "type": "function"}], "messages[1].tool_calls[0].function"),
     ([{"id": "x", "function": {"arguments": "{}"}}], "messages[1].tool_calls[0].function.name"),
-    ([{"id": "x", "function": {"name": "f", "arguments": "{not json"}}], "messages[1].tool_calls[0].function.arguments"),
+    ([{"id": "x", "function": {"name": "f", "arguments": "{not"}}], "messages[1].tool_calls[0].function.arguments"),
     ([{"id": "x", "function": {"name": "f", "arguments": "[1, 2]"}}], "messages[1].tool_calls[0].function.arguments"),
     ([{"id": "x", "function": {"name": "f", "arguments": 5}}], "messages[1].tool_calls[0].function.arguments"),
 ])
