@@ -139,6 +139,7 @@ def open_log(log_path: str, log_file: str | None) -> BinaryIO:
 def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
                    env: dict[str, str] | None = None) -> StartedDaemon:
     """Spawn the daemon in a new session and wait until it serves (or fails, or times out)."""
+    from resident.daemon.lockfile import remove_stale_lock
     from resident.daemon.server import running_daemon_pid
 
     pid = running_daemon_pid(config)
@@ -157,6 +158,7 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
+            remove_stale_lock(config.lock_file)   # it may have died holding it (killed, crashed)
             raise DaemonStartError(
                 f"the daemon exited with code {code} before it was ready; last lines it wrote to {log_path}:\n"
                 f"{log_tail(log_path, offset=offset)}"
@@ -170,6 +172,8 @@ def start_detached(config: DaemonConfig, log_file: str | None, timeout_s: float,
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
+    remove_stale_lock(config.lock_file)   # SIGTERM before its handlers were installed skips its cleanup
     raise DaemonStartError(
         f"the daemon was not ready within {timeout_s:g} s and was stopped; last lines it wrote to {log_path}:\n"
         f"{log_tail(log_path, offset=offset)}"

@@ -51,7 +51,13 @@ class LockFile:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if _is_path(fd, self.path):
+                    break
+                # Its holder unlinked it (a daemon that stopped, remove_stale_lock) after our open:
+                # a lock on that inode guards nothing. Open the path again.
+                os.close(fd)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                continue
             except BlockingIOError:
                 if time.monotonic() < deadline:
                     time.sleep(0.02)
@@ -105,6 +111,39 @@ class LockFile:
                 pass
         os.close(self._fd)
         self._fd = None
+
+
+def _is_path(fd: int, path: str) -> bool:
+    """Whether `fd` is the file `path` names now (not one unlinked or replaced since it was opened)."""
+    try:
+        cur = os.stat(path)
+    except FileNotFoundError:
+        return False
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (cur.st_dev, cur.st_ino)
+
+
+def remove_stale_lock(path: str) -> bool:
+    """Remove the lock file `path` when no daemon holds it (one killed while it started left it
+    behind); never one a live daemon holds. True when it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False   # a daemon holds it
+        if not _is_path(fd, path):
+            return False
+        # Unlinked while we hold the lock: a daemon that opened it meanwhile notices (acquire's _is_path).
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def running_daemon_pid(config: DaemonConfig) -> int | None:
