@@ -35,6 +35,21 @@ from resident.cli.common import (
 log = logging.getLogger(__name__)
 
 BACKENDS = ("host_shm", "cuda_vmm", "cuda_ipc")  # daemon.memory.BACKEND_NAMES, without importing torch
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # daemon.quant.DTYPES, without importing torch
+QUANTIZATIONS = ("none", "fp8_per_tensor")            # daemon.quant.QUANTIZATIONS
+
+
+def _one_of(valid: tuple[str, ...], what: str):
+    """A click callback refusing a value outside `valid` before any RPC, naming the choices and
+    showing at most 40 characters of the value (a 10k-character --dtype came back from the daemon
+    as a 10k-character error, or overflowed gRPC's metadata limit as 'Stream removed')."""
+    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        if value in valid:
+            return value
+        shown = repr(value[:40]) + (f"... ({len(value)} characters)" if len(value) > 40 else "")
+        raise click.BadParameter(f"{shown} is not a {what}; choose one of: {', '.join(valid)}")
+
+    return check
 
 
 @click.group()
@@ -176,8 +191,10 @@ def _model_arg(model: str) -> str:
 @preload.command()
 @click.argument("model")
 @daemon_options
-@click.option("--quantization", default="none", show_default=True, help="none | fp8_per_tensor.")
-@click.option("--dtype", default="auto", show_default=True, help="auto | bfloat16 | float16 | float32.")
+@click.option("--quantization", default="none", show_default=True, callback=_one_of(QUANTIZATIONS, "quantization"),
+              help="none | fp8_per_tensor.")
+@click.option("--dtype", default="auto", show_default=True, callback=_one_of(DTYPES, "dtype"),
+              help="auto | bfloat16 | float16 | float32.")
 @click.option("--name", default="", help="Name to list the model under (default: MODEL).")
 @click.option("--revision", default="", help="Hub revision (branch, tag or commit) for a hub id.")
 @click.option("--draft", default="", metavar="DRAFT",
