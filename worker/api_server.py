@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import HttpVersion11, web
+from aiohttp.http import HttpProcessingError
 
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
@@ -141,13 +142,34 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     return resp
 
 
+class _ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger as its RequestHandler gets it (the handler's documented `logger`
+    argument). Input that aiohttp's HTTP parser refuses (bad chunked encoding, a Content-Length
+    that is no number, a header line over 8190 bytes) is the client's fault: one WARNING line,
+    where aiohttp logged an ERROR with its parser's traceback. Anything else it logs as it did.
+
+    aiohttp answers such input itself, in plain text: a JSON body would need its
+    RequestHandler.handle_error overridden, reachable only through AppRunner's private
+    _make_server, so it stays plain text; the connection closes and the server goes on."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            detail = " ".join(str(exc_info.message).split())
+            self.warning("%s: malformed HTTP, answered %d in plain text: %s", str(msg) % args, exc_info.code,
+                         detail[:300] + ("..." if len(detail) > 300 else ""))
+        else:
+            self.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
 def app_runner(app: web.Application) -> web.AppRunner:
     """The AppRunner of an OpenAI API server: a client that goes away cancels its request's
-    handler, no access log, and request bodies left as sent (aiohttp's `auto_decompress` off):
+    handler, no access log, malformed HTTP logged as one warning (`_ServerLog`), and request
+    bodies left as sent (aiohttp's `auto_decompress` off):
     `ApiServer._body` decodes their Content-Encoding (`decode_body`), so a coding this server
     does not decode gets a JSON 415 naming it, where aiohttp's parser answered a plain-text 400
     (br, zstd without their packages) or passed the bytes on undecoded (an unknown coding)."""
-    return web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False)
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
+                         logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
 
 
 #: Content-Encoding codings a request body may use (identity aside): zlib's. br and zstd, which
