@@ -88,8 +88,7 @@ class CriuBinary:
         return f"{self.path} ({self.source}, version {format_version(self.version)})"
 
     def run(self, args: Sequence[str], timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self.argv, *args], capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
+        return run_group([*self.argv, *args], timeout_s)
 
     def check(self) -> tuple[bool, str]:
         """`criu check`: (ok, its message)."""
@@ -101,10 +100,47 @@ class CriuBinary:
         return proc.returncode == 0 and "Looks good" in text, text
 
 
+#: After killing a timed-out criu's process group: how long to wait for its output pipes to close.
+_KILLED_DRAIN_S = 5.0
+
+
+def run_group(argv: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s), but criu (or a wrapper
+    script) runs in a session of its own, and past its timeout — or when we are interrupted — the
+    whole process group is killed: subprocess.run kills only the direct child, so a wrapper's
+    criu, or the children criu forks, kept running. Raises TimeoutExpired as run does."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException as e:
+        _kill_group(proc)
+        try:   # what the group wrote; a process that left the group may hold the pipes open
+            out, err = proc.communicate(timeout=_KILLED_DRAIN_S)
+        except subprocess.TimeoutExpired:
+            out, err = None, None
+        finally:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            proc.wait()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise subprocess.TimeoutExpired(list(argv), timeout_s, output=out, stderr=err) from None
+        raise
+    return subprocess.CompletedProcess(list(argv), proc.returncode, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (its session's; start_new_session made it leader)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()   # the group is gone (or not ours): at least the child
+
+
 def _probe_version(argv: Sequence[str]) -> tuple[int, ...]:
     try:
-        proc = subprocess.run([*argv, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+        proc = run_group([*argv, "--version"], VERSION_TIMEOUT_S)
     except OSError as e:
         raise CriuError(f"cannot run {argv[-1]}: {e}") from None
     except subprocess.TimeoutExpired:   # a wrapper waiting for a password, say: `snapshot doctor` said nothing
