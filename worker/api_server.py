@@ -11,6 +11,7 @@ refused from its Content-Length before it is read) and a handler's bug (a 500).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 * 2**20
+#: Seconds a request body may stall (no bytes arriving) before the request is answered 408: a
+#: client that stops mid-body (or whose chunked body turns malformed in a later packet, which
+#: aiohttp's parser never reports to the reader) would otherwise hold its handler for ever.
+BODY_IDLE_TIMEOUT_S = 30.0
 ROUTES = "/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
 
 
@@ -123,6 +128,30 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     if refused is None and request.transport is not None:
         request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return refused
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body, as `request.read()` reads it (at most MAX_BODY_BYTES: a 413 past that),
+    but answered 408 once no byte arrived for BODY_IDLE_TIMEOUT_S."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), BODY_IDLE_TIMEOUT_S)
+        except ConnectionResetError:
+            # The client went away mid-body, and its handler is being cancelled: Python 3.11's
+            # wait_for turns that cancellation into the read's own error (3.12's does not).
+            raise asyncio.CancelledError() from None
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body stalled: no byte of it arrived for {BODY_IDLE_TIMEOUT_S:g} s "
+                               f"after {size} bytes; send the whole body without pausing (with chunked encoding, "
+                               "check the chunk sizes)", status=408) from None
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
+        parts.append(chunk)
 
 
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
@@ -286,7 +315,7 @@ class ApiServer:
 
     async def _body(self, request: web.Request) -> object:
         try:
-            raw = await request.read()
+            raw = await _read_body(request)
         except web.RequestPayloadError as e:  # e.g. a body cut short
             raise RequestError(f"the request body could not be read ({e.__cause__ or e})") from None
         return parse_body(decode_body(raw, request.headers.get("Content-Encoding")))

@@ -470,3 +470,37 @@ def test_stop_lists_are_bounded(field, limit):
     req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                               field: values[:limit]}, opts)
     assert len(req.sampling[field]) == limit
+
+
+@pytest.mark.parametrize("stall", ["a body that stops", "a chunked body that turns malformed"])
+def test_a_stalled_body_is_a_408_and_frees_its_handler(monkeypatch, stall):
+    """A client that stops mid-body held its handler for ever; so did a chunked body whose later
+    packet has a bad chunk-size line (aiohttp's parser never tells the reader). After
+    BODY_IDLE_TIMEOUT_S without a byte: a JSON 408, and the server goes on serving."""
+    from resident.worker import api_server
+
+    monkeypatch.setattr(api_server, "BODY_IDLE_TIMEOUT_S", 0.5)
+
+    async def test(s, state, engine):
+        host, port = s._base_url.host, s._base_url.port
+        reader, writer = await asyncio.open_connection(host, port)
+        if stall == "a body that stops":
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": \"m\", ")
+        else:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\n{\"mod\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"zz\r\nel\": 1}\r\n0\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.startswith(b"HTTP/1.1 408 "), head
+        length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        error = json.loads(await reader.readexactly(length))["error"]
+        assert "stalled" in error["message"] and "0.5 s" in error["message"], error
+        writer.close()
+        async with s.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200, await r.text()
+
+    asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))
