@@ -80,9 +80,13 @@ def _error(body: Any) -> str:
 
 def parse_url(url: str) -> tuple[str, int]:
     parsed = urllib.parse.urlsplit(url if "//" in url else "http://" + url)
-    if parsed.port is None:
+    try:
+        port = parsed.port
+    except ValueError:   # urllib's "Port could not be cast to integer value as 'abc'", or out of range
+        raise WorkerError(f"{url!r} has no valid port (a number 1-65535); use e.g. http://127.0.0.1:8000") from None
+    if port is None:
         raise WorkerError(f"{url!r} names no port; use e.g. http://127.0.0.1:8000")
-    return parsed.hostname or "127.0.0.1", parsed.port
+    return parsed.hostname or "127.0.0.1", port
 
 
 def pid_for_port(port: int) -> int:

@@ -14,7 +14,7 @@ from serve_helpers import UnixHTTPHandler, unix_http_server
 from resident.cli import snapshot_create
 from resident.cli.snapshot_create import CreateConfig, SnapshotError, create_snapshot
 from resident.cli.snapshot_restore import RestoreConfig
-from resident.cli.snapshot_worker import WorkerError, find_admin, listening_tcp
+from resident.cli.snapshot_worker import WorkerError, find_admin, listening_tcp, parse_url
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
@@ -131,3 +131,15 @@ def test_a_criu_restore_that_fails_leaves_none_of_the_tree_behind(tmp_path, monk
     finally:
         left.kill()
         left.wait()
+
+
+@pytest.mark.parametrize("url,message", [("http://127.0.0.1:abc", "has no valid port"),
+                                         ("http://127.0.0.1:99999", "has no valid port"),
+                                         ("127.0.0.1", "names no port")])
+def test_a_url_without_a_usable_port_is_named(url, message):
+    """`snapshot create --url http://127.0.0.1:abc` printed urllib's 'Port could not be cast to
+    integer value as 'abc''."""
+    with pytest.raises(WorkerError, match=message) as e:
+        parse_url(url)
+    assert url in str(e.value) and "http://127.0.0.1:8000" in str(e.value)
+    assert parse_url("localhost:8000") == ("localhost", 8000)
