@@ -5,7 +5,10 @@ Validation here covers types and the OpenAI-documented ranges; `SamplingParams` 
 own invariants again when the server builds it (its ValueError also becomes a 400). Fields
 we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
 fields that change processing beyond sampling (a request-supplied chat template, template
-or processor kwargs) are refused unless the server trusts them.
+or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
+that change the output and that we do not implement (`min_tokens`, guided decoding,
+`prompt_logprobs`, a `response_format` other than text, ...) are refused unless sent with
+the value that means "off": ignored, they would silently break what the client asked for.
 """
 from __future__ import annotations
 
@@ -21,14 +24,29 @@ _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_t
                    "include_stop_str_in_output")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
-           "return_tokens_as_token_ids", *_EXTRA_SAMPLING}
+           "return_tokens_as_token_ids", "response_format", *_EXTRA_SAMPLING}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix"})
 CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "response_format", "add_generation_prompt", "chat_template",
+    "parallel_tool_calls", "add_generation_prompt", "chat_template",
     "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs", "metadata", "store",
     "service_tier", "reasoning_effort", "modalities",
 })
+# Fields of vLLM's OpenAI server that change the output and that this server does not
+# implement, each with the values that mean "off" (accepted: they change nothing). Any other
+# value is a 400: ignored like an unknown field, `min_tokens` would still stop at the first
+# EOS, `guided_json` would return free text, `prompt_logprobs` would be missing.
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    "min_tokens": (None, 0), "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+# add_special_tokens defaults differ: a completion prompt gets them, a rendered chat template has them.
+UNSUPPORTED_COMPLETION_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
+UNSUPPORTED_CHAT_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, False), "echo": (None, False),
+                           "continue_final_message": (None, False)}
 # Request fields that change processing beyond sampling: refused unless trusted.
 UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
 MAX_N = 128
@@ -210,8 +228,21 @@ def _stop(body: dict) -> list[str]:
     return list(v)
 
 
+def _unsupported(body: dict, unsupported: dict[str, tuple[Any, ...]]) -> None:
+    for name, offs in unsupported.items():
+        v = body.get(name)
+        # `in` compares with ==: 0 == False, 1.0 == 1; a bool is no length_penalty, though.
+        if v not in offs or (isinstance(v, bool) and not any(isinstance(o, bool) for o in offs)):
+            hint = " or send " + " or ".join(json.dumps(o) for o in offs if o is not None) if len(offs) > 1 else ""
+            raise RequestError(f"'{name}' is not supported by this server; leave it out{hint}", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError(f"'response_format' {json.dumps(fmt)[:200]} is not supported by this server; leave it "
+                           "out or send {\"type\": \"text\"}", param="response_format")
+
+
 def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
-            default_max_tokens: int | None) -> Any:
+            default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     model = body.get("model")
@@ -273,7 +304,8 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     for flag in ("ignore_eos", "include_stop_str_in_output"):
         if flag in body:
             sampling[flag] = _bool(body, flag)
-    ignored = sorted(k for k in body if k not in known)
+    _unsupported(body, unsupported)
+    ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                max_tokens_defaulted=defaulted, sampling=sampling,
                tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
@@ -285,7 +317,8 @@ def _is_token_list(v: Any) -> bool:
 
 
 def parse_completion_request(body: Any, opts: ServingOptions) -> CompletionRequest:
-    req: CompletionRequest = _common(body, opts, COMPLETION_FIELDS, CompletionRequest, "max_tokens", 16)
+    req: CompletionRequest = _common(body, opts, COMPLETION_FIELDS, CompletionRequest, "max_tokens", 16,
+                                         UNSUPPORTED_COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -407,7 +440,8 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
                 raise RequestError(
                     f"'{name}' changes how the prompt is processed and is refused; the operator can "
                     "allow it by starting the server with --trust-request-chat-template", param=name)
-    req: ChatRequest = _common(body, opts, CHAT_FIELDS, ChatRequest, "max_completion_tokens", None)
+    req: ChatRequest = _common(body, opts, CHAT_FIELDS, ChatRequest, "max_completion_tokens", None,
+                                   UNSUPPORTED_CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
@@ -426,9 +460,6 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise RequestError("only 'tool_choice' none or auto is supported", param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError("only 'response_format' {\"type\": \"text\"} is supported", param="response_format")
     req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):

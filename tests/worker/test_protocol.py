@@ -52,6 +52,43 @@ def test_unknown_fields_are_ignored_and_reported():
     assert req.ignored_fields == ["frobnicate", "zeta"]
 
 
+@pytest.mark.parametrize("fn,field,value", [
+    (parse_completion_request, "min_tokens", 3), (parse_chat_request, "min_tokens", 3),
+    (parse_completion_request, "min_tokens", False), (parse_completion_request, "skip_special_tokens", False),
+    (parse_chat_request, "skip_special_tokens", False), (parse_completion_request, "prompt_logprobs", 0),
+    (parse_completion_request, "guided_json", {"type": "object"}), (parse_chat_request, "guided_choice", ["a"]),
+    (parse_chat_request, "guided_regex", "a+"), (parse_chat_request, "structured_outputs", {"json": {}}),
+    (parse_completion_request, "allowed_token_ids", [1]), (parse_completion_request, "bad_words", ["x"]),
+    (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
+    (parse_completion_request, "length_penalty", True), (parse_completion_request, "truncate_prompt_tokens", 5),
+    (parse_completion_request, "add_special_tokens", False), (parse_chat_request, "add_special_tokens", True),
+    (parse_chat_request, "echo", True), (parse_chat_request, "continue_final_message", True),
+    (parse_completion_request, "response_format", {"type": "json_object"}),
+    (parse_chat_request, "response_format", {"type": "json_schema", "json_schema": {}}),
+    (parse_completion_request, "response_format", "text"),
+])
+def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(fn, field, value):
+    """Ignored like unknown fields, they returned an answer that broke what was asked
+    (min_tokens still stopped at the first EOS, response_format json_object on /v1/completions
+    gave free text): a 400 naming the field instead."""
+    body = {"model": "tiny", **({"prompt": "a"} if fn is parse_completion_request else {"messages": MSGS})}
+    err = bad(fn, {**body, field: value})
+    assert err.param == field and "not supported" in err.message
+
+
+@pytest.mark.parametrize("fn,body", [
+    (parse_completion_request, {"prompt": "a", "min_tokens": 0, "skip_special_tokens": True, "prompt_logprobs": None,
+                                "guided_json": None, "use_beam_search": False, "length_penalty": 1,
+                                "add_special_tokens": True, "bad_words": [], "response_format": {"type": "text"}}),
+    (parse_chat_request, {"messages": MSGS, "min_tokens": 0, "add_special_tokens": False, "echo": False,
+                          "continue_final_message": False, "logits_processors": [],
+                          "response_format": {"type": "text"}}),
+])
+def test_those_fields_at_their_off_values_are_accepted_and_not_reported_as_unknown(fn, body):
+    req = fn({"model": "tiny", **body}, OPTS)
+    assert req.ignored_fields == []
+
+
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**9), ("max_tokens", "ten"),
     ("temperature", -0.5), ("temperature", 3), ("temperature", "hot"), ("top_p", 1.5), ("top_p", True),
