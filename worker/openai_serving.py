@@ -300,16 +300,26 @@ class OpenAIServing:
         chat = prep.kind == "chat"
         base = {"id": prep.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": prep.created, "model": prep.request.model}
+
+        def chunk(choice: dict) -> bytes:
+            body = {**base, "choices": [choice]}
+            if prep.request.continuous_usage:   # as vLLM: that choice's counts so far
+                i = choice["index"]
+                num_prompt, num_output = len(prep.prompt_of(i)), choices[i].num_output_tokens
+                body["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                                 "total_tokens": num_prompt + num_output}
+            return sse(body)
+
         if chat:
             for i in range(prep.num_choices):
-                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
         else:
             req: CompletionRequest = prep.request  # type: ignore[assignment]
             if req.echo:
                 for i in range(prep.num_choices):
-                    yield sse({**base, "choices": [{"index": i, "text": prep.prompt_texts[i // req.n],
-                                                    "logprobs": None, "finish_reason": None}]})
+                    yield chunk({"index": i, "text": prep.prompt_texts[i // req.n],
+                                 "logprobs": None, "finish_reason": None})
         offsets = [0] * prep.num_choices
         try:
             async for i, out in self._outputs(prep):
@@ -318,11 +328,11 @@ class OpenAIServing:
                 # A token that only starts a UTF-8 character has no text yet: send it only
                 # when its logprobs were asked for.
                 if out.new_text or (out.new_token_ids and out.logprobs):
-                    yield sse({**base, "choices": [self._delta(prep, i, out, offsets)]})
+                    yield chunk(self._delta(prep, i, out, offsets))
                 if out.finished:
                     fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}
                     fin.update({"delta": {}} if chat else {"text": ""})
-                    yield sse({**base, "choices": [fin]})
+                    yield chunk(fin)
         except RequestError as e:
             yield sse(e.body())
         except (GeneratorExit, asyncio.CancelledError):

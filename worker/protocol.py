@@ -101,6 +101,7 @@ class CommonRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False   # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     max_tokens: int | None = None
     max_tokens_defaulted: bool = False   # not sent: the route's default (completions: 16, as OpenAI's)
     sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams kwargs except max_tokens/logprobs
@@ -261,7 +262,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     if body.get("logit_bias"):
         raise RequestError("'logit_bias' is not supported by this server", param="logit_bias")
     stream = _bool(body, "stream")
-    include_usage = False
+    include_usage = continuous_usage = False
     so = body.get("stream_options")
     if so is not None:
         if not stream:
@@ -273,6 +274,12 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             raise RequestError(f"'stream_options.include_usage' must be true or false, got {usage!r}",
                                param="stream_options.include_usage")
         include_usage = bool(usage)
+        continuous = so.get("continuous_usage_stats")
+        if continuous is not None and not isinstance(continuous, bool):
+            raise RequestError(f"'stream_options.continuous_usage_stats' must be true or false, got {continuous!r}",
+                               param="stream_options.continuous_usage_stats")
+        # As vLLM: only together with include_usage.
+        continuous_usage = include_usage and bool(continuous)
     max_tokens = _int(body, max_tokens_field, 1, opts.max_model_len)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _int(body, "max_tokens", 1, opts.max_model_len)
@@ -306,7 +313,8 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             sampling[flag] = _bool(body, flag)
     _unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
-    return cls(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+    return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+               max_tokens=max_tokens,
                max_tokens_defaulted=defaulted, sampling=sampling,
                tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 

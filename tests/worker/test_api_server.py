@@ -227,6 +227,54 @@ def test_sse_chat_stream_framing_with_n_and_usage():
     asyncio.run(_in_process(test))
 
 
+async def _sse_chunks(s, path: str, body: dict) -> list[dict]:
+    async with s.post(path, json=body) as r:
+        assert r.status == 200
+        raw = (await r.read()).decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hey", "echo": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hey"}]}),
+])
+def test_continuous_usage_stats_puts_each_choices_counts_in_every_chunk(path, body):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    the usage of its choice so far. It was ignored: usage came only in the last chunk."""
+    async def test(s, state, engine):
+        common = {"model": "m", **body, "max_tokens": 3, "n": 2, "stream": True}
+        chunks = await _sse_chunks(s, path, {**common, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        for c in chunks[:-1]:
+            usage = c["usage"]
+            assert usage["prompt_tokens"] == 3
+            assert usage["total_tokens"] == 3 + usage["completion_tokens"]
+            seen[c["choices"][0]["index"]].append(usage["completion_tokens"])
+        for counts in seen.values():
+            assert counts[0] == 0 and counts[-1] == 3 and counts == sorted(counts), seen  # role/echo chunk first
+        # As vLLM: continuous_usage_stats without include_usage adds nothing.
+        chunks = await _sse_chunks(s, path, {**common, "stream_options": {"continuous_usage_stats": True}})
+        assert not any("usage" in c for c in chunks)
+
+    asyncio.run(_in_process(test))
+
+
+def test_a_continuous_usage_stats_that_is_no_bool_is_named():
+    async def test(s, state, engine):
+        body = {"model": "m", "prompt": "x", "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}}
+        async with s.post("/v1/completions", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "stream_options.continuous_usage_stats"
+
+    asyncio.run(_in_process(test))
+
+
 def test_client_disconnect_aborts_the_engine_request():
     async def test(s, state, engine):
         body = {"model": "m", "prompt": "x", "max_tokens": 4000, "stream": True}
