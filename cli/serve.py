@@ -67,8 +67,8 @@ logger = logging.getLogger(__name__)
 @click.option("--no-prefix-caching", is_flag=True, help="Disable the prefix cache.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds to let in-flight requests finish after SIGTERM.")
-@click.option("--chat-template", "chat_template_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Jinja chat template file replacing the model's.")
+@click.option("--chat-template", "chat_template_file", type=click.Path(dir_okay=False), default=None,
+              help="Jinja chat template file replacing the model's (checked at once: it must compile).")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Allow requests to supply chat_template / chat_template_kwargs / processor kwargs "
                    "(they change how prompts are built; refused by default).")
@@ -138,6 +138,8 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
     from resident.worker.proc_time import process_start_time
     from resident.worker.serve_config import ServeConfig
 
+    if chat_template_file is not None:
+        _check_chat_template(chat_template_file)
     try:
         sock = None if preload == "off" else resolve_socket(socket)
     except ValueError as e:
@@ -179,3 +181,18 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     sys.exit(run_supervisor(sup))
+
+
+def _check_chat_template(path: str) -> None:
+    """Refuse a --chat-template that is missing, not UTF-8 or does not compile before anything
+    loads (the worker reads it after the weights). vLLM also takes the template inline; here a
+    value that is no file but looks like a template says to write it to a file."""
+    from resident.worker.chat_template import read_template_file
+
+    if not os.path.exists(path) and any(c in path for c in "{}\n"):
+        raise click.UsageError("--chat-template takes a file, and the value looks like an inline template; "
+                               "write the template to a file and pass its path")
+    try:
+        read_template_file(path)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None

@@ -17,6 +17,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -238,6 +239,25 @@ class ChatTemplate:
             if error.kind != "security" and not self.reads_tool_calls and (found := _tool_message(messages)):
                 error = _no_tool_support(found, f"it failed on them: {error}")
             raise error from e
+
+
+def read_template_file(path: str) -> str:
+    """The source of a `--chat-template FILE`, read and compiled: a file that is not UTF-8 or
+    does not compile is refused at once by the CLI (the worker would read it only after the
+    weights), with a ValueError naming the flag, the file and what is wrong."""
+    try:
+        source = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read --chat-template {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                         "save the template as UTF-8") from None
+    try:
+        ChatTemplate(source)
+    except ChatTemplateError as e:
+        raise ValueError(f"--chat-template {path}: {e}; fix the template or leave the option out to use "
+                         "the model's own") from None
+    return source
 
 
 def _render_failure(e: Exception) -> ChatTemplateError:

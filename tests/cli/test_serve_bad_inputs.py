@@ -1,0 +1,60 @@
+"""`resident serve` flags mistyped the way a vLLM or systemd user would: each is refused by the
+CLI with one line naming the flag and the fix (exit 2), before any worker starts; a start that
+would have gone on is recorded by a stand-in for the worker instead of loading a model."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from resident.cli.main import cli
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """The configs a worker was started with (none when the CLI refused the flags)."""
+    import resident.worker.entrypoint as entrypoint
+
+    calls = []
+    monkeypatch.setattr(entrypoint, "run_server", lambda config: calls.append(config) or 0)
+    return calls
+
+
+def _serve(tmp_path, *args: str):
+    return CliRunner().invoke(cli, ["serve", str(tmp_path), "--preload", "off", "--port", "0", *args])
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"{% for m in messages %}{{ m.content }", "chat template syntax error at line 1"),
+    (b"", "the chat template is empty"),
+    (b"\xff\xfe{{ x }}", "is not UTF-8 text"),
+])
+def test_a_broken_chat_template_file_is_refused_before_the_worker_starts(tmp_path, started, content, words):
+    """It was read only after the weights had loaded (minutes for a large model), and a file
+    that is not UTF-8 was reported as a bare 'utf-8 codec can't decode', naming no flag."""
+    path = tmp_path / "template.jinja"
+    path.write_bytes(content)
+    result = _serve(tmp_path, "--chat-template", str(path))
+    assert result.exit_code == 2, result.output
+    assert f"--chat-template {path}" in result.output and words in result.output, result.output
+    assert not started
+
+
+def test_a_missing_chat_template_file_names_the_flag(tmp_path, started):
+    result = _serve(tmp_path, "--chat-template", str(tmp_path / "nope.jinja"))
+    assert result.exit_code == 2 and not started
+    assert f"cannot read --chat-template {tmp_path / 'nope.jinja'}: No such file" in result.output, result.output
+
+
+def test_an_inline_chat_template_says_to_write_it_to_a_file(tmp_path, started):
+    """vLLM takes the template inline too; here it was 'File '{% for ...' does not exist'."""
+    result = _serve(tmp_path, "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert result.exit_code == 2 and not started
+    assert "looks like an inline template; write the template to a file" in result.output, result.output
+
+
+def test_a_good_chat_template_file_starts_the_worker(tmp_path, started):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    result = _serve(tmp_path, "--chat-template", str(path))
+    assert result.exit_code == 0, result.output
+    assert [c.chat_template_file for c in started] == [str(path)]
