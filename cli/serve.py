@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 @click.command()
 @click.argument("model")
-@click.option("--served-model-name", default="", help="Name clients use in 'model' [default: MODEL as given].")
+@click.option("--served-model-name", multiple=True,
+              help="Name clients use in 'model' (one name) [default: MODEL as given].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to bind; 0 picks a free one (see the 'listening on' line).")
@@ -121,7 +122,7 @@ logger = logging.getLogger(__name__)
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "
                    "path; the engine thread no longer shares its GIL with HTTP and text). With the supervisor "
                    "(--data-parallel-size) each replica is such a pair; not with --launcher.")
-def serve(model: str, served_model_name: str, host: str, port: int, port_file: str | None, api_key: str | None,
+def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, port_file: str | None, api_key: str | None,
           dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
@@ -138,6 +139,9 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
     from resident.worker.proc_time import process_start_time
     from resident.worker.serve_config import ServeConfig
 
+    if len(served_model_name) > 1:   # click keeps the last one without a word
+        raise click.UsageError(f"--served-model-name given {len(served_model_name)} times "
+                               f"({', '.join(map(repr, served_model_name))}); a worker serves one name: pass it once")
     if chat_template_file is not None:
         _check_chat_template(chat_template_file)
     try:
@@ -146,7 +150,7 @@ def serve(model: str, served_model_name: str, host: str, port: int, port_file: s
         raise click.UsageError(str(e)) from None
     try:
         config = ServeConfig(
-            model=model, served_model_name=served_model_name, host=host, port=port, port_file=port_file,
+            model=model, served_model_name="".join(served_model_name), host=host, port=port, port_file=port_file,
             api_key=api_key, dtype=dtype, quantization=quantization, revision=revision,
             preload=preload, socket=sock, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_memory,
             kv_cache_initial_bytes=kv_cache_initial,

@@ -72,6 +72,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("serve: MODEL is empty; pass a model folder or a hub id")
+        if self.served_model_name and not self.served_model_name.strip():
+            raise ValueError(f"--served-model-name {self.served_model_name!r} is blank; pass a name clients can "
+                             "send, or leave the option out to serve MODEL's name")
         for name, value, valid in (("dtype", self.dtype, DTYPES), ("quantization", self.quantization, QUANTIZATIONS),
                                    ("preload", self.preload, PRELOAD_MODES)):
             if value not in valid:

@@ -58,3 +58,24 @@ def test_a_good_chat_template_file_starts_the_worker(tmp_path, started):
     result = _serve(tmp_path, "--chat-template", str(path))
     assert result.exit_code == 0, result.output
     assert [c.chat_template_file for c in started] == [str(path)]
+
+
+def test_a_served_model_name_given_twice_is_refused_not_dropped(tmp_path, started):
+    """vLLM's `--served-model-name a b` serves both names; click kept the last one given twice
+    and clients sending the first got model_not_found."""
+    result = _serve(tmp_path, "--served-model-name", "a", "--served-model-name", "b")
+    assert result.exit_code == 2 and not started
+    assert "--served-model-name given 2 times ('a', 'b'); a worker serves one name: pass it once" in result.output
+
+
+@pytest.mark.parametrize("name, served", [("tiny", "tiny"), ("", None)])
+def test_one_served_model_name_or_none_starts_the_worker(tmp_path, started, name, served):
+    result = _serve(tmp_path, *(["--served-model-name", name] if name else []))
+    assert result.exit_code == 0, result.output
+    assert [c.model_name for c in started] == [served or str(tmp_path)]
+
+
+def test_a_blank_served_model_name_is_refused(tmp_path, started):
+    result = _serve(tmp_path, "--served-model-name", " ")
+    assert result.exit_code == 2 and not started
+    assert "--served-model-name ' ' is blank" in result.output, result.output
