@@ -171,6 +171,12 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     from resident.worker.weight_store import open_store
 
     startup.begin()
+    if config.frontend == "inline" and (Path(config.model).expanduser() / "config.json").is_file():
+        # A local model folder without a tokenizer fails now, not once its weights are loaded
+        # (--frontend process: the front-end process loads the tokenizer beside the weights).
+        from resident.worker.tokenizer import check_tokenizer_file
+
+        check_tokenizer_file(Path(config.model).expanduser())
     t_weights = time.monotonic()
     # This thread's current device too: the daemon client maps weights onto it.
     device = resolve_device(config.device)
