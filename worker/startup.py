@@ -111,11 +111,7 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
 
     per_seq = -(-max_model_len // config.block_size)
     if config.num_kv_blocks is not None:
-        if config.num_kv_blocks < per_seq:
-            raise ValueError(
-                f"--num-kv-blocks {config.num_kv_blocks} holds {config.num_kv_blocks * config.block_size} tokens, "
-                f"fewer than one request of --max-model-len {max_model_len} needs ({per_seq} blocks of "
-                f"{config.block_size} tokens); raise --num-kv-blocks to {per_seq} or more, or lower --max-model-len")
+        _check_num_kv_blocks(config, max_model_len)
         return config.num_kv_blocks
     per_block = bytes_per_block(model_config, dtype, config.block_size)
     blocks = config.kv_cache_memory_bytes // per_block
@@ -129,6 +125,41 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
             "--max-model-len")
     # More than every running sequence at full length can never be used.
     return min(blocks, per_seq * config.max_num_seqs)
+
+
+def _check_num_kv_blocks(config: ServeConfig, max_model_len: int) -> None:
+    per_seq = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None and config.num_kv_blocks < per_seq:
+        raise ValueError(
+            f"--num-kv-blocks {config.num_kv_blocks} holds {config.num_kv_blocks * config.block_size} tokens, "
+            f"fewer than one request of --max-model-len {max_model_len} needs ({per_seq} blocks of "
+            f"{config.block_size} tokens); raise --num-kv-blocks to {per_seq} or more, or lower --max-model-len")
+
+
+def check_before_weights(config: ServeConfig, device_type: str) -> None:
+    """What a local model folder lets be refused before its weights load (minutes for a large
+    model, and the daemon would keep them): no tokenizer.json (inline front-end; --frontend
+    process loads it beside the weights), a config.json the decoder cannot run (rope scaling,
+    activation), --max-model-len beyond its positions, --num-kv-blocks below one such request.
+    A hub id, or a config.json that does not parse, is left to the store's own messages."""
+    import json
+
+    from resident.worker.config import ModelConfig
+
+    folder = Path(config.model).expanduser()
+    try:
+        hf_config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(hf_config, dict):
+        return
+    if config.frontend == "inline":
+        from resident.worker.tokenizer import check_tokenizer_file
+
+        check_tokenizer_file(folder)
+    model_config = ModelConfig.from_hf(hf_config).for_tp(config.tensor_parallel_size)
+    max_model_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings, device_type)
+    _check_num_kv_blocks(config, max_model_len)
 
 
 def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
@@ -171,15 +202,10 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     from resident.worker.weight_store import open_store
 
     startup.begin()
-    if config.frontend == "inline" and (Path(config.model).expanduser() / "config.json").is_file():
-        # A local model folder without a tokenizer fails now, not once its weights are loaded
-        # (--frontend process: the front-end process loads the tokenizer beside the weights).
-        from resident.worker.tokenizer import check_tokenizer_file
-
-        check_tokenizer_file(Path(config.model).expanduser())
     t_weights = time.monotonic()
     # This thread's current device too: the daemon client maps weights onto it.
     device = resolve_device(config.device)
+    check_before_weights(config, device.type)
     from resident.worker.spec_decode import serving as spec_serving
 
     weights_s = {"device+modules": time.monotonic() - t_weights}

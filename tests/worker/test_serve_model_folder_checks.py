@@ -2,6 +2,7 @@
 model's load takes minutes), with the one line naming what is missing."""
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -19,18 +20,45 @@ def tiny(tmp_path_factory):
     return servable_tiny_model(tmp_path_factory.mktemp("folder") / "llama", "llama")
 
 
-def test_a_folder_without_tokenizer_json_fails_before_the_weights_load(tiny, tmp_path, monkeypatch):
-    """It was found only after the weights had loaded (the tokenizer is read after them)."""
+@pytest.fixture
+def folder(tiny, tmp_path, monkeypatch):
+    """A copy of the tiny model whose weights must not be loaded."""
     import resident.worker.weight_store as weight_store
 
-    folder = tmp_path / "model"
-    shutil.copytree(tiny, folder)
-    (folder / "tokenizer.json").unlink()
-
     def no_load(*args, **kwargs):
-        raise AssertionError("the weights were loaded before the tokenizer was checked")
+        raise AssertionError("the weights were loaded before the folder was checked")
 
     monkeypatch.setattr(weight_store, "open_store", no_load)
-    config = ServeConfig(model=str(folder), preload="off", device="cpu")
+    shutil.copytree(tiny, tmp_path / "model")
+    return tmp_path / "model"
+
+
+def _build(folder, **kwargs):
+    config = ServeConfig(model=str(folder), preload="off", device="cpu", **kwargs)
+    return build_worker(config, StartupTimer(time.time()), ServerMetrics("m"))
+
+
+def test_a_folder_without_tokenizer_json_fails_before_the_weights_load(folder):
+    """It was found only after the weights had loaded (the tokenizer is read after them)."""
+    (folder / "tokenizer.json").unlink()
     with pytest.raises(TokenizerError, match=f"{folder} has no tokenizer.json; .* serve a folder that includes it"):
-        build_worker(config, StartupTimer(time.time()), ServerMetrics("m"))
+        _build(folder)
+
+
+def test_a_config_the_decoder_cannot_run_fails_before_the_weights_load(folder):
+    """ModelConfig read the config only after the weights (and the daemon kept them)."""
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "longrope", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+        _build(folder)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_model_len": 100_000}, "--max-model-len 100000 exceeds the model's max_position_embeddings"),
+    ({"num_kv_blocks": 1}, "--num-kv-blocks 1 holds 16 tokens, fewer than one request"),
+])
+def test_flags_the_model_config_refuses_fail_before_the_weights_load(folder, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        _build(folder, **kwargs)
