@@ -37,6 +37,9 @@ def parse_size(text: str) -> int:
     factor = _SIZE_FACTORS.get(m.group(2).lower()) if m else None
     if m is None or factor is None:
         raise ValueError(f"invalid size {text!r}; use bytes or a unit such as 500MB, 256MiB, 8GiB")
+    if factor == 1 and "." in m.group(1) and float(m.group(1)) != int(float(m.group(1))):
+        # '0.5' (meant as GiB, like vLLM's --swap-space) read as 0 bytes
+        raise ValueError(f"invalid size {text!r}: bytes are whole numbers; give a unit, e.g. {m.group(1)}GiB")
     return int(float(m.group(1)) * factor)
 
 

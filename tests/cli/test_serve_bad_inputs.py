@@ -79,3 +79,19 @@ def test_a_blank_served_model_name_is_refused(tmp_path, started):
     result = _serve(tmp_path, "--served-model-name", " ")
     assert result.exit_code == 2 and not started
     assert "--served-model-name ' ' is blank" in result.output, result.output
+
+
+@pytest.mark.parametrize("size", ["0.5", "1.5B"])
+def test_a_size_of_a_fraction_of_a_byte_asks_for_a_unit(tmp_path, started, size):
+    """'--kv-cache-memory 0.5' (meant as GiB, as vLLM's --swap-space counts) was 0 bytes and
+    refused as 'must be positive, got 0'."""
+    result = _serve(tmp_path, "--kv-cache-memory", size)
+    assert result.exit_code == 2 and not started
+    assert f"invalid size '{size}': bytes are whole numbers; give a unit, e.g. {size.rstrip('B')}GiB" in result.output
+
+
+@pytest.mark.parametrize("size, num_bytes", [("1.5GiB", 3 * 2**29), ("2.0", 2), ("4096", 4096)])
+def test_sizes_with_units_or_whole_bytes_are_taken(tmp_path, started, size, num_bytes):
+    result = _serve(tmp_path, "--kv-cache-memory", size)
+    assert result.exit_code == 0, result.output
+    assert [c.kv_cache_memory_bytes for c in started] == [num_bytes]
