@@ -3,6 +3,8 @@ CLI with one line naming the flag and the fix (exit 2), before any worker starts
 would have gone on is recorded by a stand-in for the worker instead of loading a model."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -95,3 +97,14 @@ def test_sizes_with_units_or_whole_bytes_are_taken(tmp_path, started, size, num_
     result = _serve(tmp_path, "--kv-cache-memory", size)
     assert result.exit_code == 0, result.output
     assert [c.kv_cache_memory_bytes for c in started] == [num_bytes]
+
+
+def test_more_cpu_threads_than_cpus_is_refused(tmp_path, started):
+    """torch started them all: --cpu-threads 100000 failed the start with "can't start new
+    thread" after the imports, and the process then died of a segfault (exit 139)."""
+    num_cpus = len(os.sched_getaffinity(0))
+    result = _serve(tmp_path, "--cpu-threads", str(num_cpus + 1))
+    assert result.exit_code == 2 and not started
+    assert f"--cpu-threads {num_cpus + 1} is more than the {num_cpus} CPUs this process may run on; use " \
+           f"{num_cpus} or fewer" in result.output, result.output
+    assert _serve(tmp_path, "--cpu-threads", str(num_cpus)).exit_code == 0 and len(started) == 1
