@@ -81,6 +81,10 @@ class ServeConfig:
                 raise ValueError(f"unknown --{name} {value!r}; valid: {', '.join(valid)}")
         if self.preload != "off" and not self.socket:
             raise ValueError("--preload auto|require needs the daemon's socket path (--socket or $RESIDENT_SOCKET)")
+        if not self.host.strip():
+            # `--host "$HOST"` with HOST unset: aiohttp binds every interface for an empty host.
+            raise ValueError("--host is empty, which would listen on every interface; pass 0.0.0.0 (or ::) for "
+                             "that, or leave the option out for 127.0.0.1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):

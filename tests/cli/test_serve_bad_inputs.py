@@ -108,3 +108,12 @@ def test_more_cpu_threads_than_cpus_is_refused(tmp_path, started):
     assert f"--cpu-threads {num_cpus + 1} is more than the {num_cpus} CPUs this process may run on; use " \
            f"{num_cpus} or fewer" in result.output, result.output
     assert _serve(tmp_path, "--cpu-threads", str(num_cpus)).exit_code == 0 and len(started) == 1
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_not_every_interface(tmp_path, started, host):
+    """`--host "$HOST"` with HOST unset listened on every interface (aiohttp's reading of an
+    empty host) where the default is 127.0.0.1, and printed 'listening on http://:PORT'."""
+    result = _serve(tmp_path, "--host", host)
+    assert result.exit_code == 2 and not started
+    assert "--host is empty, which would listen on every interface; pass 0.0.0.0" in result.output, result.output
