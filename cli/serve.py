@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
                    "models on a busy machine.")
-@click.option("--verify-sample", type=int, default=16, show_default=True,
+@click.option("--verify-sample", type=click.IntRange(min=-1), default=16, show_default=True,
               help="Tensors whose CRC-32 is checked at start (always the smallest and largest few; -1 = all).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Split the model over N ranks (GPUs cuda:D..cuda:D+N-1 from --device, or N CPU processes); "

@@ -98,6 +98,9 @@ class ServeConfig:
             raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.verify_sample < -1:   # any negative value checked every tensor, -5 too
+            raise ValueError(f"--verify-sample must be -1 (every tensor), 0 (none) or a count, "
+                             f"got {self.verify_sample}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
         num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -117,3 +117,15 @@ def test_an_empty_host_is_refused_not_every_interface(tmp_path, started, host):
     result = _serve(tmp_path, "--host", host)
     assert result.exit_code == 2 and not started
     assert "--host is empty, which would listen on every interface; pass 0.0.0.0" in result.output, result.output
+
+
+def test_a_verify_sample_below_minus_one_is_refused(tmp_path, started):
+    """-1 means every tensor; -5 was taken as every tensor too, without a word."""
+    result = _serve(tmp_path, "--verify-sample", "-5")
+    assert result.exit_code == 2 and not started
+    assert "'--verify-sample': -5 is not in the range x>=-1" in result.output, result.output
+    from resident.worker.serve_config import ServeConfig
+
+    with pytest.raises(ValueError, match="--verify-sample must be -1 .every tensor., 0 .none. or a count, got -5"):
+        ServeConfig(model="m", preload="off", verify_sample=-5)
+    assert _serve(tmp_path, "--verify-sample", "-1").exit_code == 0 and started[0].verify_sample == -1
