@@ -141,11 +141,18 @@ def check_before_weights(config: ServeConfig, device_type: str) -> None:
     model, and the daemon would keep them): no tokenizer.json (inline front-end; --frontend
     process loads it beside the weights), a config.json the decoder cannot run (rope scaling,
     activation), --max-model-len beyond its positions, --num-kv-blocks below one such request.
-    A hub id, or a config.json that does not parse, is left to the store's own messages."""
+    A hub id, or a config.json that does not parse, is left to the store's own messages. A
+    --speculative-model that is neither a folder nor a hub id is named as the draft."""
     import json
 
+    from resident.daemon.source import looks_like_hub_id
     from resident.worker.config import ModelConfig
 
+    spec = config.speculative
+    if spec is not None and spec.method == "draft" and not Path(spec.draft_model).expanduser().exists() \
+            and not looks_like_hub_id(spec.draft_model):   # it was named only as "no such model folder"
+        raise ValueError(f"--speculative-model {spec.draft_model}: no such model folder (nor is it a hub id of the "
+                         "form 'org/name'); pass the draft model's folder, or '[ngram]' for prompt lookup")
     folder = Path(config.model).expanduser()
     try:
         hf_config = json.loads((folder / "config.json").read_text())

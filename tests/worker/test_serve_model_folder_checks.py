@@ -62,3 +62,11 @@ def test_a_config_the_decoder_cannot_run_fails_before_the_weights_load(folder):
 def test_flags_the_model_config_refuses_fail_before_the_weights_load(folder, kwargs, words):
     with pytest.raises(ValueError, match=words):
         _build(folder, **kwargs)
+
+
+def test_a_missing_draft_model_is_named_as_the_draft(folder, tmp_path):
+    """It was 'no such model folder: PATH', the same words as for MODEL."""
+    draft = tmp_path / "no-draft"
+    with pytest.raises(ValueError, match=f"--speculative-model {draft}: no such model folder .*; pass the draft "
+                                         "model's folder, or '\\[ngram\\]' for prompt lookup"):
+        _build(folder, speculative_model=str(draft), num_speculative_tokens=3)
