@@ -140,7 +140,7 @@ def test_bad_input_is_one_clear_line_and_the_daemon_stays_healthy(daemon, tiny_m
 
     model = tiny_model("llama")
     r = run_cli("preload", "load", str(model), "--quantization", "int3", "--socket", sock)
-    assert r.returncode == 1
+    assert r.returncode == 2   # a usage error, refused before any RPC (11322cc)
     assert "int3" in r.stderr and "none" in r.stderr and "fp8_per_tensor" in r.stderr
     assert "Traceback" not in r.stderr
 
