@@ -135,6 +135,10 @@ class ServeConfig:
         if self.speculative is not None and self.tensor_parallel_size > 1:  # also validates --speculative-*
             raise ValueError("speculative decoding with --tensor-parallel-size > 1 is not supported yet; "
                              "drop --speculative-model or serve with one GPU")
+        if self.speculative_model is not None and self.async_scheduling == "on":
+            # The engine stepped synchronously without a word (its log said "off (--async-scheduling on)").
+            raise ValueError("--async-scheduling on does not combine with speculative decoding (the engine steps "
+                             "synchronously with it); use --async-scheduling auto or off, or drop --speculative-model")
 
     @property
     def speculative(self) -> Any:

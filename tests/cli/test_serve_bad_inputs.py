@@ -129,3 +129,13 @@ def test_a_verify_sample_below_minus_one_is_refused(tmp_path, started):
     with pytest.raises(ValueError, match="--verify-sample must be -1 .every tensor., 0 .none. or a count, got -5"):
         ServeConfig(model="m", preload="off", verify_sample=-5)
     assert _serve(tmp_path, "--verify-sample", "-1").exit_code == 0 and started[0].verify_sample == -1
+
+
+def test_async_scheduling_on_with_speculative_decoding_is_refused(tmp_path, started):
+    """The engine turned it off without a word (its log read 'async scheduling: off
+    (--async-scheduling on)'); auto means off there, as the help says."""
+    spec = ["--speculative-model", "[ngram]", "--num-speculative-tokens", "2"]
+    result = _serve(tmp_path, "--async-scheduling", "on", *spec)
+    assert result.exit_code == 2 and not started
+    assert "--async-scheduling on does not combine with speculative decoding" in result.output, result.output
+    assert _serve(tmp_path, "--async-scheduling", "auto", *spec).exit_code == 0 and len(started) == 1
