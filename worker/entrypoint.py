@@ -41,13 +41,12 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from resident.worker.api_server import ApiServer, ServerState, app_runner
-from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.metrics import ServerMetrics
 # Re-exported: the CLI, the supervisor, benchmarks and tests import these from here.
 from resident.worker.serve_config import (  # noqa: F401
@@ -106,7 +105,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     host, port = runner.addresses[0][:2]
     if config.port_file:
         try:
-            Path(config.port_file).write_text(f"{port}\n")
+            write_port_file(config.port_file, port)
         except OSError as e:
             return await _cannot_start(runner, cannot_write_port_file(config.port_file, e))
     sys.stdout.write(f"resident serve listening on http://{config.host if ':' not in config.host else host}:{port}\n")

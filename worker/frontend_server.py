@@ -31,11 +31,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from resident.worker.frontend_link import EngineReady, FrontendStart, Link, LinkClosed, ReplicaFront, send_blocking
-from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.snapshot_control import admin_socket_for_pid
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ def bind_and_spawn(config: Any, log_level: str) -> FrontendProcess:
         port = http.getsockname()[1]
         if config.port_file:
             try:
-                Path(config.port_file).write_text(f"{port}\n")
+                write_port_file(config.port_file, port)
             except OSError as e:
                 raise FrontendStartError(cannot_write_port_file(config.port_file, e)) from None
         sys.stdout.write(f"resident serve listening on http://{config.host}:{port}\n")

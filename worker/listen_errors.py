@@ -1,8 +1,11 @@
 """One-line messages for a server that cannot listen or write its port file (`resident serve`
-and the replica supervisor): the address, the reason, and the fix — never a traceback."""
+and the replica supervisor): the address, the reason, and the fix — never a traceback; and
+the port file itself (`write_port_file`)."""
 from __future__ import annotations
 
+import atexit
 import errno
+import os
 import socket
 
 
@@ -33,4 +36,23 @@ def cannot_write_port_file(path: str, e: OSError) -> str:
             "folder that exists")
 
 
-__all__ = ["cannot_listen", "cannot_write_port_file"]
+def write_port_file(path: str, port: int) -> None:
+    """Write `port` to --port-file `path` (OSError as writing raises it), and remove the file
+    when this process exits — unless it then names another port: a newer server's, which
+    wrote it meanwhile. A port file left behind would name a port nobody listens on."""
+    with open(path, "w") as f:
+        f.write(f"{port}\n")
+    atexit.register(_remove_port_file, path, port)
+
+
+def _remove_port_file(path: str, port: int) -> None:
+    try:
+        with open(path) as f:
+            ours = f.read().strip() == str(port)
+        if ours:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+__all__ = ["cannot_listen", "cannot_write_port_file", "write_port_file"]

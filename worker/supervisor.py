@@ -51,14 +51,13 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
 from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.kv_budget import KvBudget, scaled_kv
-from resident.worker.listen_errors import cannot_listen, cannot_write_port_file
+from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
 from resident.worker.serve_config import ServeConfig
@@ -402,7 +401,7 @@ class Supervisor:
         try:
             if port_file := self.config.serve.port_file:
                 try:
-                    Path(port_file).write_text(f"{self.port}\n")
+                    write_port_file(port_file, self.port)
                 except OSError as e:
                     raise SupervisorStartError(cannot_write_port_file(port_file, e)) from None
             host = self.config.serve.host

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from serve_helpers import servable_tiny_model, serve_env
+from serve_helpers import http, servable_tiny_model, serve_env
 
 from resident.worker.listen_errors import cannot_listen
 
@@ -63,3 +63,47 @@ def test_an_empty_api_key_is_refused_not_served_without_one(key, tmp_path):
     result = CliRunner().invoke(cli, ["serve", str(tmp_path), "--preload", "off", "--port", "0", "--api-key", key])
     assert result.exit_code == 2, result.output
     assert "--api-key is empty" in result.output and "leave the option out" in result.output
+
+
+@pytest.mark.parametrize("args", [(), ("--frontend", "process"), ("--data-parallel-size", "1")],
+                         ids=["inline", "frontend-process", "supervisor"])
+def test_the_port_file_is_removed_when_the_server_stops(model, tmp_path, args):
+    """A --port-file outlived its server and named a port nobody listened on; now the process
+    that wrote it removes it when it exits (SIGTERM here), unless it names another port by then."""
+    import signal
+    import time
+
+    path = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "resident.cli.main", "serve", str(model), "--preload", "off",
+                             "--port", "0", "--port-file", str(path), "--max-model-len", "64", "--cpu-threads", "1",
+                             "--kv-cache-memory", "8MiB", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=serve_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (path.exists() and path.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.05)
+        port = int(path.read_text())
+        while http(f"http://127.0.0.1:{port}", "GET", "/ready", timeout_s=5)[0] != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not path.exists(), "the port file outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_a_port_file_a_newer_server_rewrote_is_left(tmp_path):
+    from resident.worker import listen_errors
+
+    path = tmp_path / "port"
+    listen_errors.write_port_file(str(path), 1234)
+    path.write_text("4321\n")   # another server's, written meanwhile
+    listen_errors._remove_port_file(str(path), 1234)
+    assert path.read_text() == "4321\n"
+    listen_errors._remove_port_file(str(path), 4321)
+    assert not path.exists()
