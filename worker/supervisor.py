@@ -41,6 +41,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import glob
 import itertools
 import logging
 import math
@@ -58,7 +59,7 @@ from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
-from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload
+from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload, failure_note_path
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
 from resident.worker.serve_config import ServeConfig
 
@@ -432,8 +433,14 @@ class Supervisor:
                 task.cancel()
             if self.launcher is not None:
                 await self.launcher.stop()
+            folder = os.path.dirname(admin_socket_path(self.port, 0, self.env))
+            # Failure notes nobody read (a failed start reports the first replica's; the folder is
+            # this port's supervisor's alone).
+            for note in glob.glob(os.path.join(glob.escape(folder), failure_note_path("replica-*.sock"))):
+                with contextlib.suppress(OSError):
+                    os.unlink(note)
             with contextlib.suppress(OSError):  # the admin sockets' folder, when nothing is left in it
-                os.rmdir(os.path.dirname(admin_socket_path(self.port, 0, self.env)))
+                os.rmdir(folder)
 
     def _on_sighup(self) -> None:
         from resident.worker.rollout import rollout

@@ -10,6 +10,8 @@ import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +20,7 @@ import pytest
 from serve_helpers import serve_env, servable_tiny_model, start_serve, stop_serve
 from test_supervisor import _complete, _parent
 
-from resident.worker.control import control_socket_path, get_status
+from resident.worker.control import admin_socket_path, control_socket_path, get_status
 from resident.worker.serve_config import ServeConfig
 from resident.worker.supervisor import Supervisor, SupervisorConfig
 
@@ -291,3 +293,26 @@ def test_two_promotes_at_once_of_a_frontend_process_replica_answer_200_and_409()
 
     assert asyncio.run(main()) == [200, 409, 409]
     assert starts == [1]
+
+
+def test_a_group_that_cannot_start_leaves_no_failure_notes_behind(short_tmp, tmp_path):
+    """Both replicas fail (--max-model-len beyond the model's positions): the supervisor reports
+    the first one's reason and exits 1; the second one's note (replica-2.sock.failed) and the
+    runtime folder it kept alive were left behind."""
+    model = servable_tiny_model(tmp_path / "llama", "llama")
+    rt = short_tmp / "rt"
+    env = serve_env(RESIDENT_RUNTIME_DIR=str(rt))
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    # The second replica's note is written while the supervisor stops the group, so whether it
+    # lands before the clean-up is a race; one left by an earlier run stands in for it.
+    folder = Path(admin_socket_path(port, 0, {"RESIDENT_RUNTIME_DIR": str(rt)})).parent
+    folder.mkdir(parents=True)
+    (folder / "replica-7.sock.failed").write_text("an earlier run's replica could not start\n")
+    r = subprocess.run([sys.executable, "-m", "resident.cli.main", "serve", str(model), "--port", str(port),
+                        "--data-parallel-size", "2", *SERVE_ARGS[:2], "--max-model-len", "999999", "--cpu-threads",
+                        "1", "--kv-cache-memory", "8MiB"], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "max_position_embeddings" in r.stderr or "max-model-len" in r.stderr, r.stderr[-2000:]
+    left = [str(p.relative_to(rt)) for p in rt.rglob("*")] if rt.exists() else []
+    assert not left, f"left behind in the runtime folder: {left}"
