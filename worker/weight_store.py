@@ -342,8 +342,9 @@ def open_store(spec: LoadSpec, preload: str = "auto", socket_path: str | None = 
                 f"--preload require: no preload daemon answers at {socket_path or 'the default socket'} ({e}); "
                 "start one with `resident preload start` (and `resident preload load MODEL`), "
                 "or serve with --preload auto|off") from None
-        logger.info("no preload daemon (%s): loading %s in-process; the next restart would be faster "
-                    "with `resident preload start`", e, spec.display_name)
+        # (e's own words say how to start one: "start one with `resident preload start`")
+        logger.info("no preload daemon (%s): loading %s in-process; with a daemon the next restart attaches "
+                    "instead", e, spec.display_name)
         return LocalStore(spec, device, tp_rank)
     try:
         return _from_daemon(client, spec, key, str(source.folder), preload, device, tp_rank)
