@@ -122,8 +122,8 @@ logger = logging.getLogger(__name__)
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "
                    "path; the engine thread no longer shares its GIL with HTTP and text). With the supervisor "
                    "(--data-parallel-size) each replica is such a pair; not with --launcher.")
-def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, port_file: str | None, api_key: str | None,
-          dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
+def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, port_file: str | None,
+          api_key: str | None, dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
