@@ -261,6 +261,9 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
         raise RequestError("'best_of' other than n is not supported", param="best_of")
     if body.get("logit_bias"):
         raise RequestError("'logit_bias' is not supported by this server", param="logit_bias")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):   # as OpenAI and vLLM: a string (an end-user id)
+        raise RequestError(f"'user' must be a string, got {type(user).__name__}", param="user")
     stream = _bool(body, "stream")
     include_usage = continuous_usage = False
     so = body.get("stream_options")

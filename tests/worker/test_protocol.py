@@ -171,3 +171,13 @@ def test_context_length_check():
     with pytest.raises(RequestError) as e:
         check_prompt_length(200, 10, 128)
     assert e.value.code == "context_length_exceeded" and "128" in e.value.message
+
+
+@pytest.mark.parametrize("user", [5, ["a"], {"id": 1}, True])
+def test_a_user_that_is_not_a_string_is_named(user):
+    """OpenAI and vLLM take `user` as a string (an end-user id); it was accepted as anything."""
+    for fn, body in ((parse_completion_request, {"model": "tiny", "prompt": "a"}),
+                     (parse_chat_request, {"model": "tiny", "messages": [{"role": "user", "content": "a"}]})):
+        e = bad(fn, {**body, "user": user})
+        assert e.param == "user" and "must be a string" in e.message
+        assert fn({**body, "user": "end-user-42"}, OPTS).model == "tiny"
