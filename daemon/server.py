@@ -461,7 +461,8 @@ class Daemon:
             self.cache.close()
             self.cache = None
         self._lock.release(unlink=not self.handed_over)
-        log.info("resident daemon stopped" + (f" (handed over to pid {self.successor_pid})" if self.handed_over else ""))
+        log.info("resident daemon stopped"
+                 + (f" (handed over to pid {self.successor_pid})" if self.handed_over else ""))
 
 
 def run_daemon(config: DaemonConfig) -> int:

@@ -8,7 +8,6 @@ import re
 import socket as socketlib
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest

@@ -4,7 +4,6 @@ loading and what to do, and unloads nothing."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -13,13 +12,6 @@ from resident.daemon.config import DaemonConfig
 from resident.daemon.errors import FailedPrecondition, NotFound
 from resident.daemon.loader import LoadSpec
 from resident.daemon.memory import get_backend
-
-
-def _until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_unloading_a_model_still_loading_says_so_and_unloads_nothing(tiny_model, tmp_path, monkeypatch):
