@@ -452,7 +452,9 @@ class Supervisor:
         from resident.worker.launcher import LauncherClient
 
         old, self.launcher = self.launcher, None
-        launcher = LauncherClient(self.port, self.env, self._lifeline_r)
+        # Its own log lines at the serve command's --log-level (the launcher reads it from here).
+        launcher = LauncherClient(self.port, {**self.env, "RESIDENT_LOG_LEVEL": self.config.log_level},
+                                  self._lifeline_r)
         await launcher.start(self.config.ready_timeout_s)
         self.launcher = launcher
         if old is not None:

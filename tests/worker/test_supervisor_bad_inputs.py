@@ -316,3 +316,25 @@ def test_a_group_that_cannot_start_leaves_no_failure_notes_behind(short_tmp, tmp
     assert "max_position_embeddings" in r.stderr or "max-model-len" in r.stderr, r.stderr[-2000:]
     left = [str(p.relative_to(rt)) for p in rt.rglob("*")] if rt.exists() else []
     assert not left, f"left behind in the runtime folder: {left}"
+
+
+def test_the_launcher_logs_at_the_serve_commands_log_level(monkeypatch, short_tmp):
+    """The launcher reads its level from $RESIDENT_LOG_LEVEL, which nothing set: --log-level
+    DEBUG (or WARNING) did not reach it."""
+    from resident.worker import launcher as launcher_module
+
+    seen = {}
+
+    class FakeLauncher:
+        def __init__(self, port, env, lifeline_fd):
+            seen.update(env)
+
+        async def start(self, timeout_s):
+            pass
+
+    monkeypatch.setattr(launcher_module, "LauncherClient", FakeLauncher)
+    config = SupervisorConfig(serve=ServeConfig(model=str(short_tmp / "m"), preload="off"), use_launcher=True,
+                              log_level="DEBUG")
+    sup = Supervisor(config, env={"RESIDENT_RUNTIME_DIR": str(short_tmp / "rt"), "KEEP": "1"})
+    asyncio.run(sup.start_launcher())
+    assert seen["RESIDENT_LOG_LEVEL"] == "DEBUG" and seen["KEEP"] == "1"
