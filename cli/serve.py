@@ -117,6 +117,11 @@ logger = logging.getLogger(__name__)
               help="This worker's admin Unix socket (/ready, /drain, snapshot prepare/resume) [default: "
                    "$RESIDENT_RUNTIME_DIR or /run/resident or $XDG_RUNTIME_DIR/resident or /tmp/resident-UID, "
                    "then worker-PID.sock]. Not with --data-parallel-size: each replica has its own.")
+@click.option("--kv-profile-cache", default="auto", show_default=True, metavar="auto|off|FILE",
+              help="Where start-up measurements are kept for the next start with the same configuration: the "
+                   "GPU's activation/graph headroom (in FILE), Triton's compile-cache key and kernel "
+                   "specializations (beside it); auto: $XDG_CACHE_HOME/resident/kv-profile.json (~/.cache); "
+                   "off measures each start afresh.")
 @click.option("--frontend", type=click.Choice(("inline", "process")), default="inline", show_default=True,
               help="process: HTTP, the tokenizer and detokenization in a front-end process of their own, "
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "
@@ -124,7 +129,8 @@ logger = logging.getLogger(__name__)
                    "(--data-parallel-size) each replica is such a pair; not with --launcher.")
 def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, port_file: str | None,
           api_key: str | None, dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
-          max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None, block_size: int,
+          max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None,
+          block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
@@ -132,7 +138,7 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
           tensor_parallel_size: int, data_parallel_size: int | None, standby_replicas: int, ready_timeout: float,
           drain_grace: float, rollout_kv_headroom: float, launcher: bool, control_socket: str | None,
-          admin_socket: str | None, frontend: str) -> None:
+          admin_socket: str | None, kv_profile_cache: str, frontend: str) -> None:
     """Serve MODEL (a model folder or a hub id) with an OpenAI-compatible API."""
     # Not entrypoint yet: with --frontend process this process never imports the HTTP server
     # before torch (its front-end process serves HTTP).
@@ -163,7 +169,9 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
             ngram_prompt_lookup_max=ngram_prompt_lookup_max, ngram_prompt_lookup_min=ngram_prompt_lookup_min,
             notify_socket=os.environ.get("NOTIFY_SOCKET") or None, process_start_time=process_start_time(),
-            admin_socket=os.path.abspath(admin_socket) if admin_socket else None, frontend=frontend)
+            admin_socket=os.path.abspath(admin_socket) if admin_socket else None, frontend=frontend,
+            kv_profile_cache=kv_profile_cache if kv_profile_cache in ("auto", "off") or not kv_profile_cache.strip()
+            else os.path.abspath(os.path.expanduser(kv_profile_cache)))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if data_parallel_size is None and not standby_replicas and not launcher:

@@ -70,6 +70,10 @@ class ServeConfig:
     frontend: str = "inline"                  # inline | process (FRONTEND_MODES)
 
     def __post_init__(self) -> None:
+        if not self.kv_profile_cache.strip() or (self.kv_profile_cache not in ("auto", "off")
+                                                 and os.path.isdir(self.kv_profile_cache)):
+            raise ValueError(f"--kv-profile-cache {self.kv_profile_cache!r} must be auto, off or a file path "
+                             "(not a folder)")
         if not self.model:
             raise ValueError("serve: MODEL is empty; pass a model folder or a hub id")
         if self.served_model_name and not self.served_model_name.strip():

@@ -139,3 +139,17 @@ def test_async_scheduling_on_with_speculative_decoding_is_refused(tmp_path, star
     assert result.exit_code == 2 and not started
     assert "--async-scheduling on does not combine with speculative decoding" in result.output, result.output
     assert _serve(tmp_path, "--async-scheduling", "auto", *spec).exit_code == 0 and len(started) == 1
+
+
+def test_kv_profile_cache_reaches_the_worker_and_a_folder_or_blank_is_refused(tmp_path, started):
+    """ServeConfig.kv_profile_cache (the headroom, Triton key and specializations caches) had no
+    flag, so it could be neither moved nor turned off."""
+    assert _serve(tmp_path, "--kv-profile-cache", "off").exit_code == 0
+    assert _serve(tmp_path, "--kv-profile-cache", "rel/kv.json").exit_code == 0
+    assert _serve(tmp_path).exit_code == 0
+    assert [c.kv_profile_cache for c in started] == ["off", os.path.abspath("rel/kv.json"), "auto"]
+    for bad in (str(tmp_path), " "):
+        result = _serve(tmp_path, "--kv-profile-cache", bad)
+        assert result.exit_code == 2 and "--kv-profile-cache" in result.output and "auto, off or a file path" \
+            in result.output, result.output
+    assert len(started) == 3
