@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="Port to bind; 0 picks a free one (see the 'listening on' line).")
 @click.option("--port-file", type=click.Path(dir_okay=False), default=None,
-              help="Write the bound port to this file once listening.")
+              help="Write the bound port to this file once listening; it is removed when the server exits.")
 @click.option("--api-key", default=None, envvar="RESIDENT_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/* [env: RESIDENT_API_KEY].")
 @click.option("--dtype", default="auto", show_default=True,
