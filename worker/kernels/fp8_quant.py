@@ -236,37 +236,29 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def stream_slot(device: torch.device, arenas: dict[int, torch.Tensor],
-                states: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor | None:
-    """The current stream's int32 [2] slot on `device` of the arena kept in `arenas` (one per device:
-    MAX_COOP_STREAMS slots zeroed once, never freed; `states` remembers which stream has which), or
-    None when none can be had without allocating inside a CUDA graph capture (or all slots are
-    taken). The coop barrier's states (`_coop_state`)."""
+def _coop_state(device: torch.device) -> torch.Tensor | None:
+    """The barrier state [count, generation] of the current stream on `device`, or None when
+    none can be had without allocating inside a CUDA graph capture (or all slots are taken)."""
     stream = torch.cuda.current_stream(device)
     key = (device.index, stream.cuda_stream)
-    state = states.get(key)
+    state = _COOP_STATES.get(key)
     if state is not None:
         return state
     with _COOP_LOCK:
-        if key in states:
-            return states[key]
-        arena = arenas.get(device.index)
+        if key in _COOP_STATES:
+            return _COOP_STATES[key]
+        arena = _COOP_ARENAS.get(device.index)
         if arena is None:
             if torch.cuda.is_current_stream_capturing():
                 return None
             arena = torch.zeros(MAX_COOP_STREAMS, 2, dtype=torch.int32, device=device)
             stream.synchronize()        # zero before any stream's kernel uses a slot
-            arenas[device.index] = arena
-        taken = sum(1 for dev, _ in states if dev == device.index)
+            _COOP_ARENAS[device.index] = arena
+        taken = sum(1 for dev, _ in _COOP_STATES if dev == device.index)
         if taken >= MAX_COOP_STREAMS:
             return None
-        states[key] = state = arena[taken]
+        _COOP_STATES[key] = state = arena[taken]
         return state
-
-
-def _coop_state(device: torch.device) -> torch.Tensor | None:
-    """The barrier state [count, generation] of the current stream on `device` (`stream_slot`)."""
-    return stream_slot(device, _COOP_ARENAS, _COOP_STATES)
 
 
 def _large_grid(m: int, k: int) -> tuple[int, int, tuple[int, int]]:

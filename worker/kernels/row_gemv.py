@@ -87,16 +87,12 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
     """One row of a 16-bit x on CUDA against a 2-D weight of its dtype with a contiguous last
     dimension, fewer than MAX_N rows and a K some BLOCK_KS divides (`hopper_only`: on compute
     capability 9.0+, where the kernel was measured)."""
-    return x.numel() == x.shape[-1] and weight_eligible(weight, x.shape[-1], x.dtype, x.device, hopper_only)
-
-
-def weight_eligible(weight: torch.Tensor, k: int, dtype: torch.dtype, device: torch.device, hopper_only: bool) -> bool:
-    """`eligible`'s test of the weight, for a row of K elements of `dtype` on `device`."""
-    if not (device.type == "cuda" and dtype in DTYPES and weight.dtype == dtype and weight.dim() == 2
-            and weight.shape[1] == k and weight.stride(1) == 1 and 0 < weight.shape[0] < MAX_N
+    k = x.shape[-1]
+    if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.shape[1] == k and weight.stride(1) == 1 and x.numel() == k and 0 < weight.shape[0] < MAX_N
             and k % BLOCK_KS[-1] == 0):
         return False
-    return not hopper_only or sm90_or_later(device)
+    return not hopper_only or sm90_or_later(x.device)
 
 
 @triton.jit
@@ -202,4 +198,4 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
 
 
 __all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
-           "row_gemv_fp8", "weight_eligible"]
+           "row_gemv_fp8"]
