@@ -46,8 +46,9 @@ def _one_of(valid: tuple[str, ...], what: str):
     def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
         if value in valid:
             return value
-        shown = repr(value[:40]) + (f"... ({len(value)} characters)" if len(value) > 40 else "")
-        raise click.BadParameter(f"{shown} is not a {what}; choose one of: {', '.join(valid)}")
+        from resident.daemon.errors import shown_value
+
+        raise click.BadParameter(f"{shown_value(value)} is not a {what}; choose one of: {', '.join(valid)}")
 
     return check
 

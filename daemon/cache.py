@@ -18,7 +18,7 @@ from typing import Any
 from resident.daemon.config import DaemonConfig
 from resident.daemon.errors import DaemonError, FailedPrecondition, InvalidArgument, NotFound, ProtocolMismatch
 from resident.daemon.load_gate import LoadAbandoned, LoadGate, as_daemon_error, check_memory, estimate_nbytes
-from resident.daemon.registry import MIN_KEY_PREFIX, Registry, ResidentModel, fmt_bytes
+from resident.daemon.registry import Registry, ResidentModel, fmt_bytes, is_key_prefix
 from resident.daemon.sessions import AccessPolicy, Lease, PeerCreds, Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class WeightCache:
     def _still_loading(self, name_or_key: str) -> str | None:
         """The name of a load in progress (or waiting for its turn) that `name_or_key` names
         (its name, the model it reads, its key or a key prefix), else None."""
-        prefix = len(name_or_key) >= MIN_KEY_PREFIX and all(c in "0123456789abcdef" for c in name_or_key)
+        prefix = is_key_prefix(name_or_key)
         for name, model, key in self._loading.values():
             if name_or_key in (name, model, key) or (prefix and key.startswith(name_or_key)):
                 return name

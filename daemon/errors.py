@@ -9,6 +9,12 @@ from __future__ import annotations
 ERROR_KIND_METADATA = "x-resident-error"
 
 
+def shown_value(value: str, limit: int = 40) -> str:
+    """A bad value as an error message shows it: repr'd, at most `limit` characters of it (the
+    daemon's errors travel back in gRPC metadata, 8 KiB; a 10k-character --dtype overflowed it)."""
+    return repr(value[:limit]) + (f"... ({len(value)} characters)" if len(value) > limit else "")
+
+
 class DaemonError(Exception):
     """An error from (or about) the preload daemon. `code` is a gRPC status code name."""
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from resident.daemon.errors import shown_value
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("none", "fp8_per_tensor")
 
@@ -22,20 +24,15 @@ _MIN_AMAX = 1e-12
 _CHUNK_NUMEL = 1 << 20
 
 
-def _shown(name: str) -> str:
-    """At most 40 characters of a bad value: the error travels back in gRPC metadata (8 KiB)."""
-    return repr(name[:40]) + (f"... ({len(name)} characters)" if len(name) > 40 else "")
-
-
 def check_dtype(name: str) -> str:
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {_shown(name)}; valid dtypes: {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {shown_value(name)}; valid dtypes: {', '.join(DTYPES)}")
     return name
 
 
 def check_quantization(name: str) -> str:
     if name not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {_shown(name)}; valid quantizations: {', '.join(QUANTIZATIONS)}")
+        raise ValueError(f"unknown quantization {shown_value(name)}; valid quantizations: {', '.join(QUANTIZATIONS)}")
     return name
 
 

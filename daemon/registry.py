@@ -29,6 +29,11 @@ MIN_KEY_PREFIX = 8
 _HEX = re.compile(r"[0-9a-f]+")
 
 
+def is_key_prefix(text: str) -> bool:
+    """Whether `text` can name models by a key prefix: MIN_KEY_PREFIX or more hex digits."""
+    return len(text) >= MIN_KEY_PREFIX and _HEX.fullmatch(text) is not None
+
+
 def fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -241,8 +246,7 @@ class Registry:
             return targets
 
     def _by_key_prefix(self, prefix: str) -> ResidentModel:
-        matches = [m for key, m in self._by_key.items() if key.startswith(prefix)] \
-            if len(prefix) >= MIN_KEY_PREFIX and _HEX.fullmatch(prefix) else []
+        matches = [m for key, m in self._by_key.items() if key.startswith(prefix)] if is_key_prefix(prefix) else []
         if len(matches) > 1:
             raise InvalidArgument(
                 f"key prefix {prefix!r} matches {len(matches)} resident models ("
