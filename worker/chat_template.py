@@ -209,8 +209,9 @@ class ChatTemplate:
         self.source = source
         try:
             env = _environment()
-            self._template = env.from_string(source)
-            self.reads_tool_calls = _reads_tool_calls(env.parse(source))
+            ast = env.parse(source)   # parsed once: read for tool_calls, then compiled
+            self.reads_tool_calls = _reads_tool_calls(ast)
+            self._template = env.from_string(ast)
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}",
                                     kind="syntax") from e
