@@ -105,14 +105,15 @@ class ServeConfig:
         if self.verify_sample < -1:   # any negative value checked every tensor, -5 too
             raise ValueError(f"--verify-sample must be -1 (every tensor), 0 (none) or a count, "
                              f"got {self.verify_sample}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
-        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if self.cpu_threads is not None and self.cpu_threads > num_cpus:
-            # torch starts them all: 100000 failed the start with "can't start new thread" and a
-            # segfault at exit; beyond the CPUs they only contend.
-            raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {num_cpus} CPUs this process may "
-                             f"run on; use {num_cpus} or fewer, or leave it out for torch's choice")
+        if self.cpu_threads is not None:
+            if self.cpu_threads < 1:
+                raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
+            num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if self.cpu_threads > num_cpus:
+                # torch starts them all: 100000 failed the start with "can't start new thread" and a
+                # segfault at exit; beyond the CPUs they only contend.
+                raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {num_cpus} CPUs this process "
+                                 f"may run on; use {num_cpus} or fewer, or leave it out for torch's choice")
         from resident.worker.device import check_device_name  # no torch: the CLI builds this config
 
         check_device_name(self.device)
