@@ -15,10 +15,15 @@ import pytest
 CLI = [sys.executable, "-m", "resident.cli.main"]
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli_env() -> dict[str, str]:
+    """This environment without $RESIDENT_SOCKET: each call names its daemon's socket."""
     env = dict(os.environ)
     env.pop("RESIDENT_SOCKET", None)
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=cli_env())
 
 
 def free_port() -> int:

@@ -4,24 +4,19 @@ and the fix, as a --socket in such a folder does (aa72d7e)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from test_preload_cli import run_cli
 
 from resident.daemon.server import check_socket_folder
-
-CLI = [sys.executable, "-m", "resident.cli.main"]
 
 
 def test_an_fd_socket_folder_that_is_a_file_is_named_with_the_fix(short_tmp):
     blocker = short_tmp / "not-a-folder"
     blocker.write_text("")
     sock, fd_sock = short_tmp / "p.sock", blocker / "p.fd"
-    env = dict(os.environ)
-    env.pop("RESIDENT_SOCKET", None)
-    r = subprocess.run([*CLI, "preload", "start", "--socket", str(sock), "--fd-socket", str(fd_sock), "--http", "off",
-                        "--backend", "host_shm"], capture_output=True, text=True, timeout=120, env=env)
+    r = run_cli("preload", "start", "--socket", str(sock), "--fd-socket", str(fd_sock), "--http", "off",
+                "--backend", "host_shm")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert f"cannot create the --fd-socket {fd_sock} ({blocker} is not a folder)" in r.stderr, r.stderr
     assert "choose an --fd-socket in such a folder" in r.stderr and "make that one writable" in r.stderr

@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
-CLI = [sys.executable, "-m", "resident.cli.main"]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("RESIDENT_SOCKET", None)
-    return env
+from test_preload_cli import CLI, cli_env, run_cli
 
 
 def test_two_stops_at_once_both_report_the_daemon_stopped(short_tmp):
     sock = str(short_tmp / "p.sock")
     for _ in range(2):   # the race was lost in each of six tries by hand
-        r = subprocess.run([*CLI, "preload", "start", "--socket", sock, "--http", "off", "--backend", "host_shm"],
-                           capture_output=True, text=True, timeout=120, env=_env())
+        r = run_cli("preload", "start", "--socket", sock, "--http", "off", "--backend", "host_shm")
         assert r.returncode == 0, r.stdout + r.stderr
         pid = int((short_tmp / "p.sock.lock").read_text())
         stops = [subprocess.Popen([*CLI, "preload", "stop", "--socket", sock], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=_env()) for _ in range(2)]
+                                  stderr=subprocess.PIPE, text=True, env=cli_env()) for _ in range(2)]
         outs = [p.communicate(timeout=120) for p in stops]
         for p, (out, err) in zip(stops, outs):
             assert p.returncode == 0, out + err
