@@ -9,7 +9,6 @@
     python3 tests/gpu_decode_probes.py pdl-chain     --json OUT.json   (~60 s)
     python3 tests/gpu_decode_probes.py gemv-designs  --json OUT.json   (~30 s on the H200)
     python3 tests/gpu_decode_probes.py fp8-row-gemv  --json OUT.json   (~30 s)
-    python3 tests/gpu_decode_probes.py fp8-row-norm  --json OUT.json   (~30 s)
 
 - l2-prefetch: does a bulk L2 prefetch (`cp.async.bulk.prefetch.L2`, Hopper) of the next GEMM's
   weights, issued on a side stream while latency-bound kernels run, make a batch-1 decode layer
@@ -37,9 +36,6 @@
   with its first weight tile loaded before PDL's wait).
 - fp8-row-gemv (session 12, run in session 13): `row_gemv_fp8` per shape over launch shapes
   against `_scaled_mm`, and the same fp8 weights against a bf16 activation (W8A16).
-- fp8-row-norm (session 17): o_proj / down_proj then the next add + RMSNorm + fp8 quantization,
-  as two launches against the fp8 row GEMV that runs the norm in its last program, over its
-  launch shapes, 32 layers' weights in one graph.
 - bf16-gemm (session 11): the LM head's GEMM (128256 x 4096, bf16 in every checkpoint) and a
   layer's four at M = 1, 16, 64 by form: F.linear, W @ x^T, the LM head in N-chunks, the Triton
   GEMV over launch shapes (added after the session-11 run: not run yet).
@@ -689,53 +685,9 @@ def fp8_row_gemv() -> dict:
     return {"copy_bw": bw, "shapes": rows_out}
 
 
-def fp8_row_norm() -> dict:
-    """Session 17: o_proj (down_proj) followed by the next add + RMSNorm + fp8 quantization, batch 1,
-    32 layers' distinct weights in one CUDA graph: the two launches the engine ran (`row_gemv_fp8`,
-    then `rmsnorm.fused_add_rms_norm_fp8`) against `row_gemv.row_gemv_fp8_add_rms_norm` (the norm in
-    the GEMV's last program) over launch shapes (its warps are the norm's: 8 for hidden 4096).
-    Microseconds a layer and the share of the copy bandwidth's bound for the weight bytes."""
-    from resident.worker.kernels import rmsnorm, row_gemv
-
-    bw = _copy_bandwidth()
-    f8 = torch.float8_e4m3fn
-    out = []
-    for name, n, k in (("o_proj", 4096, 4096), ("down_proj", 4096, 14336)):
-        ws = [(torch.randn(n, k, device="cuda") * 100).clamp(-440, 440).to(f8) for _ in range(32)]
-        x_q = (torch.randn(1, k, device="cuda") * 100).clamp(-440, 440).to(f8)
-        s_a, s_w = torch.tensor(0.013, device="cuda"), torch.tensor(0.0007, device="cuda")
-        res = torch.randn(1, n, device="cuda").to(torch.bfloat16)
-        nw = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
-        counter = row_gemv.norm_counter(x_q.device)
-
-        def two(w):
-            y = row_gemv.row_gemv_fp8(x_q, s_a, w, s_w, None, torch.bfloat16)
-            return rmsnorm.fused_add_rms_norm_fp8(y, res, nw, 1e-5)
-
-        forms = {"two launches": two}
-        for rows, block_k in ((8, 2048), (4, 2048), (16, 2048), (8, 1024), (16, 1024), (32, 1024)):
-            cfg = row_gemv.RowConfig(rows, block_k, 8)
-            forms[f"fused {rows}x{block_k} w8"] = (
-                lambda w, cfg=cfg: row_gemv.row_gemv_fp8_add_rms_norm(x_q, s_a, w, s_w, None, res, nw, 1e-5, counter,
-                                                                      config=cfg))
-        row = {"name": name, "n": n, "k": k, "default": str(row_gemv.norm_config(n, k))}
-        ideal_us = n * k / bw * 1e6
-        for label, f in forms.items():
-            us = _graph_us(lambda f=f, ws=ws: [f(w) for w in ws], reps=10) / len(ws)
-            row[label] = {"us": us, "of_copy_bandwidth": ideal_us / us}
-        out.append(row)
-        best = min((lbl for lbl in forms if lbl.startswith("fused")), key=lambda lbl: row[lbl]["us"])
-        print(f"{name}: two launches {row['two launches']['us']:.1f} us, fused default "
-              f"{row['fused 8x2048 w8']['us']:.1f} us, best {best} {row[best]['us']:.1f} us (ideal {ideal_us:.1f})",
-              file=sys.stderr)
-        del ws
-    return {"copy_bw": bw, "shapes": out}
-
-
 PROBES = {"l2-prefetch": l2_prefetch, "fp8-gemm": fp8_gemm, "small-kernels": small_kernels, "attention": attention,
           "bf16-gemm": bf16_gemm, "attention-fp8": attention_fp8,
-          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv,
-          "fp8-row-norm": fp8_row_norm}
+          "pdl-chain": pdl_chain, "gemv-designs": gemv_designs, "fp8-row-gemv": fp8_row_gemv}
 
 
 def main(argv: list[str] | None = None) -> int:

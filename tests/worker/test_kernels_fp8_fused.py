@@ -148,7 +148,7 @@ def _norm_coop_one_program(dtype: torch.dtype) -> None:
             want = torch.empty(1, k)
             want_scale = quantize_fp8_into(normed, want)
             want_q, _ = quantize_fp8_per_tensor_dynamic(normed)
-            block, warps = rmsnorm.block_and_warps(k)
+            block, warps = rmsnorm._block_and_warps(k)
             for out in (torch.full((1, k), float("nan")), torch.empty(1, k, dtype=FP8_DTYPE)):
                 buf = torch.full((2,), float("nan"))
                 state = torch.tensor([0, 41], dtype=torch.int32)
@@ -282,13 +282,11 @@ def _model_logits_fused_vs_unfused() -> None:
         fused = triton_kernels()
         spied = dataclasses.replace(fused, fused_add_rms_norm_fp8=lambda *a: calls.append("norm") or
                                     fused.fused_add_rms_norm_fp8(*a),
-                                    fp8_scaled_mm_add_rms_norm_fp8=lambda *a: calls.append("linear + norm") or
-                                    fused.fp8_scaled_mm_add_rms_norm_fp8(*a),
                                     rotary_paged_attention_fp8=lambda *a: calls.append("attention") or
                                     fused.rotary_paged_attention_fp8(*a))
         no_rope = dataclasses.replace(fused, rotary_paged_attention=None, rotary_paged_attention_fp8=None,
                                       paged_attention_fp8=lambda *a: calls.append("attention without rope") or
-                                      fused.paged_attention_fp8(*a), fp8_scaled_mm_add_rms_norm_fp8=None)
+                                      fused.paged_attention_fp8(*a))
         unfused = dataclasses.replace(fused, fused_add_rms_norm_fp8=None, silu_and_mul_fp8=None,
                                       paged_attention_fp8=None)
         logits = {}
@@ -296,10 +294,9 @@ def _model_logits_fused_vs_unfused() -> None:
             dispatch._triton_kernels = lambda kernels=kernels: kernels
             logits[name] = _prefill_then_decode(config, weights, "triton")
         dispatch._triton_kernels = triton_kernels
-    # (prefill, decode) x: the first layer's input norm; o_proj + norm in both layers, down_proj + the
-    # second layer's input norm; the attention in both (the other two forms are not spied on).
-    assert calls.count("norm") == 2 * 1 and calls.count("linear + norm") == 2 * 3, calls
-    assert calls.count("attention") == 2 * 2 and calls.count("attention without rope") == 2 * 2, calls
+    # 2 layers x (2 norms + attention) x (prefill, decode)
+    assert calls.count("norm") == 2 * 2 * 2 and calls.count("attention") == 2 * 2, calls
+    assert calls.count("attention without rope") == 2 * 2, calls
     for name in ("no_rope", "unfused"):
         for got, want in zip(logits["fused"], logits[name]):
             assert torch.equal(got, want), name
@@ -393,14 +390,9 @@ def test_layers_fuse_the_quantization_only_for_fp8_linears_and_the_plain_add_nor
     config, fp8_weights = _fp8_tiny_llama(path, torch.float32)
     kernels = get_kernels("cpu", "torch")
     model = LlamaForCausalLM(config, fp8_weights, kernels)
-    assert all(layer.fuse_fp8_quant and layer.fuse_o_quant and layer.fuse_norm_after for layer in model.layers)
-    # down_proj runs the next layer's input norm; the last layer's output goes to the final norm.
-    assert [layer.next_input_norm is not None for layer in model.layers] == [True] * (config.num_layers - 1) + [False]
-    assert model.layers[0].next_input_norm is model.layers[1].input_layernorm
-    without = LlamaForCausalLM(config, fp8_weights, dataclasses.replace(kernels, fp8_scaled_mm_add_rms_norm_fp8=None))
-    assert not any(layer.fuse_norm_after or layer.next_input_norm is not None for layer in without.layers)
+    assert all(layer.fuse_fp8_quant and layer.fuse_o_quant for layer in model.layers)
     plain = LlamaForCausalLM(config, fused_weights_from_hf_folder(path), kernels)
-    assert not any(layer.fuse_fp8_quant or layer.fuse_o_quant or layer.fuse_norm_after for layer in plain.layers)
+    assert not any(layer.fuse_fp8_quant or layer.fuse_o_quant for layer in plain.layers)
     # A custom add_norm (tensor parallelism's all-reduce + norm) must see the normed activations.
     custom = LlamaDecoderLayer(config, fp8_weights, 0, model.rope_table, kernels, add_norm=model.add_norm)
     assert not custom.fuse_fp8_quant and not custom.fuse_o_quant
@@ -532,7 +524,7 @@ def test_fused_norm_sums_squares_in_the_unfused_kernels_layout(dtype: str, hidde
     _skip_without_a_compiler()
     from resident.worker.kernels import rmsnorm
 
-    block, warps = rmsnorm.block_and_warps(hidden)
+    block, warps = rmsnorm._block_and_warps(hidden)
     act = f"*{dtype}"
     names = ("x_ptr", "res_ptr", "w_ptr", "res_out_ptr")
     aligned = ("stride_x", "stride_res", "stride_out", "stride_res_out", "n_cols")

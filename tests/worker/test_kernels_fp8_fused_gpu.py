@@ -7,11 +7,8 @@
 (hidden 4096, intermediate 14336); the quantization also equals the CPU reference's. Then CUDA
 graph capture and replays, a capture before any eager coop call and a grid beyond the SMs (the
 two path), and a 2-layer fp8 model at Llama-3-8B widths whose logits over a prefill and graph-
-replayed decode steps (batch 1 to 64) are the same with the fused ops and without. The fp8 row
-GEMV that runs the next norm in its last program (`row_gemv.row_gemv_fp8_add_rms_norm`, o_proj and
-down_proj at batch 1): bit for bit the GEMV then the norm, eagerly and in graph replays of many
-launches on one counter, and taken by the model at batch 1 only. The interpreter, torch-backend
-and sm_90 build tests are in test_kernels_fp8_fused.py (the row GEMV's in test_kernels_row_gemv.py).
+replayed decode steps (batch 1 to 64) are the same with the fused ops and without. The
+interpreter, torch-backend and sm_90 build tests are in test_kernels_fp8_fused.py.
 """
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from test_kernels_fp8 import LaunchSpy  # noqa: E402
-from test_kernels_row_gemv import fp8_operands, norm_operands, two_ops  # noqa: E402
 
 from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, quantize_fp8_per_tensor_dynamic  # noqa: E402
 
@@ -320,97 +316,6 @@ def test_gpu_paged_attention_fp8_is_attention_then_quantization(batch: int, few_
                                                          .view(8, hq * d)))
 
 
-# --- the fp8 row GEMV with the norm in its last program --------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 14336), (2048, 8192), (5120, 4096)])
-def test_gpu_fp8_row_gemv_add_rms_norm_is_the_gemv_then_the_norm(shape: tuple[int, int], dtype: torch.dtype) -> None:
-    """o_proj's and down_proj's shapes (and other hidden sizes), with and without a bias: the fp8
-    bytes, scale and new residual of row_gemv_fp8 (same launch shape) + the norm kernel + the
-    quantization, and the plain GEMV's output at pick_config's shape (the per-row sums' layout is
-    the same); the counter is left at 0."""
-    from resident.worker.kernels import row_gemv
-
-    n, k = shape
-    x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=n + k, device="cuda")
-    residual, norm_w, bias = norm_operands(n, dtype, seed=k, device="cuda")
-    counter = row_gemv.norm_counter(x_q.device)
-    config = row_gemv.norm_config(n, k)
-    for b in (None, bias):
-        want_q, want_scale, want_res = two_ops(x_q, s_a, w_q, s_w, b, residual, norm_w, EPS, config, FP8_DTYPE)
-        y_q, scale, res = row_gemv.row_gemv_fp8_add_rms_norm(x_q, s_a, w_q, s_w, b, residual, norm_w, EPS, counter)
-        _assert_identical(y_q, scale, want_q, want_scale)
-        assert torch.equal(res, want_res)
-        plain = two_ops(x_q, s_a, w_q, s_w, b, residual, norm_w, EPS, row_gemv.pick_config(n, k, fp8=True), FP8_DTYPE)
-        _assert_identical(y_q, scale, plain[0], plain[1])
-    torch.cuda.synchronize()
-    assert counter[0].item() == 0
-
-
-def test_gpu_fp8_row_gemv_add_rms_norm_replays_in_a_cuda_graph() -> None:
-    """Eight chained launches (o_proj, down_proj alternately: each one's residual the last one's)
-    captured once and replayed over fresh inputs: every output as the eager two ops give it."""
-    from resident.worker.kernels import row_gemv
-
-    shapes = [(4096, 4096), (4096, 14336)] * 4
-    ops = [fp8_operands(n, k, seed=i, device="cuda") for i, (n, k) in enumerate(shapes)]
-    residual, norm_w, _ = norm_operands(4096, torch.bfloat16, seed=1, device="cuda")
-
-    def chain():
-        outs, res = [], residual
-        for x_q, s_a, w_q, s_w in ops:
-            y_q, scale, res = row_gemv.row_gemv_fp8_add_rms_norm(x_q, s_a, w_q, s_w, None, res, norm_w, EPS,
-                                                                 row_gemv.norm_counter(x_q.device))
-            outs.append((y_q, scale, res))
-        return outs
-
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
-    for i in range(6):
-        for x_q, s_a, _, _ in ops:
-            x_q.copy_((torch.randn(x_q.shape, device="cuda") * 50 * (i + 1)).clamp(-440, 440).to(FP8_DTYPE))
-            s_a.fill_(0.01 * (i + 1))
-        residual.copy_(torch.randn_like(residual))
-        graph.replay()
-        res = residual
-        for (x_q, s_a, w_q, s_w), (y_q, scale, got_res) in zip(ops, outs):
-            want_q, want_scale, res = two_ops(x_q, s_a, w_q, s_w, None, res, norm_w, EPS,
-                                              row_gemv.norm_config(*w_q.shape), FP8_DTYPE)
-            _assert_identical(y_q, scale, want_q, want_scale)
-            assert torch.equal(got_res, res)
-    torch.cuda.synchronize()
-
-
-def test_gpu_fp8_linear_and_norm_op_takes_one_launch_for_one_row_only(monkeypatch) -> None:
-    """`fp8.fp8_scaled_mm_add_rms_norm_fp8`: one row -> the fused kernel (one launch of the row
-    GEMV, no norm kernel); two rows -> the GEMM and the fused norm; equal to the two ops either way."""
-    from resident.worker.kernels import fp8, rmsnorm, row_gemv
-
-    x_q, s_a, w_q, s_w = fp8_operands(4096, 4096, seed=3, device="cuda")
-    residual, norm_w, _ = norm_operands(4096, torch.bfloat16, seed=3, device="cuda")
-    fp8.fp8_scaled_mm_add_rms_norm_fp8(x_q, s_a, w_q, s_w, None, residual, norm_w, EPS)   # compile
-    gemv_spy, norm_spy = LaunchSpy(row_gemv._row_gemv_kernel), LaunchSpy(rmsnorm._rms_norm_fp8_kernel)
-    monkeypatch.setattr(row_gemv, "_row_gemv_kernel", gemv_spy)
-    monkeypatch.setattr(rmsnorm, "_rms_norm_fp8_kernel", norm_spy)
-    y_q, scale, res = fp8.fp8_scaled_mm_add_rms_norm_fp8(x_q, s_a, w_q, s_w, None, residual, norm_w, EPS)
-    assert len(gemv_spy.grids) == 1 and norm_spy.grids == []
-    want_q, want_scale, want_res = rmsnorm.fused_add_rms_norm_fp8(
-        fp8.fp8_scaled_mm(x_q, s_a, w_q, s_w, None, torch.bfloat16), residual, norm_w, EPS)
-    _assert_identical(y_q, scale, want_q, want_scale)
-    assert torch.equal(res, want_res) and y_q.shape == residual.shape
-    two = torch.cat([x_q, x_q])
-    res2 = torch.cat([residual, residual * 2])
-    launched = len(gemv_spy.grids)            # (+ the reference's own row GEMV above)
-    y_q, scale, res = fp8.fp8_scaled_mm_add_rms_norm_fp8(two, s_a, w_q, s_w, None, res2, norm_w, EPS)
-    assert len(gemv_spy.grids) == launched and len(norm_spy.grids) == 1
-    want_q, want_scale, want_res = rmsnorm.fused_add_rms_norm_fp8(
-        fp8.fp8_scaled_mm(two, s_a, w_q, s_w, None, torch.bfloat16), res2, norm_w, EPS)
-    _assert_identical(y_q, scale, want_q, want_scale)
-    assert torch.equal(res, want_res)
-
-
 # --- a 2-layer fp8 model at Llama-3-8B widths ----------------------------------------------------
 def _fp8_llama8b_wide(num_layers: int = 2, vocab: int = 32000):
     """(ModelConfig, weights on the GPU): bf16 norms and embeddings, fp8_per_tensor projections."""
@@ -453,17 +358,9 @@ def test_gpu_fp8_model_decode_logits_are_identical_with_the_fused_ops(monkeypatc
     config, weights = _fp8_llama8b_wide()
     ec = EngineConfig(block_size=16, num_kv_blocks=64 * 3, max_model_len=48, max_num_seqs=64,
                       max_num_batched_tokens=1024)
-    from resident.worker.kernels import row_gemv
-
     triton_kernels = dispatch._triton_kernels
     runners = {}
-    norm_launches = []
-    fused = triton_kernels()
-    spied = dataclasses.replace(fused, fp8_scaled_mm_add_rms_norm_fp8=lambda x_q, *a: norm_launches.append(
-        x_q.shape[0]) or fused.fp8_scaled_mm_add_rms_norm_fp8(x_q, *a))
-    tail_spy = LaunchSpy(row_gemv._row_gemv_kernel)
-    monkeypatch.setattr(row_gemv, "_row_gemv_kernel", tail_spy)
-    for name, kernels in (("fused", spied),
+    for name, kernels in (("fused", triton_kernels()),
                           ("unfused", dataclasses.replace(triton_kernels(), fused_add_rms_norm_fp8=None,
                                                           silu_and_mul_fp8=None, paged_attention_fp8=None))):
         monkeypatch.setattr(dispatch, "_triton_kernels", lambda kernels=kernels: kernels)
@@ -493,9 +390,5 @@ def test_gpu_fp8_model_decode_logits_are_identical_with_the_fused_ops(monkeypatc
 
     got, want = run(runners["fused"]), run(runners["unfused"])
     assert runners["fused"].graphs.num_replays == len(schedule)
-    # The batch-1 graph: o_proj and down_proj ran the next norm (3 of the 2 layers' 4: the last
-    # down_proj feeds the final norm), the fused row GEMV's grids (norm_config's 8 rows a program:
-    # 512 programs; the plain GEMV's o_proj and down_proj take 1024).
-    assert norm_launches.count(1) >= 3 and tail_spy.grids.count((512,)) >= 3, (norm_launches, tail_spy.grids)
     for g, w in zip(got, want):
         assert torch.equal(g, w), f"max |diff| {(g - w).abs().max().item()}"

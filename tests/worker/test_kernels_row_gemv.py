@@ -69,50 +69,6 @@ def _fp8_matches_reference(out_dtype: torch.dtype, with_bias: bool) -> None:
             assert_close_to_reference(got, want, out_dtype)
 
 
-def norm_operands(n: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
-    """(residual [1, N], norm weight [N], bias [N]) in dtype."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(1, n, generator=g, device=device).to(dtype),
-            (1 + 0.1 * torch.randn(n, generator=g, device=device)).to(dtype),
-            torch.randn(n, generator=g, device=device).to(dtype))
-
-
-def two_ops(x_q, s_a, w_q, s_w, bias, residual, norm_w, eps, config, out_dtype=torch.float32):
-    """(y_q or x / scale clamped in float32, scale, new residual) by row_gemv_fp8 (at `config`),
-    the unfused add + RMSNorm kernel and fp8_quant: what row_gemv_fp8_add_rms_norm must give."""
-    from resident.worker.kernels import rmsnorm
-    from resident.worker.kernels.fp8_quant import quantize_fp8_into
-    from resident.worker.kernels.row_gemv import row_gemv_fp8
-
-    y = row_gemv_fp8(x_q, s_a, w_q, s_w, bias, residual.dtype, config=config)
-    normed, new_residual = rmsnorm.fused_add_rms_norm(y, residual.view(y.shape), norm_w, eps)
-    want = torch.empty(normed.shape, dtype=out_dtype, device=normed.device)
-    return want, quantize_fp8_into(normed, want, path="small"), new_residual
-
-
-def _fp8_add_rms_norm_is_the_two_ops(dtype: torch.dtype) -> None:
-    """The GEMV with the norm as its last program's tail, against the GEMV then the norm and the
-    quantization: rows past N, a bias, several launches on one counter (left at 0 each time)."""
-    from resident.worker.kernels.row_gemv import RowConfig, norm_config, norm_counter, row_gemv_fp8_add_rms_norm
-
-    for i, (n, k, cfg) in enumerate([(100, 1024, RowConfig(8, 512, 4)), (64, 4096, None),
-                                     (33, 384, RowConfig(4, 128, 2))]):
-        x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=10 + i)
-        residual, norm_w, bias = norm_operands(n, dtype, seed=i)
-        bias = bias if i == 0 else None
-        config = cfg or norm_config(n, k)
-        want, want_scale, want_res = two_ops(x_q, s_a, w_q, s_w, bias, residual, norm_w, 1e-5, config)
-        counter = norm_counter(x_q.device)
-        for _ in range(2):
-            out = torch.full((1, n), float("nan"))
-            y_q, scale, res = row_gemv_fp8_add_rms_norm(x_q, s_a, w_q, s_w, bias, residual, norm_w, 1e-5, counter,
-                                                        config=config, out=out)
-            assert y_q is out and torch.equal(scale, want_scale), (scale, want_scale)
-            assert torch.equal(out, want), f"{(out != want).sum().item()} of {n} values differ"
-            assert torch.equal(res, want_res) and res.dtype == dtype
-            assert counter.tolist() == [0, 0], counter
-
-
 def _cases() -> dict[str, Callable[[], None]]:
     def case(dtype: torch.dtype, with_bias: bool) -> Callable[[], None]:
         return lambda: _matches_reference(dtype, with_bias)
@@ -123,8 +79,6 @@ def _cases() -> dict[str, Callable[[], None]]:
              for dname, dtype in DTYPES.items() for b in (False, True)}
     cases["fp8_matches_reference[float32-nobias]"] = fp8_case(torch.float32, False)
     cases["fp8_matches_reference[bfloat16-bias]"] = fp8_case(torch.bfloat16, True)
-    for dname, dtype in DTYPES.items():
-        cases[f"fp8_add_rms_norm_is_the_two_ops[{dname}]"] = lambda dtype=dtype: _fp8_add_rms_norm_is_the_two_ops(dtype)
     return cases
 
 
@@ -163,9 +117,10 @@ def test_pick_config_is_the_h200_sweeps_policy() -> None:
         RowConfig(rows=6)
 
 
-def _hopper_build(variant: str, n: int, k: int):
-    """The row GEMV built for sm_90 by Triton's own ptxas (no GPU needed) as `_launch` (bf16, fp8)
-    or `row_gemv_fp8_add_rms_norm` (fp8-norm) launch it for weight [n, k], under PDL."""
+@pytest.mark.parametrize("variant", ["bf16", "fp8"])
+def test_row_gemv_builds_for_hopper(variant: str) -> None:
+    """Built for sm_90 by Triton's own ptxas (no GPU needed) at gate_up's fp8 launch shape under
+    PDL: no shared-memory tiles beyond the reductions', no spills."""
     _need_triton()
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set in this process: kernels are interpreted, not compiled")
@@ -173,59 +128,27 @@ def _hopper_build(variant: str, n: int, k: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from resident.worker.kernels import rmsnorm, row_gemv
+    from resident.worker.kernels import row_gemv
 
     fn = row_gemv._row_gemv_kernel
-    x_type, w_type = ("*bf16", "*bf16") if variant == "bf16" else ("*fp8e4nv", "*fp8e4nv")
-    norm = variant == "fp8-norm"
-    cfg = row_gemv.norm_config(n, k) if norm else row_gemv.pick_config(n, k, fp8=variant != "bf16")
-    constexprs = {"HAS_BIAS": False, "SCALED": variant != "bf16", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
-                  "PDL": True, "NORM": norm, "BLOCK_N": rmsnorm.block_and_warps(n)[0] if norm else 1}
+    x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
+    cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
+    constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
+                  "PDL": True}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                "scale_w_ptr": "*fp32", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
-                "xq_ptr": "*fp8e4nv", "norm_buf_ptr": "*fp32", "count_ptr": "*i32"}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "eps" else "i32")
-                 for n in fn.arg_names}
+                "scale_w_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "N", "K", "stride_wn"]}
     try:
-        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
     except RuntimeError as e:
         if "ptxas" in str(e) and "not found" in str(e).lower():
             pytest.skip(f"this triton has no bundled ptxas: {e}")
         raise
-
-
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-norm"])
-def test_row_gemv_builds_for_hopper(variant: str) -> None:
-    """At gate_up's launch shape (fp8-norm: o_proj's): no shared-memory tiles beyond the
-    reductions', no spills; only the norm variant has the arrival counter (an acq_rel atomic),
-    L2 reads of the row and the quantization's IEEE division."""
-    n, k = (4096, 4096) if variant == "fp8-norm" else (28672, 4096)
-    compiled = _hopper_build(variant, n, k)
-    assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096 * (1 + (variant == "fp8-norm")), \
-        compiled.metadata.shared
+    assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
-    norm = variant == "fp8-norm"
-    assert ("atom.global.gpu.acq_rel.add" in ptx) == norm and ("ld.global.cg" in ptx) == norm
-    assert ("div.rn.f32" in ptx) == norm
-
-
-@pytest.mark.parametrize("hidden", [2048, 4096, 5120, 8192])
-def test_fp8_row_gemv_norm_tail_sums_squares_in_the_norm_kernels_layout(hidden: int) -> None:
-    """The tail's sum of squares (the first reduction of a [BLOCK_N] float32 row) takes the unfused
-    norm kernel's layout, hence its summation order: bit for bit its output on a GPU."""
-    from test_kernels_fp8_fused import _first_reduce_layout, _hopper_build as build
-
-    from resident.worker.kernels import rmsnorm
-
-    fused = _hopper_build("fp8-norm", hidden, 4096)
-    block, warps = rmsnorm.block_and_warps(hidden)
-    names = ("x_ptr", "res_ptr", "w_ptr", "res_out_ptr", "out_ptr")
-    unfused = build(rmsnorm._rms_norm_kernel, dict.fromkeys(names, "*bf16"), {"HAS_RESIDUAL": True, "BLOCK_N": block},
-                    warps, ("stride_x", "stride_res", "stride_out", "stride_res_out", "n_cols"))
-    assert _first_reduce_layout(fused.asm["ttgir"]) == _first_reduce_layout(unfused.asm["ttgir"])
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:

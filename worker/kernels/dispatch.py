@@ -64,10 +64,6 @@ class Kernels:
     rotary_paged_attention: Callable[..., torch.Tensor] | None = None
     #: the same with paged_attention_fp8's output (x_q [T, Hq*D] fp8, scale_a float32 ())
     rotary_paged_attention_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-    #: (x_q, scale_a, weight fp8, weight_scale, bias | None, residual [T,N], norm_weight [N], eps) -> (y_q [T,N] fp8,
-    #: scale_y float32 (), y + residual): fp8_scaled_mm in residual's dtype, then fused_add_rms_norm_fp8 (one
-    #: launch where the backend can: a batch-1 decode's o_proj and down_proj). None: models call the two
-    fp8_scaled_mm_add_rms_norm_fp8: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -80,8 +76,7 @@ def _torch_kernels() -> Kernels:
     return Kernels("torch", r.rms_norm, r.fused_add_rms_norm, r.rotary_kv_write, r.silu_and_mul,
                    r.paged_attention, r.fp8_linear, fp8_scaled_mm=r.fp8_scaled_mm,
                    fused_add_rms_norm_fp8=r.fused_add_rms_norm_fp8, silu_and_mul_fp8=r.silu_and_mul_fp8,
-                   paged_attention_fp8=r.paged_attention_fp8,
-                   fp8_scaled_mm_add_rms_norm_fp8=r.fp8_scaled_mm_add_rms_norm_fp8)
+                   paged_attention_fp8=r.paged_attention_fp8)
 
 
 def _triton_kernels() -> Kernels:
@@ -97,8 +92,7 @@ def _triton_kernels() -> Kernels:
                    fused_add_rms_norm_fp8=rmsnorm.fused_add_rms_norm_fp8, silu_and_mul_fp8=activation.silu_and_mul_fp8,
                    paged_attention_fp8=paged_attention.paged_attention_fp8,
                    rotary_paged_attention=paged_attention.rotary_paged_attention,
-                   rotary_paged_attention_fp8=paged_attention.rotary_paged_attention_fp8,
-                   fp8_scaled_mm_add_rms_norm_fp8=fp8.fp8_scaled_mm_add_rms_norm_fp8)
+                   rotary_paged_attention_fp8=paged_attention.rotary_paged_attention_fp8)
 
 
 def triton_available() -> bool:

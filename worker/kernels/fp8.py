@@ -33,7 +33,7 @@ import logging
 import torch
 from triton.errors import TritonError
 
-from resident.worker.kernels import fp8_gemv, gemv, rmsnorm, row_gemv
+from resident.worker.kernels import fp8_gemv, gemv, row_gemv
 from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
 from resident.worker.layers.linear import (FP8_DTYPE, fp8_fast_accum, fp8_scaled_mm_reference,
                                            quantize_fp8_per_tensor_dynamic)
@@ -103,49 +103,6 @@ def fp8_scaled_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor
     n_out, k_in = weight.shape
     return _quantized_mm(x_q.reshape(-1, k_in), scale_a, weight, weight_scale, bias, out_dtype).reshape(
         *shape[:-1], n_out)
-
-
-def fp8_scaled_mm_add_rms_norm_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
-                                   weight_scale: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                                   norm_weight: torch.Tensor, eps: float
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y_q, scale_y, y + residual) for y = `fp8_scaled_mm(x_q, ..., residual.dtype)`: the next
-    linear's fp8 input, as `rmsnorm.fused_add_rms_norm_fp8(y, residual, norm_weight, eps)` gives it
-    (o_proj and the post-attention norm; down_proj and the next layer's input norm). One row that
-    the fp8 row GEMV takes is one launch (`row_gemv.row_gemv_fp8_add_rms_norm`: the norm kernel's
-    launch goes, bit for bit the two ops); anything else runs the two ops."""
-    fused = _row_norm_or_none(x_q, scale_a, weight, weight_scale, bias, residual, norm_weight, eps)
-    if fused is not None:
-        return fused
-    y = fp8_scaled_mm(x_q, scale_a, weight, weight_scale, bias, residual.dtype)
-    return rmsnorm.fused_add_rms_norm_fp8(y, residual, norm_weight, eps)
-
-
-def _row_norm_or_none(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`row_gemv.row_gemv_fp8_add_rms_norm` where `_row_or_none` would take the row GEMV and the
-    norm fits its tail (16-bit residual and norm weight of one dtype, `norm_config`), a counter can
-    be had (`norm_counter`: not in a capture before any); None otherwise, or when Triton cannot
-    run it (a TritonError, logged once per weight)."""
-    n, k = weight.shape
-    if not (x_q.is_cuda and x_q.numel() == k and x_q.dtype == FP8_DTYPE and residual.numel() == n
-            and residual.dtype in row_gemv.DTYPES and norm_weight.dtype == residual.dtype
-            and not getattr(weight, "_row_norm_unavailable", False) and gemv.takes_one_row(n, k, x_q.device, fp8=True)
-            and row_gemv.norm_config(n, k) is not None):
-        return None
-    counter = row_gemv.norm_counter(x_q.device)
-    if counter is None:
-        return None
-    try:
-        y_q, scale, res = row_gemv.row_gemv_fp8_add_rms_norm(
-            x_q, scale_a, weight, weight_scale.reshape(()), bias.contiguous() if bias is not None else None,
-            residual, norm_weight, eps, counter)
-    except TritonError as e:
-        gemv._unavailable(weight, "fp8 row GEMV with the norm", 1, e, "_row_norm_unavailable",
-                          "the row GEMV and the norm kernel")
-        return None
-    return y_q.view(residual.shape), scale, res.view(residual.shape)
 
 
 def _quantized_mm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -124,12 +124,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x_q, scale_a = quantize_fp8_input(x)
     return fp8_scaled_mm(x_q, scale_a, weight, weight_scale, bias, x.dtype)
 
-
-def fp8_scaled_mm_add_rms_norm_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
-                                   weight_scale: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                                   norm_weight: torch.Tensor, eps: float
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y_q, scale_y, y + residual) for y the fp8 GEMM of x_q in residual's dtype: the GEMM, then
-    fused_add_rms_norm_fp8."""
-    y = fp8_scaled_mm(x_q, scale_a, weight, weight_scale, bias, residual.dtype)
-    return fused_add_rms_norm_fp8(y, residual, norm_weight, eps)

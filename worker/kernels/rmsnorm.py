@@ -40,14 +40,13 @@ FP8_MAX_ROWS = 1024
 
 @triton.jit
 def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res, stride_res_out, n_cols, eps,
-                      HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
+                      HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """(weight * normed row in float32 before its final rounding, cols, mask) of one row; stores
     x + residual first. The one copy of the math, so the fp8-emitting kernel's rows are this
-    kernel's bit for bit (same tile shape and warps: the same summation order). CACHE: x's load
-    cache modifier (".cg" where other multiprocessors wrote x in the same launch)."""
+    kernel's bit for bit (same tile shape and warps: the same summation order)."""
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -68,19 +67,25 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
-                                        stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N, "")
+                                        stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_row_fp8(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr, row,
-                  stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols, eps,
-                  HAS_RESIDUAL: tl.constexpr, COOP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-                  FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, CACHE: tl.constexpr):
-    """`_rms_norm_fp8_kernel`'s work on one row (its docstring), also the tail of the fp8 row GEMV
-    that normalizes its own output (`row_gemv`: one row, COOP, x read through L2)."""
+def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr,
+                         stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, COOP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """One row per program: the normed row rounded to x's dtype, its maximum in slot `row`.
+    COOP: all rows are resident at once; after the grid barrier (none for one row: an n_rows of 1
+    is specialized at launch) every program derives the scale and stores its row quantized (out
+    fp8, or float32 in tests). Else out (x's dtype) gets the normed row and
+    `fp8_quant.quantize_from_partials` quantizes it from the slots."""
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
     out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
-                                        stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N, CACHE)
+                                        stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
     out = out.to(x_ptr.dtype.element_ty).to(tl.float32)       # what the unfused path's linear is given
     row_max = tl.max(tl.abs(out), axis=0)
     tl.store(partial_ptr + row, row_max)
@@ -97,23 +102,6 @@ def _norm_row_fp8(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partia
     # thread), so other roundings now and then.
     out_cols = tl.max_contiguous(tl.arange(0, BLOCK_N), 128 // x_ptr.dtype.element_ty.primitive_bitwidth)
     tl.store(out_ptr + row * stride_out + out_cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr,
-                         stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, COOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_P: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """One row per program: the normed row rounded to x's dtype, its maximum in slot `row`.
-    COOP: all rows are resident at once; after the grid barrier (none for one row: an n_rows of 1
-    is specialized at launch) every program derives the scale and stores its row quantized (out
-    fp8, or float32 in tests). Else out (x's dtype) gets the normed row and
-    `fp8_quant.quantize_from_partials` quantizes it from the slots."""
-    pdl.enter(PDL)
-    _norm_row_fp8(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, partial_ptr, state_ptr,
-                  tl.program_id(0).to(tl.int64), stride_x, stride_res, stride_out, stride_res_out, n_rows, n_cols,
-                  eps, HAS_RESIDUAL, COOP, BLOCK_N, BLOCK_P, FP8_MAX, MIN_SCALE, "")
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +129,7 @@ def _checked_rows(x: torch.Tensor, residual: torch.Tensor | None,
     return x2, _rows("residual", residual)
 
 
-def block_and_warps(n: int) -> tuple[int, int]:
+def _block_and_warps(n: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for rows of n: both kernels must use the same (the summation order)."""
     block = next_pow2(n)
     return block, 4 if block <= 2048 else (8 if block <= 8192 else 16)
@@ -155,7 +143,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     # The reference computes `weight * h` with type promotion (e.g. float32 weight, bf16 h -> float32).
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    block, warps = block_and_warps(n)
+    block, warps = _block_and_warps(n)
     pdl_opts = pdl.launch(x.device, x2.shape[0])
     if r2 is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, w, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
@@ -226,7 +214,7 @@ def add_rms_norm_fp8_into(x: torch.Tensor, residual: torch.Tensor | None, weight
     dest = out if coop else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = dest if r2 is None else torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     buf = torch.empty(1 + m, dtype=torch.float32, device=x.device)   # the scale, then each row's maximum
-    block, warps = block_and_warps(n)
+    block, warps = _block_and_warps(n)
     pdl_opts = pdl.launch(x.device, m)
     _rms_norm_fp8_kernel[(m,)](x2, x2 if r2 is None else r2, weight.contiguous(), dest, res_out, buf, buf[1:],
                                buf if state is None else state,              # the barrier's, read only if used

@@ -41,9 +41,6 @@ import triton.language as tl
 
 from resident.worker.kernels import pdl
 from resident.worker.kernels._util import check_last_dim_contiguous, check_same_device, sm90_or_later
-from resident.worker.kernels.fp8_quant import _coop_state
-from resident.worker.kernels.rmsnorm import MAX_HIDDEN, _norm_row_fp8, block_and_warps
-from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 #: Weights of at least this many rows (an LM head) are left to cuBLAS.
 MAX_N = 65536
@@ -100,10 +97,8 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
-                     res_ptr, norm_w_ptr, res_out_ptr, xq_ptr, norm_buf_ptr, count_ptr, eps,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, NORM: tl.constexpr = False, BLOCK_N: tl.constexpr = 1,
-                     FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -123,17 +118,6 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
-    if NORM:
-        # The last program to finish adds the residual to the whole output row, normalizes and
-        # quantizes it (`rmsnorm._norm_row_fp8`, one row: no grid barrier). Each program's stores
-        # precede its arrival (CTA barrier, then a release); the last arrival acquires them all,
-        # reads the row through L2 and leaves the counter at 0 for the next launch.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-            _norm_row_fp8(out_ptr, res_ptr, norm_w_ptr, xq_ptr, res_out_ptr, norm_buf_ptr, norm_buf_ptr + 1,
-                          count_ptr, 0, 0, 0, 0, 0, 1, N, eps, True, True, BLOCK_N, 1, FP8_MAX, MIN_SCALE, ".cg")
 
 
 def _check_layout(x: torch.Tensor, x_name: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -184,7 +168,7 @@ def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     pdl_opts = pdl.launch(x1.device, 1)
     _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
-        scale_w if scale_w is not None else out, n, k, weight.stride(0), *(out,) * 6, 0.0,
+        scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
         **pdl_opts, num_warps=config.num_warps)
 
@@ -195,105 +179,23 @@ def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
     (or [K]) and weight [N, K] float8_e4m3fn, the scales one float32 value each (on x_q's device),
     bias [N] of any float dtype. K must be a multiple of the config's block_k (default
     `pick_config(n, k, fp8=True)`: a ValueError when none fits)."""
-    x1 = _check_fp8("row_gemv_fp8", x_q, scale_a, weight, weight_scale, bias, out_dtype)
+    fp8 = torch.float8_e4m3fn
+    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
+        raise ValueError(f"row_gemv_fp8 takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x_q.dtype != fp8 or weight.dtype != fp8:
+        raise TypeError(f"row_gemv_fp8 takes {fp8} x_q and weight, got {x_q.dtype} and {weight.dtype}")
+    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
+        if t.numel() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    x1 = _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
     config = _config_for(weight, config, "row_gemv_fp8", fp8=True)
     out = torch.empty((1, weight.shape[0]), dtype=out_dtype, device=x_q.device)
     _launch(x1, weight, bias, out, scale_a.reshape(1), weight_scale.reshape(1), config)
     return out
 
 
-def _check_fp8(what: str, x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """row_gemv_fp8's argument checks; x_q as a [K] view."""
-    if x_q.numel() != x_q.shape[-1] or weight.dim() != 2 or x_q.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{what} takes x_q [1, K] and weight [N, K], got {tuple(x_q.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x_q.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        raise TypeError(f"{what} takes {FP8_DTYPE} x_q and weight, got {x_q.dtype} and {weight.dtype}")
-    for name, t in (("scale_a", scale_a), ("weight_scale", weight_scale)):
-        if t.numel() != 1 or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be one float32 value, got {t.dtype} {tuple(t.shape)}")
-    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
-    return _check_layout(x_q, "x_q", weight, bias, scale_a=scale_a, weight_scale=weight_scale)
-
-
-def norm_config(n: int, k: int) -> RowConfig | None:
-    """The launch shape of `row_gemv_fp8_add_rms_norm` for weight [N, K]: `pick_config`'s fp8 tile
-    in the warps of `rmsnorm`'s kernels for rows of N, so the tail sums the squares in their layout
-    (i.e. their order: bit for bit the unfused norm); a BLOCK_K other than the row's BLOCK_N (the
-    compiler would otherwise share one index vector between the fp8 x loads and the row, and give
-    the row the fp8 loads' 16 elements a thread); rows scaled so each thread streams the bytes it
-    does in the plain GEMV. None where no tile divides K or the row is wider than the norm takes."""
-    base = pick_config(n, k, fp8=True)
-    if base is None or n > MAX_HIDDEN:
-        return None
-    block_n, warps = block_and_warps(n)
-    block_k = next((b for b in FP8_BLOCK_KS if b <= base.block_k and b != block_n and k % b == 0), None)
-    if block_k is None:
-        return None
-    return RowConfig(max(1, base.rows * warps * base.block_k // (base.num_warps * block_k)), block_k, warps)
-
-
-def norm_counter(device: torch.device) -> torch.Tensor | None:
-    """The arrival counter of `row_gemv_fp8_add_rms_norm` launches on the current stream of
-    `device`: the count of that stream's `fp8_quant` barrier state, which every launch using it
-    leaves at 0 (launches on one stream never overlap: under PDL each waits for the kernel before
-    it first). None inside a CUDA graph capture before any state exists on the device (see
-    fp8_quant): take the unfused ops then. CPU tensors (Triton's interpreter): a fresh counter."""
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    return _coop_state(device)
-
-
-def row_gemv_fp8_add_rms_norm(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor,
-                              weight_scale: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                              norm_weight: torch.Tensor, eps: float, counter: torch.Tensor, *,
-                              config: RowConfig | None = None, out: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`row_gemv_fp8` (output in residual's dtype) followed by `rmsnorm.fused_add_rms_norm_fp8` of its
-    output, in one launch: (y_q [1, N] float8_e4m3fn, scale_y float32 0-dim, output + residual
-    [1, N]). The last program to finish does the norm's work on the whole row (the unfused norm
-    kernel's code, warps and layout: bit for bit the two ops); `counter` (`norm_counter`) counts the
-    arrivals and is left at 0. residual [1, N] (or [N]) and norm_weight [N] in one 16-bit dtype;
-    `config` default `norm_config`; `out` (tests): y_q's buffer, float8_e4m3fn or float32 (x / scale
-    clamped, before the cast)."""
-    dtype = residual.dtype
-    x1 = _check_fp8("row_gemv_fp8_add_rms_norm", x_q, scale_a, weight, weight_scale, bias, dtype)
-    n = weight.shape[0]
-    if dtype not in DTYPES or norm_weight.dtype != dtype:
-        raise TypeError(f"row_gemv_fp8_add_rms_norm takes a float16 or bfloat16 residual and a norm weight of its "
-                        f"dtype, got {dtype} and {norm_weight.dtype}")
-    if residual.numel() != n or tuple(norm_weight.shape) != (n,):
-        raise ValueError(f"residual {tuple(residual.shape)} and norm weight {tuple(norm_weight.shape)} must have the "
-                         f"weight's {n} output features")
-    if counter.dtype != torch.int32 or counter.numel() < 1:
-        raise ValueError(f"counter must be an int32 tensor (norm_counter), got {counter.dtype} {tuple(counter.shape)}")
-    res1 = residual.reshape(-1)
-    check_last_dim_contiguous("residual", res1)
-    check_last_dim_contiguous("norm_weight", norm_weight)
-    check_same_device(x_q=x_q, residual=residual, norm_weight=norm_weight, counter=counter)
-    config = config or norm_config(n, weight.shape[1])
-    if config is None or weight.shape[1] % config.block_k or n > MAX_HIDDEN:
-        raise ValueError(f"row_gemv_fp8_add_rms_norm cannot take weight {tuple(weight.shape)}: K must be a multiple "
-                         f"of a tile's BLOCK_K and N at most {MAX_HIDDEN}; use row_gemv_fp8 and the norm")
-    block_n, _ = block_and_warps(n)
-    if out is None:
-        out = torch.empty((1, n), dtype=FP8_DTYPE, device=x_q.device)
-    elif tuple(out.shape) != (1, n) or out.dtype not in (FP8_DTYPE, torch.float32):
-        raise ValueError(f"out must be {FP8_DTYPE} (or float32 for tests) of shape (1, {n}), got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    y = torch.empty((1, n), dtype=dtype, device=x_q.device)          # the GEMV's output, read by the tail
-    res_out = torch.empty((1, n), dtype=dtype, device=x_q.device)
-    buf = torch.empty(2, dtype=torch.float32, device=x_q.device)     # the scale, then the row's maximum
-    pdl_opts = pdl.launch(x1.device, 1)
-    _row_gemv_kernel[(triton.cdiv(n, config.rows),)](
-        x1, weight, bias if bias is not None else y, y, scale_a.reshape(1), weight_scale.reshape(1), n,
-        weight.shape[1], weight.stride(0), res1, norm_weight, res_out, out, buf, counter, eps,
-        HAS_BIAS=bias is not None, SCALED=True, ROWS=config.rows, BLOCK_K=config.block_k, NORM=True, BLOCK_N=block_n,
-        FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, **pdl_opts, num_warps=config.num_warps)
-    return out, buf[0], res_out
-
-
-__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "norm_config", "norm_counter",
-           "pick_config", "row_gemv", "row_gemv_fp8", "row_gemv_fp8_add_rms_norm"]
+__all__ = ["BLOCK_KS", "DTYPES", "FP8_BLOCK_KS", "MAX_N", "RowConfig", "eligible", "pick_config", "row_gemv",
+           "row_gemv_fp8"]

@@ -137,15 +137,6 @@ class Fp8PerTensorLinear(LinearMethod):
         scaled_mm = self.kernels.fp8_scaled_mm if self.kernels is not None else fp8_linear_quantized_reference
         return scaled_mm(x_q, scale_a, self.weight, self.weight_scale.reshape(()), self.bias, out_dtype)
 
-    def apply_quantized_add_norm(self, x_q: torch.Tensor, scale_a: torch.Tensor, residual: torch.Tensor,
-                                 norm_weight: torch.Tensor, eps: float
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`apply_quantized` (output in residual's dtype), then the fused add + RMSNorm quantized
-        for the next fp8 linear: (y_q, scale_y, output + residual), by the kernels'
-        `fp8_scaled_mm_add_rms_norm_fp8` (one launch where they can; the layer needs kernels that have it)."""
-        return self.kernels.fp8_scaled_mm_add_rms_norm_fp8(x_q, scale_a, self.weight, self.weight_scale.reshape(()),
-                                                           self.bias, residual, norm_weight, eps)
-
 
 @dataclass(frozen=True)
 class _Entry:

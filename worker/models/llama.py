@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,14 +100,6 @@ def check_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> t
     return act
 
 
-class Fp8Input(NamedTuple):
-    """A layer's input already normed and quantized for its qkv_proj (x_q [T, H] fp8, scale float32 ()):
-    what the layer before it returns as its hidden state when its down_proj ran the norm
-    (`LlamaDecoderLayer.next_input_norm`)."""
-    x_q: torch.Tensor
-    scale: torch.Tensor
-
-
 class LlamaDecoderLayer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], index: int,
                  rope_table: torch.Tensor, kernels: Kernels, parallel: Any = None,
@@ -152,18 +144,11 @@ class LlamaDecoderLayer:
         #: ... and paged attention emits o_proj's fp8 input (`Kernels.paged_attention_fp8`).
         self.fuse_o_quant = (self.fuse_fp8_quant and kernels.paged_attention_fp8 is not None
                              and self.o_bias is None and isinstance(self.o_proj, Fp8PerTensorLinear))
-        #: ... and o_proj (down_proj) runs the norm after it (`Kernels.fp8_scaled_mm_add_rms_norm_fp8`: one
-        #: launch for both at batch 1 on a GPU).
-        self.fuse_norm_after = self.fuse_o_quant and kernels.fp8_scaled_mm_add_rms_norm_fp8 is not None
-        #: The next layer's input_layernorm where down_proj runs it (set by the model: that layer
-        #: fuses too); the layer then returns an `Fp8Input` as its hidden state.
-        self.next_input_norm: torch.Tensor | None = None
 
     def attention(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata,
-                  kv_cache: torch.Tensor, quantized_o: bool = False, project: bool = True) -> Any:
+                  kv_cache: torch.Tensor, quantized_o: bool = False) -> torch.Tensor:
         """Attention from qkv_proj's output [T, q_size + 2 * kv_size], through o_proj; `quantized_o`:
-        the attention kernels quantize o_proj's fp8 input (`fuse_o_quant`), and with `project` False
-        that input (x_q, scale_a) is returned instead of o_proj's output."""
+        the attention kernels quantize o_proj's fp8 input (`fuse_o_quant`)."""
         t = qkv.shape[0]
         kern = self.kernels
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -181,7 +166,7 @@ class LlamaDecoderLayer:
             attend = kern.paged_attention_fp8 if quantized_o else kern.paged_attention
             out = attend(q, kv_cache, meta, self.scale, self.sliding_window)
         if quantized_o:   # out is (x_q, scale_a)
-            return self.o_proj.apply_quantized(*out, qkv.dtype) if project else out
+            return self.o_proj.apply_quantized(*out, qkv.dtype)
         out = self.o_proj(out.reshape(t, self.q_size))
         if self.o_bias is not None:   # TP: reduce here, so the bias is added once
             out = self.parallel.all_reduce(out) + self.o_bias
@@ -205,35 +190,19 @@ class LlamaDecoderLayer:
         # Under TP a partial sum: the next layer's (or the final) add_norm reduces it.
         return self.down_proj(kern.silu_and_mul(self.gate_up_proj(hidden))), residual
 
-    def forward_fp8(self, positions: torch.Tensor, hidden: torch.Tensor | Fp8Input, residual: torch.Tensor | None,
-                    meta: AttentionMetadata, kv_cache: torch.Tensor
-                    ) -> tuple[torch.Tensor | Fp8Input, torch.Tensor]:
+    def forward_fp8(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                    meta: AttentionMetadata, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`__call__` with the fp8 activation quantization of qkv_proj, gate_up_proj and down_proj
         done by the kernels producing their inputs: bit for bit the same (each fused op is its
         unfused pair, then the linear's own quantization), one launch less per linear — in a
         decode step these launches cost latency, not bandwidth. o_proj's input comes quantized from
-        the attention kernels (`Kernels.paged_attention_fp8`: on a GPU, decode skips the maximum pass).
-        With `fuse_norm_after`, o_proj runs the post-attention norm and down_proj the next layer's
-        input norm (`next_input_norm`; `hidden` is then an Fp8Input, and so is what this returns)."""
-        kern, dtype = self.kernels, residual.dtype if residual is not None else hidden.dtype
-        if isinstance(hidden, Fp8Input):
-            x_q, scale = hidden
-        else:
-            x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.input_layernorm, self.eps)
-        qkv = self.qkv_proj.apply_quantized(x_q, scale, dtype)
-        if self.fuse_norm_after:
-            o_q, o_scale = self.attention(positions, qkv, meta, kv_cache, quantized_o=True, project=False)
-            x_q, scale, residual = self.o_proj.apply_quantized_add_norm(o_q, o_scale, residual,
-                                                                        self.post_attention_layernorm, self.eps)
-        else:
-            hidden = self.attention(positions, qkv, meta, kv_cache, quantized_o=self.fuse_o_quant)
-            x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm,
-                                                               self.eps)
+        the attention kernels (`Kernels.paged_attention_fp8`: on a GPU, decode skips the maximum pass)."""
+        kern, dtype = self.kernels, hidden.dtype
+        x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.input_layernorm, self.eps)
+        hidden = self.attention(positions, self.qkv_proj.apply_quantized(x_q, scale, dtype), meta, kv_cache,
+                                quantized_o=self.fuse_o_quant)
+        x_q, scale, residual = kern.fused_add_rms_norm_fp8(hidden, residual, self.post_attention_layernorm, self.eps)
         x_q, scale = kern.silu_and_mul_fp8(self.gate_up_proj.apply_quantized(x_q, scale, dtype))
-        if self.next_input_norm is not None:
-            x_q, scale, residual = self.down_proj.apply_quantized_add_norm(x_q, scale, residual, self.next_input_norm,
-                                                                           self.eps)
-            return Fp8Input(x_q, scale), residual
         return self.down_proj.apply_quantized(x_q, scale, dtype), residual
 
 
@@ -289,9 +258,6 @@ class LlamaForCausalLM:
         self.layers = [LlamaDecoderLayer(config, weights, i, self.rope_table, self.kernels, self.parallel,
                                          None if self.parallel is None else self.add_norm)
                        for i in range(config.num_layers)]
-        for layer, after in zip(self.layers, self.layers[1:]):
-            if layer.fuse_norm_after and after.fuse_fp8_quant:
-                layer.next_input_norm = after.input_layernorm
         self.norm = weights["model.norm.weight"]
         self.eps = config.rms_norm_eps
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else weights["lm_head.weight"]
