@@ -33,7 +33,6 @@ o 5.1 vs 7.3, gate_up 28.7 vs 30.0, down 15.8 vs 18.8.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +50,6 @@ WIDE_N = 16384
 BLOCK_KS = (1024, 512, 256, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 FP8_BLOCK_KS = (2048, 1024, 512, 256, 128)
-#: Weight tiles after the first that each program asks into L2 before its PDL wait (RESIDENT_ROW_PREFETCH,
-#: read once per process).
-PREFETCH_TILES = int(os.environ.get("RESIDENT_ROW_PREFETCH", "0") or 0)
 
 
 @dataclass(frozen=True)
@@ -102,7 +98,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -110,14 +106,6 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
-    if PDL:
-        if PREFETCH > 0:                     # ... and the next PREFETCH tiles asked into L2 (one per 128-byte line)
-            ELEM: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-            lines = tl.arange(0, BLOCK_K * ELEM // 128) * 128
-            row_bytes = (w_ptr.to(tl.pointer_type(tl.int8), bitcast=True)
-                         + rows.to(tl.int64)[:, None] * (stride_wn * ELEM))
-            for t in tl.static_range(1, PREFETCH + 1):
-                pdl.prefetch_l2(row_bytes + tl.minimum(t * BLOCK_K, K - BLOCK_K) * ELEM + lines[None, :])
     pdl.wait_previous(PDL)
     x = tl.load(x_ptr + cols)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
@@ -182,8 +170,7 @@ def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        PREFETCH=min(PREFETCH_TILES, k // config.block_k - 1) if pdl_opts["PDL"] else 0, **pdl_opts,
-        num_warps=config.num_warps)
+        **pdl_opts, num_warps=config.num_warps)
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
