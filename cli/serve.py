@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
               help="KV-cache blocks (overrides --kv-cache-memory).")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests running at once.")
+              help="Requests running at once (at most --max-num-batched-tokens).")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens computed per engine step.")
 @click.option("--no-prefix-caching", is_flag=True, help="Disable the prefix cache.")

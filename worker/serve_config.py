@@ -95,6 +95,14 @@ class ServeConfig:
             if getattr(self, name) <= 0:
                 flag = "--" + name.removesuffix("_bytes").replace("_", "-")
                 raise ValueError(f"{flag} must be positive, got {getattr(self, name)}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            # vLLM's rule: every running request decodes one token a step within that budget. The
+            # CUDA graphs' input buffers are sized by --max-num-seqs: 1e8 ran out of GPU memory
+            # after the weights had loaded.
+            raise ValueError(f"--max-num-seqs {self.max_num_seqs} is more than --max-num-batched-tokens "
+                             f"{self.max_num_batched_tokens}, the tokens one step computes: at most that many "
+                             f"requests can decode at once; raise --max-num-batched-tokens to at least "
+                             f"{self.max_num_seqs} or lower --max-num-seqs")
         if self.kv_cache_initial_bytes < 0:
             raise ValueError(f"--kv-cache-initial must be >= 0 (0: map the whole KV cache at start), "
                              f"got {self.kv_cache_initial_bytes}")

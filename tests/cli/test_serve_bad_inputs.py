@@ -119,6 +119,18 @@ def test_an_empty_host_is_refused_not_every_interface(tmp_path, started, host):
     assert "--host is empty, which would listen on every interface; pass 0.0.0.0" in result.output, result.output
 
 
+def test_more_running_requests_than_step_tokens_is_refused(tmp_path, started):
+    """vLLM's rule (max_num_batched_tokens >= max_num_seqs): --max-num-seqs 100000000 passed the
+    CLI, and on a GPU the decode graphs' input buffers, sized by it, ran out of memory after the
+    weights had loaded."""
+    result = _serve(tmp_path, "--max-num-seqs", "100000000")
+    assert result.exit_code == 2 and not started
+    assert ("--max-num-seqs 100000000 is more than --max-num-batched-tokens 2048, the tokens one step computes"
+            in result.output and "raise --max-num-batched-tokens to at least 100000000" in result.output), result.output
+    ok = _serve(tmp_path, "--max-num-seqs", "4096", "--max-num-batched-tokens", "4096")
+    assert ok.exit_code == 0 and [c.max_num_seqs for c in started] == [4096]
+
+
 def test_a_verify_sample_below_minus_one_is_refused(tmp_path, started):
     """-1 means every tensor; -5 was taken as every tensor too, without a word."""
     result = _serve(tmp_path, "--verify-sample", "-5")
