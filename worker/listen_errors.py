@@ -6,7 +6,9 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import signal
 import socket
+import threading
 
 
 def cannot_listen(host: str, port: int, e: OSError) -> str:
@@ -36,13 +38,35 @@ def cannot_write_port_file(path: str, e: OSError) -> str:
             "folder that exists")
 
 
+#: (path, port) of the port files this process wrote (removed at exit, or on a SIGTERM that
+#: arrives before the server has its own handler).
+_PORT_FILES: list[tuple[str, int]] = []
+
+
 def write_port_file(path: str, port: int) -> None:
     """Write `port` to --port-file `path` (OSError as writing raises it), and remove the file
     when this process exits — unless it then names another port: a newer server's, which
-    wrote it meanwhile. A port file left behind would name a port nobody listens on."""
+    wrote it meanwhile. A port file left behind would name a port nobody listens on.
+
+    `--frontend process` writes it before the engine imports torch (seconds); a SIGTERM then
+    (systemd stopping a unit that is still starting) would end the process by the default
+    action, atexit skipped: so until the server installs its own handler, SIGTERM removes the
+    file and then ends the process by the default action still (killed by SIGTERM, as systemd
+    expects of a stop)."""
     with open(path, "w") as f:
         f.write(f"{port}\n")
+    _PORT_FILES.append((path, port))
     atexit.register(_remove_port_file, path, port)
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _remove_port_files_and_end)
+
+
+def _remove_port_files_and_end(signum: int, frame: object) -> None:
+    for path, port in _PORT_FILES:
+        _remove_port_file(path, port)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _remove_port_file(path: str, port: int) -> None:

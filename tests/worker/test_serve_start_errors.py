@@ -97,9 +97,71 @@ def test_the_port_file_is_removed_when_the_server_stops(model, tmp_path, args):
         proc.stdout.close()
 
 
-def test_a_port_file_a_newer_server_rewrote_is_left(tmp_path):
+@pytest.mark.parametrize("args", [(), ("--frontend", "process"), ("--data-parallel-size", "1")],
+                         ids=["inline", "frontend-process", "supervisor"])
+def test_a_sigterm_during_start_up_removes_the_port_file(model, tmp_path, args):
+    """`--frontend process` writes the port file before the engine imports torch; a SIGTERM in
+    those seconds (systemd stopping a unit still starting) ended the process by the default
+    action, atexit skipped, and the file stayed naming a port nobody would listen on. Now it
+    goes, and the process still ends as a stop expects (by SIGTERM, or 0 after a drain)."""
+    import signal
+    import time
+
+    path = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "resident.cli.main", "serve", str(model), "--preload", "off",
+                             "--port", "0", "--port-file", str(path), "--max-model-len", "64", "--cpu-threads", "1",
+                             "--kv-cache-memory", "8MiB", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=serve_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (path.exists() and path.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM), proc.stdout.read().decode()[-3000:]
+        assert not path.exists(), "the port file outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_the_port_file_handler_gives_way_to_the_servers_own(tmp_path, monkeypatch):
+    """Installed only over the default action (never over a handler the process already has),
+    from the main thread; the server's own handler replaces it later."""
+    import signal
+    import threading
+
     from resident.worker import listen_errors
 
+    monkeypatch.setattr(listen_errors, "_PORT_FILES", [])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        listen_errors.write_port_file(str(tmp_path / "a"), 1)
+        assert signal.getsignal(signal.SIGTERM) is listen_errors._remove_port_files_and_end
+        mine = lambda *_: None  # noqa: E731
+        signal.signal(signal.SIGTERM, mine)
+        listen_errors.write_port_file(str(tmp_path / "b"), 2)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        t = threading.Thread(target=listen_errors.write_port_file, args=(str(tmp_path / "c"), 3))
+        t.start()
+        t.join()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert listen_errors._PORT_FILES == [(str(tmp_path / n), i) for i, n in enumerate("abc", 1)]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_port_file_a_newer_server_rewrote_is_left(tmp_path, monkeypatch):
+    import signal
+
+    from resident.worker import listen_errors
+
+    monkeypatch.setattr(listen_errors, "_PORT_FILES", [])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)   # (no handler for the test process)
     path = tmp_path / "port"
     listen_errors.write_port_file(str(path), 1234)
     path.write_text("4321\n")   # another server's, written meanwhile
