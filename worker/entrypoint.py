@@ -2,11 +2,11 @@
 
 Order: bind the HTTP socket first (so /health answers and /ready says 503 while loading),
 print `resident serve listening on http://HOST:PORT`, then — in a thread, while the event
-loop keeps answering probes — obtain the weights (attach or local load), verify sampled
-checksums, load the tokenizer, build the model and allocate the KV cache, run a warm-up
-forward pass, capture CUDA graphs (on a GPU); then /ready turns 200, systemd hears READY=1,
-and one log line gives the phases: "ready in X s (import a, cuda context g, weights b,
-verify c, tokenizer t, kv alloc d, warmup e, graphs f)". On a GPU the KV cache gets what
+loop keeps answering probes — load the tokenizer (a local folder's; a hub id's after the
+weights), obtain the weights (attach or local load), verify sampled checksums, build the model
+and allocate the KV cache, run a warm-up forward pass, capture CUDA graphs (on a GPU); then
+/ready turns 200, systemd hears READY=1, and one log line gives the phases: "ready in X s
+(import a, cuda context g, tokenizer t, weights b, verify c, kv alloc d, warmup e, graphs f)". On a GPU the KV cache gets what
 --gpu-memory-utilization leaves after everything already on the GPU and the measured
 activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`), but only its first
 --kv-cache-initial bytes (default 4 GiB: Llama-3-8B's 2 MiB blocks give 2048 blocks,

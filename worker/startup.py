@@ -1,8 +1,9 @@
 """A worker's start-up, shared by `resident serve` (entrypoint.py) and each supervised replica
 (replica.py): the phase timer, the process's start time, and `build_worker` — everything
-between the imports and /ready: obtain the weights (attach from the daemon or load;
-tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), load the
-tokenizer, size and allocate the KV cache, wrap the runner for speculative decoding, warm up
+between the imports and /ready: load the tokenizer (inline front end; a local folder's first,
+so a broken one is refused before the weights), obtain the weights (attach from the daemon or
+load; tensor-parallel: rank 0 spawns the other ranks, each opening its own shard), size and
+allocate the KV cache, wrap the runner for speculative decoding, warm up
 while a thread verifies sampled checksums (joined before ready), capture CUDA graphs. After
 /ready, `start_kv_growth` maps the rest of a GPU KV cache in the background (see
 entrypoint.py's module doc).
@@ -193,6 +194,15 @@ def join_startup_threads(startup: StartupTimer) -> None:
             thread.join()
 
 
+def _load_tokenizer(config: ServeConfig, folder: str | Path) -> Any:
+    """The inline front end's tokenizer from `folder` (with --chat-template's source); the
+    tokenizer's and the HTTP side's modules are imported here, on that path only."""
+    from resident.worker.tokenizer import Tokenizer
+
+    template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
+    return Tokenizer.from_folder(folder, chat_template=template)
+
+
 def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
     from resident.daemon.loader import LoadSpec
     from resident.worker import triton_specializations
@@ -209,6 +219,13 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
     from resident.worker.weight_store import open_store
 
     startup.begin()
+    tokenizer = None   # --frontend process: the front-end process loads it (frontend.py)
+    local = Path(config.model).expanduser()
+    if config.frontend == "inline" and (local / "config.json").is_file():
+        # A local folder's tokenizer before the weights: a tokenizer.json that does not load is
+        # refused before them (minutes for a large model's cold load, and the daemon would keep them).
+        tokenizer = _load_tokenizer(config, local)
+        startup.end("tokenizer")
     t_weights = time.monotonic()
     # This thread's current device too: the daemon client maps weights onto it.
     device = resolve_device(config.device)
@@ -238,12 +255,8 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         logger.info("weights breakdown: %s%s; %.3f s in all", ", ".join(f"{k} {v:.3f}" for k, v in weights_s.items()),
                     f" (of which the attach {attach_s:.3f})" if attach_s is not None else "",
                     time.monotonic() - t_weights)
-        tokenizer = None   # --frontend process: the front-end process loads it (frontend.py)
-        if config.frontend == "inline":   # (the tokenizer's and the HTTP side's modules too)
-            from resident.worker.tokenizer import Tokenizer
-
-            template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
-            tokenizer = Tokenizer.from_folder(store.model_dir, chat_template=template)
+        if config.frontend == "inline" and tokenizer is None:   # a hub id: from the store's folder
+            tokenizer = _load_tokenizer(config, store.model_dir)
             startup.end("tokenizer")
 
         model_config = ModelConfig.from_hf(store.config).for_tp(config.tensor_parallel_size)

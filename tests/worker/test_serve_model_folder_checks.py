@@ -45,6 +45,16 @@ def test_a_folder_without_tokenizer_json_fails_before_the_weights_load(folder):
         _build(folder)
 
 
+@pytest.mark.parametrize("content, words", [(b'{"version": "1.0", "model": ', "cannot load"),
+                                            (b"\x00\x01 not json", "cannot load")])
+def test_a_tokenizer_json_that_does_not_load_fails_before_the_weights_load(folder, content, words):
+    """The inline front end read tokenizer.json only after the weights had loaded (a large
+    model's cold load takes minutes; an attached one the daemon then keeps)."""
+    (folder / "tokenizer.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match=f"{words} {folder / 'tokenizer.json'}"):
+        _build(folder)
+
+
 def test_a_config_the_decoder_cannot_run_fails_before_the_weights_load(folder):
     """ModelConfig read the config only after the weights (and the daemon kept them)."""
     config = json.loads((folder / "config.json").read_text())
