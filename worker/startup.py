@@ -114,7 +114,16 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
     if config.num_kv_blocks is not None:
         _check_num_kv_blocks(config, max_model_len)
         return config.num_kv_blocks
-    per_block = bytes_per_block(model_config, dtype, config.block_size)
+    blocks = _check_kv_cache_memory(config, bytes_per_block(model_config, dtype, config.block_size), max_model_len)
+    # More than every running sequence at full length can never be used.
+    return min(blocks, per_seq * config.max_num_seqs)
+
+
+def _check_kv_cache_memory(config: ServeConfig, per_block: int, max_model_len: int, at_least: bool = False) -> int:
+    """The blocks of `per_block` bytes --kv-cache-memory holds; a ValueError naming the fix when
+    that is fewer than one request of max_model_len needs (`at_least`: per_block is a lower bound,
+    the weights' dtype not known yet)."""
+    per_seq = -(-max_model_len // config.block_size)
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < per_seq:
         given = config.kv_cache_memory_bytes   # 1KiB read "0 MiB"
@@ -122,10 +131,10 @@ def _kv_blocks(config: ServeConfig, model_config: Any, dtype: Any, max_model_len
         raise ValueError(
             f"--kv-cache-memory {size} holds {blocks} blocks of "
             f"{config.block_size} tokens, fewer than one request of --max-model-len {max_model_len} needs "
-            f"({per_seq} blocks = {per_seq * per_block / 2**20:.1f} MiB); raise --kv-cache-memory or lower "
+            f"({per_seq} blocks = {'at least ' if at_least else ''}{per_seq * per_block / 2**20:.1f} MiB"
+            f"{', twice that for float32 weights' if at_least else ''}); raise --kv-cache-memory or lower "
             "--max-model-len")
-    # More than every running sequence at full length can never be used.
-    return min(blocks, per_seq * config.max_num_seqs)
+    return blocks
 
 
 def _check_num_kv_blocks(config: ServeConfig, max_model_len: int) -> None:
@@ -141,7 +150,8 @@ def check_before_weights(config: ServeConfig, device_type: str) -> None:
     """What a local model folder lets be refused before its weights load (minutes for a large
     model, and the daemon would keep them): no tokenizer.json (inline front-end; --frontend
     process loads it beside the weights), a config.json the decoder cannot run (rope scaling,
-    activation), --max-model-len beyond its positions, --num-kv-blocks below one such request.
+    activation), --max-model-len beyond its positions, --num-kv-blocks below one such request (on
+    CPU, --kv-cache-memory below one even at 2 bytes an element).
     A hub id, or a config.json that does not parse, is left to the store's own messages. A
     --speculative-model that is neither a folder nor a hub id is named as the draft."""
     import json
@@ -168,6 +178,15 @@ def check_before_weights(config: ServeConfig, device_type: str) -> None:
     model_config = ModelConfig.from_hf(hf_config).for_tp(config.tensor_parallel_size)
     max_model_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings, device_type)
     _check_num_kv_blocks(config, max_model_len)
+    if device_type == "cpu" and config.num_kv_blocks is None:
+        # At 2 bytes an element, the smallest activation dtype: a cache too small even then is too
+        # small whatever the weights turn out to be (on a GPU the memory left sizes it instead).
+        import torch
+
+        from resident.worker.kv_cache import bytes_per_block
+
+        _check_kv_cache_memory(config, bytes_per_block(model_config, torch.float16, config.block_size), max_model_len,
+                               at_least=True)
 
 
 def build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics) -> Worker:
