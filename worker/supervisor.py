@@ -90,6 +90,14 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.num_replicas}")
+        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if self.num_replicas > max(num_cpus, 2):
+            # Each serving replica's engine steps on a CPU of its own; beyond the CPUs they only contend
+            # (50 started on a 2-CPU box). Standbys idle until promoted: not counted. Two are always
+            # allowed: a rolling restart's pair.
+            raise ValueError(f"--data-parallel-size {self.num_replicas} is more than the {num_cpus} CPUs this process "
+                             f"may run on (each replica's engine steps on one); use {max(num_cpus, 2)} or fewer, "
+                             f"and --standby-replicas for spares")
         if self.num_standby < 0:
             raise ValueError(f"--standby-replicas must be >= 0, got {self.num_standby}")
         # `not x > 0` rather than `x <= 0`: NaN compares false both ways and would slip through.

@@ -87,6 +87,23 @@ def test_timeouts_that_are_not_numbers_are_refused(field, value, flag):
         SupervisorConfig(serve=serve, **{field: value})
 
 
+def test_more_replicas_than_cpus_is_refused(monkeypatch):
+    """50 replicas started on a 2-CPU box (each an engine process stepping on a CPU); standbys
+    idle and are not counted; two (a rolling restart's pair) are always allowed."""
+    import os
+
+    serve = ServeConfig(model="m", preload="off")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    with pytest.raises(ValueError, match="--data-parallel-size 5 is more than the 4 CPUs this process may run on "
+                                         r"\(each replica's engine steps on one\); use 4 or fewer"):
+        SupervisorConfig(serve=serve, num_replicas=5)
+    assert SupervisorConfig(serve=serve, num_replicas=4, num_standby=3).num_replicas == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert SupervisorConfig(serve=serve, num_replicas=2).num_replicas == 2
+    with pytest.raises(ValueError, match="use 2 or fewer"):
+        SupervisorConfig(serve=serve, num_replicas=3)
+
+
 def test_an_admin_socket_flag_is_refused_rather_than_ignored():
     """--admin-socket is one worker's; the replicas' own sockets are the supervisor's to name."""
     serve = ServeConfig(model="m", preload="off", admin_socket="/tmp/mine.sock")
