@@ -197,7 +197,9 @@ def _resume(admin: AdminClient, cuda: object, timeout_s: float) -> dict[str, flo
     if cuda is not None:
         timings["cuda_restore"] = cuda.restore_and_unlock()  # type: ignore[attr-defined]
     reply = admin.resume(load_if_missing=False, timeout_s=timeout_s)
-    timings.update({k: float(v) for k, v in reply.items() if k.endswith("_s") and isinstance(v, (int, float))})
+    # Named as restore names them (`reattach`, not `reattach_s`: the timings are all seconds).
+    timings.update({k.removesuffix("_s"): float(v) for k, v in reply.items()
+                    if k.endswith("_s") and isinstance(v, (int, float))})
     return timings
 
 

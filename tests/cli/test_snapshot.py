@@ -125,6 +125,8 @@ def test_create_with_leave_running_keeps_serving(standin: Standin, tmp_path: Pat
     assert r.returncode == 0, r.stderr
     assert standin.proc.poll() is None
     assert standin.get()[0] == 200
+    # the resume's timings named as restore names them (they said "reattach_s 0.01 s")
+    assert "reattach " in r.stdout and "canary " in r.stdout and "_s " not in r.stdout, r.stdout
     # ...and that running original blocks a restore: its pid and port are taken
     r = resident("restore", str(tmp_path / "snap"), "--pid-wait", "0.1")
     assert r.returncode != 0 and "port" in r.stderr and "in use" in r.stderr
