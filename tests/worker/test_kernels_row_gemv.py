@@ -134,7 +134,7 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     x_type, w_type = {"bf16": ("*bf16", "*bf16"), "fp8": ("*fp8e4nv", "*fp8e4nv")}[variant]
     cfg = row_gemv.pick_config(28672, 4096, fp8=variant != "bf16")
     constexprs = {"HAS_BIAS": False, "SCALED": variant == "fp8", "ROWS": cfg.rows, "BLOCK_K": cfg.block_k,
-                  "PDL": True, "PRELOAD": 1}
+                  "PDL": True}
     pointers = {"x_ptr": x_type, "w_ptr": w_type, "bias_ptr": "*bf16", "out_ptr": "*bf16", "scale_a_ptr": "*fp32",
                 "scale_w_ptr": "*fp32"}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
@@ -283,32 +283,6 @@ def test_gpu_row_gemv_fp8_matches_the_reference(shape: tuple[int, int]) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, got)
-
-
-@pytest.mark.gpu
-def test_gpu_row_gemv_two_tiles_before_the_wait_change_no_bit(monkeypatch) -> None:
-    """RESIDENT_ROW_PRELOAD=2 (`PRELOAD_TILES`): the second weight tile loaded before the PDL wait
-    too; the sums keep their order (bf16 and fp8, K of one, two and seven tiles, eager and in a graph)."""
-    from resident.worker.kernels import row_gemv
-
-    for n, k, cfg in ((4096, 14336, None), (4096, 4096, None), (512, 2048, row_gemv.RowConfig(4, 2048, 4))):
-        x16, w16 = _cuda_operands(n, k)
-        x_q, s_a, w_q, s_w = fp8_operands(n, k, seed=4, device="cuda")
-
-        def both():
-            return (row_gemv.row_gemv(x16, w16, config=cfg if cfg is None else row_gemv.RowConfig(8, 1024, 8)),
-                    row_gemv.row_gemv_fp8(x_q, s_a, w_q, s_w, None, torch.bfloat16, config=cfg))
-        monkeypatch.setattr(row_gemv, "PRELOAD_TILES", 1)
-        want = both()
-        monkeypatch.setattr(row_gemv, "PRELOAD_TILES", 2)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = both()
-        graph.replay()
-        got = both()
-        torch.cuda.synchronize()
-        for g, c, w in zip(got, captured, want):
-            assert torch.equal(g, w) and torch.equal(c, w), (n, k)
 
 
 @pytest.mark.gpu

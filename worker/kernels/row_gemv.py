@@ -33,7 +33,6 @@ o 5.1 vs 7.3, gate_up 28.7 vs 30.0, down 15.8 vs 18.8.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +50,6 @@ WIDE_N = 16384
 BLOCK_KS = (1024, 512, 256, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 FP8_BLOCK_KS = (2048, 1024, 512, 256, 128)
-#: Weight tiles each program loads into registers before its PDL wait: 1, or 2 where K holds two
-#: (RESIDENT_ROW_PRELOAD, read once per process).
-PRELOAD_TILES = int(os.environ.get("RESIDENT_ROW_PRELOAD", "1") or 1)
 
 
 @dataclass(frozen=True)
@@ -102,7 +98,7 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, hopper_only: bool) -> bool:
 @triton.jit
 def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr, PRELOAD: tl.constexpr = 1):
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * ROWS + tl.arange(0, ROWS)
     rows = tl.minimum(offs, N - 1)           # rows past N re-read row N - 1, never stored: unmasked loads
@@ -110,15 +106,10 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
-    if PRELOAD > 1:                          # ... and its second (K holds two tiles at least: checked at launch)
-        w2 = tl.load(w_ptrs + BLOCK_K)
     pdl.wait_previous(PDL)
     x = tl.load(x_ptr + cols)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    if PRELOAD > 1:
-        x = tl.load(x_ptr + BLOCK_K + cols)
-        acc += tl.sum(w2.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w = tl.load(w_ptrs + k0)
         x = tl.load(x_ptr + k0 + cols)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
@@ -179,7 +170,7 @@ def _launch(x1: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
         x1, weight, bias if bias is not None else out, out, scale_a if scale_a is not None else out,
         scale_w if scale_w is not None else out, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, SCALED=scale_a is not None, ROWS=config.rows, BLOCK_K=config.block_k,
-        PRELOAD=2 if PRELOAD_TILES > 1 and k >= 2 * config.block_k else 1, **pdl_opts, num_warps=config.num_warps)
+        **pdl_opts, num_warps=config.num_warps)
 
 
 def row_gemv_fp8(x_q: torch.Tensor, scale_a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
