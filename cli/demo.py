@@ -27,9 +27,13 @@ def _run(args: list[str], env: dict[str, str]) -> None:
         raise click.ClickException(f"`resident {' '.join(args)}` failed with exit code {rc}")
 
 
+#: worker.metrics.STARTUP_PHASES in the order an inline worker runs them (not imported: no torch,
+#: no prometheus on the demo's own path).
+PHASE_ORDER = ("import", "cuda_context", "tokenizer", "weights", "verify", "kv_alloc", "warmup", "graphs", "total")
+
+
 def _fmt_phases(phases: dict[str, float]) -> str:
-    order = ["import", "weights", "verify", "kv_alloc", "warmup", "total"]
-    return ", ".join(f"{k} {phases[k]:.2f} s" for k in order if k in phases)
+    return ", ".join(f"{k} {phases[k]:.2f} s" for k in PHASE_ORDER if k in phases)
 
 
 @click.command()

@@ -101,3 +101,14 @@ def test_a_build_folder_left_by_a_killed_preparation_is_removed(tmp_path, monkey
     assert prepare.is_prepared(folder)
     assert sorted(p.name for p in cache.iterdir()) == [f".{prepare.DEFAULT_MODEL_NAME}.lock",
                                                         prepare.DEFAULT_MODEL_NAME]
+
+
+def test_the_demo_lists_every_start_up_phase_the_worker_reports():
+    """Its phase line left out the tokenizer (and the CUDA context, the graphs): the phases shown
+    did not add up to the total."""
+    from resident.cli.demo import PHASE_ORDER, _fmt_phases
+    from resident.worker.metrics import STARTUP_PHASES
+
+    assert set(PHASE_ORDER) == set(STARTUP_PHASES)
+    line = _fmt_phases({"import": 1.0, "tokenizer": 0.25, "weights": 0.5, "total": 1.75})
+    assert line == "import 1.00 s, tokenizer 0.25 s, weights 0.50 s, total 1.75 s"
