@@ -544,6 +544,34 @@ def test_fused_norm_sums_squares_in_the_unfused_kernels_layout(dtype: str, hidde
     assert ("atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx) == (variant == "coop")
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_kernels_read_only_their_weight_before_the_pdl_wait(fp8: bool) -> None:
+    """Under PDL the norm weight (no kernel writes it) is read before griddepcontrol.wait, so its
+    HBM read overlaps the kernel before instead of following the row's sum of squares; x and the
+    residual (the previous kernels' outputs) only after it, and nothing is stored before it."""
+    _skip_without_a_compiler()
+    from resident.worker.kernels import rmsnorm
+
+    block, warps = rmsnorm._block_and_warps(4096)
+    names = ("x_ptr", "res_ptr", "w_ptr", "res_out_ptr")
+    aligned = ("stride_x", "stride_res", "stride_out", "stride_res_out", "n_cols")
+    if fp8:
+        compiled = _hopper_build(rmsnorm._rms_norm_fp8_kernel,
+                                 {**dict.fromkeys(names, "*bf16"), "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                  "partial_ptr": "*fp32", "state_ptr": "*i32"},
+                                 {"HAS_RESIDUAL": True, "COOP": True, "BLOCK_N": block, "BLOCK_P": 1, "FP8_MAX": FP8_MAX,
+                                  "MIN_SCALE": FP8_MIN_SCALE, "n_rows": 1, "PDL": True}, warps, aligned)
+    else:
+        compiled = _hopper_build(rmsnorm._rms_norm_kernel, {**dict.fromkeys(names, "*bf16"), "out_ptr": "*bf16"},
+                                 {"HAS_RESIDUAL": True, "BLOCK_N": block, "PDL": True}, warps, aligned)
+    ptx = compiled.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert "griddepcontrol.launch_dependents" in before and "st.global" not in before
+    weight_loads = block * 2 // (32 * warps * 16)          # a thread's 16-byte loads of the bf16 weight
+    assert before.count("ld.global") == weight_loads and after.count("ld.global") == 2 * weight_loads, before[-1500:]
+
+
 @pytest.mark.parametrize("coop", [True, False])
 def test_fused_silu_and_mul_builds_for_hopper_with_exact_division(coop: bool) -> None:
     _skip_without_a_compiler()

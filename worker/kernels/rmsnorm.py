@@ -39,11 +39,24 @@ FP8_MAX_ROWS = 1024
 
 
 @triton.jit
-def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res, stride_res_out, n_cols, eps,
+def _norm_weight(w_ptr, n_cols, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """The norm weight, loaded before the PDL wait (no kernel writes it: pdl.py's protocol), so its
+    read from HBM overlaps the kernel before instead of following the row's sum of squares; then
+    the wait. Without PDL: `pdl.enter`'s nothing, then the load."""
+    cols = tl.arange(0, BLOCK_N)
+    pdl.launch_next(PDL)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    pdl.wait_previous(PDL)
+    return w
+
+
+@triton.jit
+def _add_rms_norm_row(x_ptr, res_ptr, w, res_out_ptr, row, stride_x, stride_res, stride_res_out, n_cols, eps,
                       HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(weight * normed row in float32 before its final rounding, cols, mask) of one row; stores
-    x + residual first. The one copy of the math, so the fp8-emitting kernel's rows are this
-    kernel's bit for bit (same tile shape and warps: the same summation order)."""
+    """(weight * normed row in float32 before its final rounding, cols, mask) of one row (`w`: the
+    weight, `_norm_weight`); stores x + residual first. The one copy of the math, so the
+    fp8-emitting kernel's rows are this kernel's bit for bit (same tile shape and warps: the same
+    summation order)."""
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -55,7 +68,6 @@ def _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_
     h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / n_cols
     h = (h * (1.0 / tl.sqrt(var + eps))).to(dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     return w.to(tl.float32) * h.to(tl.float32), cols, mask
 
 
@@ -64,9 +76,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_res, stride_out, stride_res_out,
                      n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+    w = _norm_weight(w_ptr, n_cols, BLOCK_N, PDL)
     row = tl.program_id(0).to(tl.int64)
-    out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
+    out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w, res_out_ptr, row, stride_x, stride_res,
                                         stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -82,9 +94,9 @@ def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     is specialized at launch) every program derives the scale and stores its row quantized (out
     fp8, or float32 in tests). Else out (x's dtype) gets the normed row and
     `fp8_quant.quantize_from_partials` quantizes it from the slots."""
-    pdl.enter(PDL)
+    w = _norm_weight(w_ptr, n_cols, BLOCK_N, PDL)
     row = tl.program_id(0).to(tl.int64)
-    out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_res,
+    out, cols, mask = _add_rms_norm_row(x_ptr, res_ptr, w, res_out_ptr, row, stride_x, stride_res,
                                         stride_res_out, n_cols, eps, HAS_RESIDUAL, BLOCK_N)
     out = out.to(x_ptr.dtype.element_ty).to(tl.float32)       # what the unfused path's linear is given
     row_max = tl.max(tl.abs(out), axis=0)
