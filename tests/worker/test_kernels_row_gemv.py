@@ -149,6 +149,11 @@ def test_row_gemv_builds_for_hopper(variant: str) -> None:
     assert compiled.asm.get("cubin") and compiled.metadata.shared <= 4096, compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "local.u" not in ptx and "ld.local" not in ptx   # no spills
+    # The weight's scale before the wait (no kernel writes it), nothing loaded after the K loop: the
+    # scales used to be read there, one more round trip after the last tile.
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert before.count("ld.global.b32 ") == (variant == "fp8")
+    assert "ld.global" not in ptx[ptx.rindex("bra"):]
 
 
 def test_row_gemv_rejects_what_it_cannot_do() -> None:

@@ -106,7 +106,15 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     pdl.launch_next(PDL)
     w = tl.load(w_ptrs)                      # the weight's first tile: before the wait under PDL
+    # ... and what else no kernel writes (the weight's scale, the bias); the activation's scale right
+    # after the wait: loaded at the end, each was one more round trip after the last tile.
+    if SCALED:
+        scale_w = tl.load(scale_w_ptr)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows).to(tl.float32)
     pdl.wait_previous(PDL)
+    if SCALED:
+        scale_a = tl.load(scale_a_ptr)
     x = tl.load(x_ptr + cols)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -114,9 +122,9 @@ def _row_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scale_a_ptr, scale_w_ptr, 
         x = tl.load(x_ptr + k0 + cols)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if SCALED:        # fp8: the reference's order, (acc * (scale_a * scale_w)) + bias
-        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_w_ptr))
+        acc = acc * (scale_a * scale_w)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)
+        acc += bias
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < N)
 
 
