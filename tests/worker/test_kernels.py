@@ -462,10 +462,8 @@ def _hopper_builds() -> dict[str, tuple[str, dict[str, str], dict[str, object], 
     }
 
 
-@pytest.mark.parametrize("build", sorted(_hopper_builds()))
-def test_kernel_compiles_for_hopper(build: str) -> None:
-    """Triton's front end and ptxas (bundled with triton) build each kernel for sm_90 here, so
-    errors the interpreter cannot see (e.g. a non-constexpr global) fail in CI, not on the GPU."""
+def _build_for_hopper(build: str, **more_constexprs: object):
+    """`_hopper_builds()[build]` built for sm_90 (skips where Triton cannot build here)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
@@ -475,18 +473,42 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
     from triton.compiler import ASTSource
 
     kernel_path, pointers, constexprs, options = _hopper_builds()[build]
+    constexprs = {**constexprs, **more_constexprs}
     module_name, fn_name = kernel_path.split(".")
     fn = getattr(importlib.import_module(f"resident.worker.kernels.{module_name}"), fn_name)
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
                  for n in fn.arg_names}
     try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
+        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
     except RuntimeError as e:
         if "ptxas" in str(e) and "not found" in str(e).lower():
             pytest.skip(f"this triton has no bundled ptxas: {e}")
         raise
+
+
+@pytest.mark.parametrize("build", sorted(_hopper_builds()))
+def test_kernel_compiles_for_hopper(build: str) -> None:
+    """Triton's front end and ptxas (bundled with triton) build each kernel for sm_90 here, so
+    errors the interpreter cannot see (e.g. a non-constexpr global) fail in CI, not on the GPU."""
+    compiled = _build_for_hopper(build)
     assert compiled.asm.get("cubin"), f"{build}: no sm_90 binary produced"
+
+
+@pytest.mark.parametrize("build", ["decode_split_rope", "decode_rope_amax", "decode_split_window"])
+def test_decode_attention_reads_only_the_steps_metadata_before_the_pdl_wait(build: str) -> None:
+    """Under PDL the sequence length, position, cache slot and rotary row (written before the
+    step's first kernel, never by a PDL kernel) are read before griddepcontrol.wait; q, k, v and
+    the cache after it, and nothing is stored before it."""
+    ptx = _build_for_hopper(build, PDL=True).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert "griddepcontrol.launch_dependents" in before and "st.global" not in before
+    rope = "rope" in build
+    # the int64 seq_len, with the rotation also the position and the slot (then the table row's halves)
+    assert before.count("ld.global.b64") == (3 if rope else 1), before[-3000:]
+    assert before.count("ld.global") == before.count("ld.global.b64") + rope * before.count("ld.global.b16")
+    assert after.count("ld.global") > before.count("ld.global")
 
 
 def test_pick_decode_config() -> None:

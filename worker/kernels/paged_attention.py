@@ -104,7 +104,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     # (split 0 when there are none) rotates the token's key and writes it and the value into the
     # cache first — then a CTA barrier, after which its own loads see them (nothing else reads
     # that slot in this launch). rotary.rope_mix: the rotary kernel's rounding.
-    pdl.enter(PDL)
+    # PDL: the step's metadata (sequence lengths, positions, cache slots; the block tables, read
+    # later) is written before the step's first kernel by copies or torch ops, never by a PDL kernel,
+    # and the rotary table not at all: read before the wait, it leaves the chain of round trips
+    # after the kernel before completes (q, k, v are that kernel's output: after the wait).
+    pdl.launch_next(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +126,6 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     qmask = hmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         first = d < HALF
@@ -131,9 +134,12 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
         c = tl.load(cs_row, mask=dmask, other=0.0)
         sn = tl.load(cs_row + HALF, mask=dmask, other=0.0)
         s_signed = tl.where(first, -sn, sn)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+    pdl.wait_previous(PDL)
+    q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    if ROPE:
         q_partner = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + partner[None, :], mask=qmask, other=0.0)
         q = rope_mix(q, q_partner, c[None, :], s_signed[None, :])
-        slot = tl.load(slot_ptr + b).to(tl.int64)
         last = seq_len - 1
         writes = ((lo <= last) & (last < hi)) | ((seq_len <= 0) & (split == 0))
         if writes & (slot >= 0):
