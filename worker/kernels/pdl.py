@@ -13,13 +13,21 @@ records it as a programmatic edge).
 The protocol every PDL kernel here follows (`enter`, the first thing each program does):
 
 1. `griddepcontrol.launch_dependents` — the next kernel may start launching;
-2. `griddepcontrol.wait` — before any load of another kernel's output and before any store.
+2. `griddepcontrol.wait` — before any load of a PDL kernel's output and before any store.
 
-So a kernel never reads or writes memory while the kernel before it still runs, and since every
-program waits before it ends, a kernel that has passed its wait knows that all earlier kernels
-of the stream have completed (each of them waited for its own predecessor). A kernel launched
-without the attribute (cuBLAS, torch's own) waits for everything before it as usual, and a PDL
-kernel after it launches once it completes (it never triggers early): mixing is safe.
+So a kernel never writes memory, nor reads what a PDL kernel writes, while the kernel before it
+still runs, and since every program waits before it ends, a kernel that has passed its wait
+knows that all earlier kernels of the stream have completed (each of them waited for its own
+predecessor). A kernel launched without the attribute (cuBLAS, torch's own, a copy) waits for
+everything before it as usual, and a PDL kernel after it launches once it completes (it never
+triggers early): mixing is safe, and what such work wrote before the first PDL kernel of a run
+of them is complete before any of them starts. Before its wait a kernel may therefore read
+memory no PDL kernel writes — weights, constant tables, and a step's metadata (sequence
+lengths, positions, slots, block tables: written by copies and torch ops before the step's
+first kernel) — which takes those reads off the chain of round trips that follows the previous
+kernel's completion: the row GEMV's first weight tile and scales, the norm weight, the decode
+attention's metadata and rotary row (docs/benchmarks.md, "Session 17"). Only small reads: more
+of a weight stream moved under the kernel before slows that kernel down (measured there too).
 
 Where it pays (H200, Llama-3-8B shape, 1k-token contexts, same host, 96 steps; docs/benchmarks.md
 "Session 12"): decode steps of few rows. With every launch under PDL, batch 1 bf16 4.60 -> 4.37 ms
