@@ -3,10 +3,13 @@ naming the address or path and the fix, and exits 1 — no traceback (the superv
 shares the messages: worker/listen_errors.py)."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from serve_helpers import http, servable_tiny_model, serve_env
@@ -65,49 +68,13 @@ def test_an_empty_api_key_is_refused_not_served_without_one(key, tmp_path):
     assert "--api-key is empty" in result.output and "leave the option out" in result.output
 
 
-@pytest.mark.parametrize("args", [(), ("--frontend", "process"), ("--data-parallel-size", "1")],
-                         ids=["inline", "frontend-process", "supervisor"])
-def test_the_port_file_is_removed_when_the_server_stops(model, tmp_path, args):
-    """A --port-file outlived its server and named a port nobody listened on; now the process
-    that wrote it removes it when it exits (SIGTERM here), unless it names another port by then."""
-    import signal
-    import time
-
-    path = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "resident.cli.main", "serve", str(model), "--preload", "off",
-                             "--port", "0", "--port-file", str(path), "--max-model-len", "64", "--cpu-threads", "1",
-                             "--kv-cache-memory", "8MiB", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=serve_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (path.exists() and path.read_text().strip()):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.05)
-        port = int(path.read_text())
-        while http(f"http://127.0.0.1:{port}", "GET", "/ready", timeout_s=5)[0] != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        assert not path.exists(), "the port file outlived its server"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+SERVERS = pytest.mark.parametrize("args", [(), ("--frontend", "process"), ("--data-parallel-size", "1")],
+                                  ids=["inline", "frontend-process", "supervisor"])
 
 
-@pytest.mark.parametrize("args", [(), ("--frontend", "process"), ("--data-parallel-size", "1")],
-                         ids=["inline", "frontend-process", "supervisor"])
-def test_a_sigterm_during_start_up_removes_the_port_file(model, tmp_path, args):
-    """`--frontend process` writes the port file before the engine imports torch; a SIGTERM in
-    those seconds (systemd stopping a unit still starting) ended the process by the default
-    action, atexit skipped, and the file stayed naming a port nobody would listen on. Now it
-    goes, and the process still ends as a stop expects (by SIGTERM, or 0 after a drain)."""
-    import signal
-    import time
-
-    path = tmp_path / "port"
+@contextlib.contextmanager
+def _serving_with_port_file(model, path, args):
+    """A `resident serve ... --port-file path` process, once the file names its port; killed at exit."""
     proc = subprocess.Popen([sys.executable, "-m", "resident.cli.main", "serve", str(model), "--preload", "off",
                              "--port", "0", "--port-file", str(path), "--max-model-len", "64", "--cpu-threads", "1",
                              "--kv-cache-memory", "8MiB", *args],
@@ -117,9 +84,7 @@ def test_a_sigterm_during_start_up_removes_the_port_file(model, tmp_path, args):
         while not (path.exists() and path.read_text().strip()):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
             time.sleep(0.01)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) in (0, -signal.SIGTERM), proc.stdout.read().decode()[-3000:]
-        assert not path.exists(), "the port file outlived its server"
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -127,10 +92,37 @@ def test_a_sigterm_during_start_up_removes_the_port_file(model, tmp_path, args):
         proc.stdout.close()
 
 
+@SERVERS
+def test_the_port_file_is_removed_when_the_server_stops(model, tmp_path, args):
+    """A --port-file outlived its server and named a port nobody listened on; now the process
+    that wrote it removes it when it exits (SIGTERM here), unless it names another port by then."""
+    path = tmp_path / "port"
+    with _serving_with_port_file(model, path, args) as proc:
+        port, deadline = int(path.read_text()), time.monotonic() + 120
+        while http(f"http://127.0.0.1:{port}", "GET", "/ready", timeout_s=5)[0] != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not path.exists(), "the port file outlived its server"
+
+
+@SERVERS
+def test_a_sigterm_during_start_up_removes_the_port_file(model, tmp_path, args):
+    """`--frontend process` writes the port file before the engine imports torch; a SIGTERM in
+    those seconds (systemd stopping a unit still starting) ended the process by the default
+    action, atexit skipped, and the file stayed naming a port nobody would listen on. Now it
+    goes, and the process still ends as a stop expects (by SIGTERM, or 0 after a drain)."""
+    path = tmp_path / "port"
+    with _serving_with_port_file(model, path, args) as proc:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM), proc.stdout.read().decode()[-3000:]
+        assert not path.exists(), "the port file outlived its server"
+
+
 def test_the_port_file_handler_gives_way_to_the_servers_own(tmp_path, monkeypatch):
     """Installed only over the default action (never over a handler the process already has),
     from the main thread; the server's own handler replaces it later."""
-    import signal
     import threading
 
     from resident.worker import listen_errors
@@ -156,8 +148,6 @@ def test_the_port_file_handler_gives_way_to_the_servers_own(tmp_path, monkeypatc
 
 
 def test_a_port_file_a_newer_server_rewrote_is_left(tmp_path, monkeypatch):
-    import signal
-
     from resident.worker import listen_errors
 
     monkeypatch.setattr(listen_errors, "_PORT_FILES", [])
