@@ -6,8 +6,8 @@ loop keeps answering probes — load the tokenizer (a local folder's; a hub id's
 weights), obtain the weights (attach or local load), verify sampled checksums, build the model
 and allocate the KV cache, run a warm-up forward pass, capture CUDA graphs (on a GPU); then
 /ready turns 200, systemd hears READY=1, and one log line gives the phases: "ready in X s
-(import a, cuda context g, tokenizer t, weights b, verify c, kv alloc d, warmup e, graphs f)". On a GPU the KV cache gets what
---gpu-memory-utilization leaves after everything already on the GPU and the measured
+(import a, cuda context g, tokenizer t, weights b, verify c, kv alloc d, warmup e, graphs f)".
+On a GPU the KV cache gets what --gpu-memory-utilization leaves after everything already on the GPU and the measured
 activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`), but only its first
 --kv-cache-initial bytes (default 4 GiB: Llama-3-8B's 2 MiB blocks give 2048 blocks,
 32k tokens, four requests of 8k context; never less than one request of --max-model-len,

@@ -559,8 +559,9 @@ def test_norm_kernels_read_only_their_weight_before_the_pdl_wait(fp8: bool) -> N
         compiled = _hopper_build(rmsnorm._rms_norm_fp8_kernel,
                                  {**dict.fromkeys(names, "*bf16"), "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                                   "partial_ptr": "*fp32", "state_ptr": "*i32"},
-                                 {"HAS_RESIDUAL": True, "COOP": True, "BLOCK_N": block, "BLOCK_P": 1, "FP8_MAX": FP8_MAX,
-                                  "MIN_SCALE": FP8_MIN_SCALE, "n_rows": 1, "PDL": True}, warps, aligned)
+                                 {"HAS_RESIDUAL": True, "COOP": True, "BLOCK_N": block, "BLOCK_P": 1,
+                                  "FP8_MAX": FP8_MAX, "MIN_SCALE": FP8_MIN_SCALE, "n_rows": 1, "PDL": True},
+                                 warps, aligned)
     else:
         compiled = _hopper_build(rmsnorm._rms_norm_kernel, {**dict.fromkeys(names, "*bf16"), "out_ptr": "*bf16"},
                                  {"HAS_RESIDUAL": True, "BLOCK_N": block, "PDL": True}, warps, aligned)
