@@ -98,6 +98,8 @@ class OpenAIServing:
 
         from resident.worker.sampling_params import MAX_SEED, SamplingParams
 
+        if req.sampling.get("logit_bias"):
+            self._check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
         out = []
         for _ in range(num_prompts):
             for i in range(req.n):

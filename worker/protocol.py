@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from resident.worker.sampling_params import MAX_LOGIT_BIAS
+
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
                    "include_stop_str_in_output")
@@ -242,6 +244,29 @@ def _unsupported(body: dict, unsupported: dict[str, tuple[Any, ...]]) -> None:
                            "out or send {\"type\": \"text\"}", param="response_format")
 
 
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: an object mapping token ids (as strings: JSON's keys) to biases in
+    [-100, 100], added to the logits before sampling. (Token ids beyond the vocabulary are
+    refused by the serving layer, which knows it.)"""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"'logit_bias' must be an object mapping token ids to biases, got {json.dumps(raw)[:100]}",
+                           param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise RequestError(f"'logit_bias' keys must be token ids (non-negative integers), got {key[:50]!r}",
+                               param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                               f"got {json.dumps(value)[:50]} for token {key.strip()}", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
             default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
@@ -259,8 +284,6 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
         raise RequestError("'best_of' other than n is not supported", param="best_of")
-    if body.get("logit_bias"):
-        raise RequestError("'logit_bias' is not supported by this server", param="logit_bias")
     user = body.get("user")
     if user is not None and not isinstance(user, str):   # as OpenAI and vLLM: a string (an end-user id)
         raise RequestError(f"'user' must be a string, got {type(user).__name__}", param="user")
@@ -314,6 +337,9 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     for flag in ("ignore_eos", "include_stop_str_in_output"):
         if flag in body:
             sampling[flag] = _bool(body, flag)
+    bias = _logit_bias(body)
+    if bias:
+        sampling["logit_bias"] = bias
     _unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,

@@ -17,6 +17,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # A top_k of at least this keeps every token of any vocabulary: it is off (0). The sampler
 # puts top_k in an int64 tensor, and a larger integer (10**30) failed the engine thread.
 MAX_TOP_K = 2**31
+#: OpenAI's range of a logit_bias value (-100 bans a token in effect, 100 forces it).
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value: object) -> int:
@@ -60,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
@@ -96,6 +99,31 @@ class SamplingParams:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        checked = {}
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}")
+            bias = float(bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias:g} for token {token}")
+            if bias:
+                checked[token] = bias
+        self.logit_bias = checked
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (a logit bias or a
+        penalty): a greedy row then cannot take the raw logits' argmax."""
+        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def _check_stops(self) -> None:
         if isinstance(self.stop, str):

@@ -504,3 +504,24 @@ def test_a_stalled_body_is_a_408_and_frees_its_handler(monkeypatch, stall):
             assert r.status == 200, await r.text()
 
     asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))
+
+
+def test_logit_bias_steers_the_tokens_and_names_an_id_outside_the_vocabulary(server):
+    """logit_bias was refused as unsupported; now OpenAI's semantics: +100 makes a token every
+    greedy choice, -100 keeps the one greedy decoding picked out; an id beyond the vocabulary is a
+    400 naming the field."""
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    status, plain = http(server.base_url, "POST", "/v1/completions", body)
+    assert status == 200, plain
+    first = plain["choices"][0]["logprobs"]["tokens"][0]
+    status, forced = http(server.base_url, "POST", "/v1/completions", {**body, "logit_bias": {"65": 100}})
+    assert status == 200 and forced["choices"][0]["logprobs"]["tokens"] == ["token_id:65"] * 4, forced
+    banned = {first.removeprefix("token_id:"): -100}
+    status, other = http(server.base_url, "POST", "/v1/completions", {**body, "logit_bias": banned})
+    assert status == 200 and first not in other["choices"][0]["logprobs"]["tokens"], other
+    status, got = http(server.base_url, "POST", "/v1/chat/completions",
+                       {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                        "logit_bias": {"99999": 5}})
+    _assert_error(got, status, 400, "logit_bias", "token id 99999 is outside the vocabulary [0, ")
+    _ok_completion(server.base_url)

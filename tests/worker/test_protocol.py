@@ -93,11 +93,27 @@ def test_those_fields_at_their_off_values_are_accepted_and_not_reported_as_unkno
     ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 10**9), ("max_tokens", "ten"),
     ("temperature", -0.5), ("temperature", 3), ("temperature", "hot"), ("top_p", 1.5), ("top_p", True),
     ("presence_penalty", 5), ("frequency_penalty", -3), ("n", 0), ("n", 1000), ("stop", [""]), ("stop", 3),
-    ("logprobs", 99), ("seed", "x"), ("top_k", -2), ("logit_bias", {"1": 2}),
+    ("logprobs", 99), ("seed", "x"), ("top_k", -2), ("logit_bias", {"1": 101}), ("logit_bias", {"x": 2}),
+    ("logit_bias", {"-1": 2}), ("logit_bias", {"1": "high"}), ("logit_bias", {"1": True}), ("logit_bias", [1, 2]),
 ])
 def test_bad_completion_fields_name_the_field(field, value):
     err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", field: value})
     assert err.param == field
+
+
+def test_logit_bias_maps_token_ids_to_biases():
+    """OpenAI's logit_bias (was refused as unsupported): JSON keys are strings of token ids,
+    values in [-100, 100]; zeros dropped; both endpoints."""
+    req = parse_completion_request({"model": "tiny", "prompt": "a", "logit_bias": {"5": 100, " 7": -2.5, "9": 0}}, OPTS)
+    assert req.sampling["logit_bias"] == {5: 100.0, 7: -2.5, 9: 0.0}
+    assert "logit_bias" not in parse_completion_request({"model": "tiny", "prompt": "a", "logit_bias": {}},
+                                                        OPTS).sampling
+    chat = parse_chat_request({"model": "tiny", "messages": MSGS, "logit_bias": {"3": -100}}, OPTS)
+    assert chat.sampling["logit_bias"] == {3: -100.0}
+    err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "logit_bias": {"1": 150}})
+    assert err.message == "'logit_bias' values must be numbers in [-100, 100], got 150 for token 1"
+    err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "logit_bias": {"hello": 1}})
+    assert err.message == "'logit_bias' keys must be token ids (non-negative integers), got 'hello'"
 
 
 def test_unknown_model_and_missing_model():

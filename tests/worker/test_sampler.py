@@ -125,6 +125,32 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert Sampler(seed=0)(logits, [row(temperature=0.0, prompt=[0], repetition_penalty=1.2)]).token_ids == [1]
 
 
+def test_logit_bias_is_added_before_the_penalties_and_forces_or_bans_tokens() -> None:
+    """OpenAI semantics: the bias is added to the logits; 100 makes a token the greedy choice, -100
+    bans it from sampling in effect; other rows are untouched; then the penalties (vLLM's order)."""
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0], [3.0, 2.75, 0.0, -1.0]])
+    rows = [row(temperature=0.0, logit_bias={3: 100.0, 0: -0.5}), row(temperature=0.0)]
+    assert apply_penalties(logits, rows).tolist() == [[2.5, 2.75, 0.0, 99.0], [3.0, 2.75, 0.0, -1.0]]
+    assert Sampler(seed=0)(logits, rows).token_ids == [3, 0]
+    both = row(temperature=0.0, output=[1], logit_bias={1: 1.0}, frequency_penalty=2.0)
+    assert apply_penalties(logits[:1], [both]).tolist() == [[3.0, 1.75, 0.0, -1.0]]   # 2.75 + 1 - 2
+    banned = frequencies(Sampler(seed=3), torch.zeros(4), 400, temperature=1.0, logit_bias={0: -100.0, 2: -100.0})
+    assert banned[0] == 0 and banned[2] == 0 and banned[1] > 0.3 and banned[3] > 0.3
+
+
+def test_a_logit_bias_takes_the_row_off_the_plain_greedy_path() -> None:
+    from resident.worker.layers.sampler import is_plain_greedy
+    from resident.worker.spec_decode.probs import greedy_tokens, needs_penalties
+
+    params = SamplingParams(temperature=0.0, logit_bias={2: 50.0})
+    assert params.changes_logits and not is_plain_greedy(params) and needs_penalties(params)
+    assert not SamplingParams(temperature=0.0, logit_bias={2: 0.0}).changes_logits   # zeros dropped
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert greedy_tokens(logits, [SamplingRow(params, [], [])]).tolist() == [2]   # speculative decoding's choice
+    with pytest.raises(ValueError, match="logit_bias names token 7, outside the vocabulary"):
+        apply_penalties(logits, [row(logit_bias={7: 1.0})])
+
+
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
     rows = [row(temperature=0.0), row(temperature=1.5), row(temperature=0.0, top_k=3), row(temperature=0.3, seed=1)]

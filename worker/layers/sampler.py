@@ -1,7 +1,9 @@
-"""The sampler: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+"""The sampler: logit bias, penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
-Order per row (HF's logits-processor order): repetition penalty (HF semantics: over prompt
-and output tokens, positive logits divided by the penalty, negative ones multiplied),
+Order per row (vLLM's: logit processors, then penalties; HF's logits-processor order for the
+rest): the request's logit_bias added to the logits (OpenAI semantics), repetition penalty
+(HF semantics: over prompt and output tokens, positive logits divided by the penalty, negative
+ones multiplied),
 presence/frequency penalties (OpenAI semantics: over output tokens, `logit -= frequency *
 count + presence * (count > 0)`), then temperature 0 = greedy argmax of the penalized
 logits; otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the
@@ -40,10 +42,9 @@ class SamplingRow:
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
-    """True when the token is just the argmax of the raw logits: temperature 0, no penalty,
-    no logprobs. A batch of only such rows needs no per-row tensors (`Sampler.greedy`)."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+    """True when the token is just the argmax of the raw logits: temperature 0, no penalty or
+    logit bias, no logprobs. A batch of only such rows needs no per-row tensors (`Sampler.greedy`)."""
+    return params.temperature == 0.0 and params.logprobs is None and not params.changes_logits
 
 
 #: Set once the argmax kernel failed to import or build here (logged once; torch.argmax from then on).
@@ -104,14 +105,27 @@ PENALIZED_LOGIT_LIMIT = 1e30
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties (returns a new tensor when any apply)."""
+    """Logit bias, then repetition, presence and frequency penalties (returns a new tensor when
+    any apply)."""
     n, vocab = logits.shape
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-    if not rep and not pf:
+    if not biased and not rep and not pf:
         return logits
     logits = logits.clone()
     dev = logits.device
+    if biased:
+        row_ids, token_ids, biases = [], [], []
+        for i in biased:
+            bias = rows[i].params.logit_bias
+            row_ids += [i] * len(bias)
+            token_ids += bias.keys()
+            biases += bias.values()
+        if max(token_ids) >= vocab:
+            raise ValueError(f"logit_bias names token {max(token_ids)}, outside the vocabulary [0, {vocab})")
+        logits.index_put_((_to_device(row_ids, torch.int64, dev), _to_device(token_ids, torch.int64, dev)),
+                          _to_device(biases, logits.dtype, dev), accumulate=True)
     if rep:
         seen_ids = _padded([list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep], vocab, dev)
         seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)

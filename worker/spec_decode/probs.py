@@ -67,5 +67,5 @@ def raw_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequen
 
 def needs_penalties(params: SamplingParams) -> bool:
     """Whether the sampler changes this request's logits before its argmax (greedy rows
-    without penalties can take the raw logits' argmax, with no sampling rows built)."""
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    without penalties or logit bias can take the raw logits' argmax, with no sampling rows built)."""
+    return params.changes_logits
