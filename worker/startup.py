@@ -148,10 +148,11 @@ def _check_num_kv_blocks(config: ServeConfig, max_model_len: int) -> None:
 
 def check_before_weights(config: ServeConfig, device_type: str) -> None:
     """What a local model folder lets be refused before its weights load (minutes for a large
-    model, and the daemon would keep them): no tokenizer.json (inline front-end; --frontend
-    process loads it beside the weights), a config.json the decoder cannot run (rope scaling,
+    model, and the daemon would keep them): a config.json the decoder cannot run (rope scaling,
     activation), --max-model-len beyond its positions, --num-kv-blocks below one such request (on
-    CPU, --kv-cache-memory below one even at 2 bytes an element).
+    CPU, --kv-cache-memory below one even at 2 bytes an element). (The inline front end's
+    tokenizer has loaded before this, from such a folder: `_build_worker`; --frontend process
+    loads it beside the weights.)
     A hub id, or a config.json that does not parse, is left to the store's own messages. A
     --speculative-model that is neither a folder nor a hub id is named as the draft."""
     import json
@@ -171,10 +172,6 @@ def check_before_weights(config: ServeConfig, device_type: str) -> None:
         return
     if not isinstance(hf_config, dict):
         return
-    if config.frontend == "inline":
-        from resident.worker.tokenizer import check_tokenizer_file
-
-        check_tokenizer_file(folder)
     model_config = ModelConfig.from_hf(hf_config).for_tp(config.tensor_parallel_size)
     max_model_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings, device_type)
     _check_num_kv_blocks(config, max_model_len)

@@ -36,18 +36,6 @@ class TokenizerError(ValueError):
     """A model folder's tokenizer files are missing or unreadable; the message names the fix."""
 
 
-def check_tokenizer_file(folder: Path) -> Path:
-    """The folder's tokenizer.json; a TokenizerError naming the fix when there is none. Only a
-    stat: the worker checks a local model folder with it before the weights load."""
-    tokenizer_file = folder / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise TokenizerError(
-            f"{folder} has no tokenizer.json; the engine needs a fast (tokenizers-library) tokenizer "
-            "file. Save one with transformers (`AutoTokenizer.from_pretrained(...).save_pretrained(folder)`) "
-            "or serve a folder that includes it")
-    return tokenizer_file
-
-
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -165,7 +153,12 @@ class Tokenizer:
         """Load from a model folder. `chat_template` (template source) replaces the folder's
         default template, e.g. from `resident serve --chat-template FILE`."""
         folder = Path(path)
-        tokenizer_file = check_tokenizer_file(folder)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"{folder} has no tokenizer.json; the engine needs a fast (tokenizers-library) tokenizer "
+                "file. Save one with transformers (`AutoTokenizer.from_pretrained(...).save_pretrained(folder)`) "
+                "or serve a folder that includes it")
         try:
             backend = _BackendTokenizer.from_file(str(tokenizer_file))
         except Exception as e:  # noqa: BLE001  the library raises bare Exceptions on bad files
