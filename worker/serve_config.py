@@ -25,6 +25,11 @@ DEFAULT_KV_CACHE_INITIAL_BYTES = 4 * 2**30
 CPU_MAX_MODEL_LEN = 4096
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the machine's count where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str
@@ -116,7 +121,7 @@ class ServeConfig:
         if self.cpu_threads is not None:
             if self.cpu_threads < 1:
                 raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
-            num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            num_cpus = usable_cpus()
             if self.cpu_threads > num_cpus:
                 # torch starts them all: 100000 failed the start with "can't start new thread" and a
                 # segfault at exit; beyond the CPUs they only contend.
@@ -167,4 +172,4 @@ class ServeConfig:
 
 
 __all__ = ["CPU_MAX_MODEL_LEN", "CUDA_GRAPH_MODES", "DEFAULT_KV_CACHE_INITIAL_BYTES", "DEFAULT_KV_CACHE_MEMORY_BYTES",
-           "DTYPES", "FRONTEND_MODES", "PRELOAD_MODES", "QUANTIZATIONS", "ServeConfig"]
+           "DTYPES", "FRONTEND_MODES", "PRELOAD_MODES", "QUANTIZATIONS", "ServeConfig", "usable_cpus"]

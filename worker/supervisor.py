@@ -61,7 +61,7 @@ from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload, failure_note_path
 from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
-from resident.worker.serve_config import ServeConfig
+from resident.worker.serve_config import ServeConfig, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.num_replicas}")
-        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_cpus = usable_cpus()
         if self.num_replicas > max(num_cpus, 2):
             # Each serving replica's engine steps on a CPU of its own; beyond the CPUs they only contend
             # (50 started on a 2-CPU box). Standbys idle until promoted: not counted. Two are always
