@@ -209,7 +209,7 @@ class StagedFill:
             "readers finished within %.3f s of each other; checksums of %d group(s) in %d slab(s) enqueued "
             "alongside the reads in %.3f s", total / 1e9, elapsed, total / 1e9 / max(elapsed, 1e-9),
             self.config.describe(),
-            f"{'pinned' if pinned else 'allocated'} now in {host.alloc_s:.2f} s alongside the first reads" if fresh
+            f"{host.describe()} now in {host.alloc_s:.2f} s alongside the first reads" if fresh
             else "buffers kept from before",
             reads_s, tail_s, self.read_s, self.ring.wait_s, self.finish_s, self.spread_s, self._num_groups_done,
             len(self.views), self.sum_enqueue_s)

@@ -6,14 +6,17 @@ Run on the GPU machine after the checkpoint was written (its files are in the pa
     python3 tests/gpu_io_ceiling.py CHECKPOINT_DIR --json OUT.json
 
 `--sweep` measures resident's own staged GPU load instead, once per staging configuration
-(threads x chunk MiB x buffers x streams, the knobs of $RESIDENT_STAGING_*): each config is
-loaded twice into cuda_vmm slabs — the first load pins a fresh staging pool alongside its
-reads, the second reuses it, as the daemon's loads do — then fp8_per_tensor with the best one.
+(threads x chunk MiB x buffers x streams, the knobs of $RESIDENT_STAGING_*) and way of pinning
+(`--pins`, $RESIDENT_STAGING_PIN's values): each is loaded twice into cuda_vmm slabs — the
+first load pins a fresh staging pool alongside its reads, the second reuses it, as the daemon's
+loads do — then fp8_per_tensor with the best one. Before the loads, `--pins` also times pinning
+the default pool alone (each way, alternating, three times) and pinned -> GPU copies out of it.
     python3 tests/gpu_io_ceiling.py CHECKPOINT_DIR --sweep --json OUT.json   (~30-60 s for 16 GB)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import threading
@@ -111,6 +114,40 @@ def _timed_load(model: str, backend, config, quantization: str = "none") -> tupl
     return dt, m.bytes_read / dt / 1e9, n
 
 
+def pin_probe(pins: list[str], out: dict, rounds: int = 3) -> None:
+    """Seconds to pin the default staging pool (24 x 16 MiB on 16 CPUs) each way, and GB/s of
+    copies out of it into the GPU (4 streams)."""
+    from resident.daemon.staging import HostBuffers, StagingConfig
+
+    config = StagingConfig()
+    rows = out["pin_probe"] = []
+    dst = torch.empty(config.buffers() * config.buffer_bytes, dtype=torch.uint8, device="cuda")
+    ss = [torch.cuda.Stream() for _ in range(4)]
+    for r in range(rounds):
+        for pin in pins:
+            t = time.perf_counter()
+            host = HostBuffers(config.buffers(), config.buffer_bytes, pinned=True, pin=pin)
+            host.join()
+            pin_s = time.perf_counter() - t
+            bufs = [host.get(i) for i in range(len(host.buffers))]
+            best = 0.0
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for i, b in enumerate(bufs):
+                    with torch.cuda.stream(ss[i % len(ss)]):
+                        dst[i * b.numel() : (i + 1) * b.numel()].copy_(b, non_blocking=True)
+                torch.cuda.synchronize()
+                best = max(best, dst.numel() / (time.perf_counter() - t) / 1e9)
+            rows.append({"round": r, "pin": pin, "how": host.describe(), "pin_s": pin_s, "h2d_gb_s": best})
+            print(f"PIN {pin} ({host.describe()}): {config.buffers()} x {config.buffer_bytes >> 20} MiB in "
+                  f"{pin_s * 1e3:.1f} ms, pinned -> GPU {best:.1f} GB/s", flush=True)
+            del bufs
+            host.release()
+            if pin == "torch":
+                torch._C._host_emptyCache()
+
+
 def sweep(model: str, configs: list, out: dict, backend_name: str = "cuda_vmm") -> None:
     """GB/s of `resident`'s staged load (page cache -> GPU slabs, checksums included) per config."""
     import logging
@@ -128,9 +165,10 @@ def sweep(model: str, configs: list, out: dict, backend_name: str = "cuda_vmm") 
             again = _timed_load(model, backend, config)     # the pool kept, as in the daemon
         finally:
             pool.close()
-        rows.append({"config": config.describe(), "first_s": first[0], "first_gb_s": first[1],
+        rows.append({"config": config.describe(), "pin": config.pin, "first_s": first[0], "first_gb_s": first[1],
                      "again_s": again[0], "again_gb_s": again[1]})
-        print(f"SWEEP {config.describe()}: {again[1]:.1f} GB/s ({again[0]:.3f} s) with the pool kept, "
+        print(f"SWEEP {config.describe()}, pinned by {config.pin}: {again[1]:.1f} GB/s ({again[0]:.3f} s) "
+              "with the pool kept, "
               f"{first[1]:.1f} GB/s ({first[0]:.3f} s) pinning it", flush=True)
     best = max(range(len(configs)), key=lambda i: rows[i]["again_gb_s"])
     for i in sorted({0, best}):
@@ -154,15 +192,20 @@ def main() -> None:
                     "smoke test of this script)")
     ap.add_argument("--configs", default=SWEEP, help="for --sweep: THREADSxCHUNK_MIBxBUFFERSxSTREAMS,... "
                     f"[default: {SWEEP}]")
+    ap.add_argument("--pins", default="register", help="for --sweep: each config once per way of pinning "
+                    "(register,torch), alternating; also times pinning alone")
     args = ap.parse_args()
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
     if args.sweep:
-        configs = _parse_configs(args.configs)
+        pins = [p.strip() for p in args.pins.split(",") if p.strip()]
+        configs = [dataclasses.replace(c, pin=p) for c in _parse_configs(args.configs) for p in pins]
         out = {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "cpus": os.cpu_count()}
         # Bring the files into the page cache (and report the ceiling the loads run against).
         out["page_cache_read_gb_s"] = page_cache_read(files, 16, 64 * MiB)
         print(f"page cache -> pinned, 16 threads, 64 MiB chunks: {out['page_cache_read_gb_s']:.1f} GB/s", flush=True)
         try:
+            if args.backend.startswith("cuda"):
+                pin_probe(pins, out)
             sweep(args.checkpoint, configs, out, args.backend)
         finally:
             Path(args.json).write_text(json.dumps(out, indent=2))

@@ -16,6 +16,7 @@
 #   QUANTS: the throughput step's --quantization (default none,fp8_per_tensor)
 #   tp-throughput (not in the default; 2 GPUs, < 150 s): the tp step's TP=2 decode measurement alone
 #   sweep (not in the default; ~30-60 s): staged-load GB/s per staging config (threads x chunk MiB x buffers x streams)
+#      and way of pinning (SWEEP_PINS, e.g. register,torch; default register), after timing the pinning alone
 #   throughput-variants (not in the default; ~40 s a variant): the throughput step once per VARIANTS entry
 #      (NAME:VAR=V,VAR=V: the same tree under other environment variables, back to back; QUANTS default none,
 #      ASYNC_MODES on, BATCHES 1,64, STEPS 32), one throughput-NAME.json each
@@ -108,7 +109,7 @@ for s in $steps; do
     sweep)    # issue 4: GB/s of the staged GPU load per $RESIDENT_STAGING_* config (SWEEP_CONFIGS overrides the list)
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       timeout "${SWEEP_TIMEOUT:-90}" python3 tests/gpu_io_ceiling.py $M --sweep ${SWEEP_CONFIGS:+--configs "$SWEEP_CONFIGS"} \
-        --json "$OUT/sweep.json" >> "$LOG" 2>&1 ;;
+        ${SWEEP_PINS:+--pins "$SWEEP_PINS"} --json "$OUT/sweep.json" >> "$LOG" 2>&1 ;;
     throughput-gemv)   # issue 4: decode with the Triton GEMV for bf16 linears too (compare with throughput.json)
       [ -f $M/config.json ] || timeout "${CHECKPOINT_TIMEOUT:-150}" $B checkpoint $M --shape llama3-8b >> "$LOG" 2>&1
       RESIDENT_GEMV=on timeout "${THROUGHPUT_GEMV_TIMEOUT:-90}" $B throughput $M --device cuda --batch-sizes 1,64 \

@@ -188,6 +188,66 @@ def test_host_buffers_hand_out_each_buffer_once_it_exists():
     assert len({b.data_ptr() for b in got}) == 5
 
 
+def _fake_cuda_locks(monkeypatch) -> tuple[list, list]:
+    """cudaHostRegister / cudaHostUnregister replaced by recorders (no GPU here)."""
+    locked, unlocked = [], []
+    monkeypatch.setattr(staging, "_cuda_register", lambda ptr, n: locked.append((ptr, n)))
+    monkeypatch.setattr(staging, "_cuda_unregister", unlocked.append)
+    return locked, unlocked
+
+
+def test_a_registered_arena_faults_in_and_locks_each_piece_then_unlocks_them(monkeypatch):
+    locked, unlocked = _fake_cuda_locks(monkeypatch)
+    mib = 1 << 20
+    arena = staging.RegisteredArena(7 * mib, fault_threads=3)
+    a, b = arena.take(2 * mib), arena.take(5 * mib)
+    assert a.data_ptr() % (2 * mib) == 0 and b.data_ptr() == a.data_ptr() + 2 * mib
+    assert locked == [(a.data_ptr(), 2 * mib), (b.data_ptr(), 5 * mib)]
+    b.fill_(7)
+    memoryview(a.numpy())[:3] = b"abc"
+    assert bytes(a[:3].tolist()) == b"abc" and int(b.sum()) == 7 * 5 * mib
+    with pytest.raises(ValueError, match="has 0 bytes left, not 1"):
+        arena.take(1)
+    arena.release()
+    assert unlocked == [a.data_ptr(), b.data_ptr()] and len(locked) == 2
+    arena.release()                                      # once only
+    assert len(unlocked) == 2 and int(b[-1]) == 7       # the mapping lives while a view does
+
+
+def test_pinned_host_buffers_are_registered_pieces_and_released_by_the_pool(monkeypatch):
+    locked, unlocked = _fake_cuda_locks(monkeypatch)
+    pool = StagingPool()
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=5, num_threads=2)
+    with pool.lease(config, pinned=True) as (host, fresh):
+        bufs = [host.get(i) for i in range(5)]
+    assert fresh and host.how == "register" and host.describe().startswith("pinned (cudaHostRegister")
+    assert [n for _, n in locked] == [k * (64 << 10) for k in piece_counts(5)]
+    assert [b.data_ptr() for b in bufs] == [bufs[0].data_ptr() + i * (64 << 10) for i in range(5)]
+    with pool.lease(config, pinned=True) as (_, fresh):          # kept: nothing locked again
+        assert not fresh and len(locked) == 4
+    with pool.lease(dataclasses.replace(config, pin="torch"), pinned=False) as (host2, fresh):
+        host2.get(4)                                   # other buffers: the registered ones went first
+    assert fresh and unlocked == [p for p, _ in locked] and host2.how == "host"
+    pool.close()
+
+
+def test_pinning_falls_back_to_cudahostalloc_where_registering_fails(monkeypatch, caplog):
+    def refuse(ptr, n):
+        raise RuntimeError("cudaHostRegister of 65536 bytes failed: operation not permitted")
+
+    monkeypatch.setattr(staging, "_cuda_register", refuse)
+    calls = []
+    monkeypatch.setattr(staging, "_alloc_host",
+                        lambda n, pinned: calls.append((n, pinned)) or torch.empty(n, dtype=torch.uint8))
+    host = HostBuffers(3, 64 << 10, pinned=True)
+    host.join()
+    assert host.error is None and host.how == "torch" and calls == [(64 << 10, True)] * 3
+    assert "pinning by cudaHostRegister failed (cudaHostRegister of 65536 bytes failed: operation not permitted); " \
+        "using cudaHostAlloc ($RESIDENT_STAGING_PIN=torch skips the attempt)" in caplog.text
+    host.release()
+    assert host.nbytes == 0
+
+
 @pytest.mark.parametrize("n,expected", [(1, [1]), (2, [1, 1]), (3, [1, 1, 1]), (5, [1, 1, 2, 1]),
                                         (24, [1, 1, 2, 4, 8, 8]), (40, [1, 1, 2, 4, 8, 16, 8])])
 def test_pieces_are_powers_of_two_that_grow(n, expected):
@@ -208,6 +268,10 @@ def test_the_staging_knobs_come_from_the_environment():
         StagingConfig.from_env({"RESIDENT_STAGING_CHUNK_MIB": "0"})
     with pytest.raises(ValueError, match="num_streams must be at least 1"):
         StagingConfig.from_env({"RESIDENT_STAGING_STREAMS": "0"})
+    assert StagingConfig().pin == "register"
+    assert StagingConfig.from_env({"RESIDENT_STAGING_PIN": "torch"}).pin == "torch"
+    with pytest.raises(ValueError, match=r"\$RESIDENT_STAGING_PIN='cuda' is not one of register, torch; unset it"):
+        StagingConfig.from_env({"RESIDENT_STAGING_PIN": "cuda"})
 
 
 def test_a_daemon_pool_config_sizes_loads_without_their_own(tiny_model, backend):
@@ -246,10 +310,12 @@ def test_a_read_error_stops_every_reader_and_is_raised(tiny_model, backend, monk
 
 # --- on a GPU ----------------------------------------------------------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("pin", ["register", "torch"])
 @pytest.mark.parametrize("quantization,dtype", [("none", "auto"), ("none", "float32"), ("fp8_per_tensor", "bfloat16")])
-def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, quantization, dtype):
+def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, quantization, dtype, pin):
     """Many small groups on a GPU: each group's checksum waits on the copy streams by events
-    only; the recorded sums must equal what verifiers compute and the bytes the host loader's."""
+    only; the recorded sums must equal what verifiers compute and the bytes the host loader's.
+    Both ways of pinning the staging buffers; a registered buffer is unlocked when the pool closes."""
     from resident.daemon.memory import get_backend
     from resident.daemon.memory.host_shm import HostShmBackend
 
@@ -258,11 +324,13 @@ def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, qua
                     dtype=dtype)
     gpu = get_backend("cuda_vmm", max_slab_bytes=2 << 20)
     gpu.staging_pool = pool = StagingPool()     # fresh: pinned in the background during the first reads
-    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=12, num_streams=3, num_threads=8)
+    config = StagingConfig(buffer_bytes=64 << 10, num_buffers=12, num_streams=3, num_threads=8, pin=pin)
     g = load(spec, gpu, staging=config)
     h = load(spec, HostShmBackend())
+    kept = pool._buffers[-1]
     try:
         assert all(b.is_pinned() for b in pool._buffers) and pool.nbytes == 12 * (64 << 10)
+        assert pool._host.how == pin
         gv = g.table.views([s.readable() for s in g.slabs])
         hv = h.table.views([s.readable() for s in h.slabs])
         for e in g.table.entries:
@@ -273,6 +341,8 @@ def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, qua
         pool.close()
         for s in g.slabs + h.slabs:
             s.close()
+    if pin == "register":
+        assert not kept.is_pinned()     # unlocked; the mapping itself lives on while a view does
 
 
 @pytest.mark.gpu
