@@ -27,6 +27,16 @@ class RecordingBackend(HostShmBackend):
         return slab
 
 
+def page_locked(t: torch.Tensor) -> bool:
+    """Whether the driver knows `t`'s host memory as page-locked (cudaHostAlloc'd or registered:
+    torch's `is_pinned()` answers True only for its own allocator's blocks)."""
+    from resident.daemon.memory.cuda_util import driver
+
+    drv = driver()
+    err, kind = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, t.data_ptr())
+    return err == drv.CUresult.CUDA_SUCCESS and int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)
+
+
 def recording_backend(max_slab_bytes: int) -> Iterator[RecordingBackend]:
     """A RecordingBackend whose slabs are closed afterwards (a pytest fixture's body:
     `yield from recording_backend(n)`)."""

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from recording_backend import SMALL_STAGING as SMALL, RecordingBackend, raw_views, recording_backend
+from recording_backend import SMALL_STAGING as SMALL, RecordingBackend, page_locked, raw_views, recording_backend
 
 from resident.daemon import checksum, tensor_reader
 from resident.daemon.loader import LoadSpec, load
@@ -292,7 +292,7 @@ def test_gpu_loads_reuse_the_pinned_staging_pool_and_verify(tiny_model):
     try:
         loads.append(load(spec, backend, staging=SMALL))
         kept = [b.data_ptr() for b in pool._buffers]
-        assert all(b.is_pinned() for b in pool._buffers)
+        assert all(page_locked(b) for b in pool._buffers)
         loads.append(load(spec, backend, staging=SMALL))
         assert [b.data_ptr() for b in pool._buffers] == kept
         for m in loads:

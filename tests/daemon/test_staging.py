@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from recording_backend import SMALL_STAGING as SMALL, raw_views, recording_backend
+from recording_backend import SMALL_STAGING as SMALL, page_locked, raw_views, recording_backend
 
 from resident.daemon import checksum, staged_fill, staging, tensor_reader
 from resident.daemon.loader import LoadSpec, load, pack, plan_load
@@ -329,7 +329,7 @@ def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, qua
     h = load(spec, HostShmBackend())
     kept = pool._buffers[-1]
     try:
-        assert all(b.is_pinned() for b in pool._buffers) and pool.nbytes == 12 * (64 << 10)
+        assert all(page_locked(b) for b in pool._buffers) and pool.nbytes == 12 * (64 << 10)
         assert pool._host.how == pin
         gv = g.table.views([s.readable() for s in g.slabs])
         hv = h.table.views([s.readable() for s in h.slabs])
@@ -342,7 +342,7 @@ def test_gpu_group_checksums_during_the_load_verify(tiny_model, monkeypatch, qua
         for s in g.slabs + h.slabs:
             s.close()
     if pin == "register":
-        assert not kept.is_pinned()     # unlocked; the mapping itself lives on while a view does
+        assert not page_locked(kept)    # unlocked; the mapping itself lives on while a view does
 
 
 @pytest.mark.gpu
