@@ -497,17 +497,16 @@ def test_kernel_compiles_for_hopper(build: str) -> None:
 
 @pytest.mark.parametrize("build", ["decode_split_rope", "decode_rope_amax", "decode_split_window"])
 def test_decode_attention_reads_only_the_steps_metadata_before_the_pdl_wait(build: str) -> None:
-    """Under PDL the sequence length, position, cache slot, rotary row and the first key tile's
-    block-table entries (written before the step's first kernel, never by a PDL kernel) are read
-    before griddepcontrol.wait; q, k, v and the cache after it, and nothing is stored before it."""
+    """Under PDL the sequence length, position, cache slot and rotary row (written before the
+    step's first kernel, never by a PDL kernel) are read before griddepcontrol.wait; q, k, v and
+    the cache after it, and nothing is stored before it."""
     ptx = _build_for_hopper(build, PDL=True).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before, after = ptx[:wait], ptx[wait:]
     assert "griddepcontrol.launch_dependents" in before and "st.global" not in before
     rope = "rope" in build
-    # the int64 seq_len, with the rotation also the position and the slot (then the table row's
-    # halves), and the (int64 here) block-table entries: more 64-bit loads than the metadata's
-    assert before.count("ld.global.b64") > (3 if rope else 1), before[-3000:]
+    # the int64 seq_len, with the rotation also the position and the slot (then the table row's halves)
+    assert before.count("ld.global.b64") == (3 if rope else 1), before[-3000:]
     assert before.count("ld.global") == before.count("ld.global.b64") + rope * before.count("ld.global.b16")
     assert after.count("ld.global") > before.count("ld.global")
 

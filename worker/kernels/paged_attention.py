@@ -49,29 +49,13 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _tile_blocks(bt_row_ptr, j, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each key of tile [j, j + BLOCK_N) (0 past hi)."""
-    offs = j + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=offs < hi, other=0).to(tl.int64)
-
-
-@triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, j, hi, q_pos, qk_scale,
                  window, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
                  USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
     """One key tile [j, j + BLOCK_N) of the online softmax; returns the updated (m_i, l_i, acc)."""
-    return _attend_blocks(q, m_i, l_i, acc, k_cache, v_cache, _tile_blocks(bt_row_ptr, j, hi, BLOCK_N, BLOCK_SIZE),
-                          sc_blk, sc_tok, head_off, j, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE,
-                          CAUSAL, USE_WINDOW, PREC)
-
-
-@triton.jit
-def _attend_blocks(q, m_i, l_i, acc, k_cache, v_cache, blk, sc_blk, sc_tok, head_off, j, hi, q_pos, qk_scale,
-                   window, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """`_attend_tile` with the tile's cache blocks (`_tile_blocks`) already loaded."""
     offs = j + tl.arange(0, BLOCK_N)
     kmask = offs < hi
+    blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
     tok_off = blk * sc_blk + (offs % BLOCK_SIZE) * sc_tok + head_off
     lmask = kmask[:, None] & dmask[None, :]
     k = tl.load(k_cache + tok_off[:, None] + d[None, :], mask=lmask, other=0.0)
@@ -99,15 +83,6 @@ def _attend_range(q, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    return _attend_rest(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo, hi, q_pos,
-                        qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, CAUSAL, USE_WINDOW, PREC)
-
-
-@triton.jit
-def _attend_rest(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, lo, hi, q_pos, qk_scale,
-                 window, d, dmask, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """The online softmax's tiles over keys [lo, hi) from the state (m_i, l_i, acc)."""
     for j in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, bt_row_ptr, sc_blk, sc_tok, head_off, j, hi,
                                      q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, CAUSAL, USE_WINDOW, PREC)
@@ -129,11 +104,10 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     # (split 0 when there are none) rotates the token's key and writes it and the value into the
     # cache first — then a CTA barrier, after which its own loads see them (nothing else reads
     # that slot in this launch). rotary.rope_mix: the rotary kernel's rounding.
-    # PDL: the step's metadata (sequence lengths, positions, cache slots, the block tables) is
-    # written before the step's first kernel by copies or torch ops, never by a PDL kernel, and the
-    # rotary table not at all: read before the wait (the block tables of the first key tile, which
-    # is often the program's only one), it leaves the chain of round trips after the kernel before
-    # completes (q, k, v are that kernel's output: after the wait).
+    # PDL: the step's metadata (sequence lengths, positions, cache slots; the block tables, read
+    # later) is written before the step's first kernel by copies or torch ops, never by a PDL kernel,
+    # and the rotary table not at all: read before the wait, it leaves the chain of round trips
+    # after the kernel before completes (q, k, v are that kernel's output: after the wait).
     pdl.launch_next(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -161,8 +135,6 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
         sn = tl.load(cs_row + HALF, mask=dmask, other=0.0)
         s_signed = tl.where(first, -sn, sn)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-    bt_row = bt_ptr + b * s_bt
-    first_blocks = _tile_blocks(bt_row, lo, hi, BLOCK_N, BLOCK_SIZE)
     pdl.wait_previous(PDL)
     q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     if ROPE:
@@ -182,16 +154,9 @@ def _decode_kernel(q_ptr, k_cache, v_cache, bt_ptr, seq_lens_ptr, out_ptr, part_
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
     # Keys in [lo, hi) are all visible to the one query: no causal mask needed.
     head_off = kvh.to(tl.int64) * sc_head
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NEG_BIG
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if lo < hi:   # the first tile from the blocks loaded before the wait, then the rest: _attend_range's steps
-        m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_cache, v_cache, first_blocks, sc_blk, sc_tok, head_off,
-                                       lo, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, False,
-                                       USE_WINDOW, PREC)
-        m_i, l_i, acc = _attend_rest(q, m_i, l_i, acc, k_cache, v_cache, bt_row, sc_blk, sc_tok, head_off,
-                                     lo + BLOCK_N, hi, q_pos, qk_scale, window, d, dmask, BLOCK_N, BLOCK_SIZE, False,
-                                     USE_WINDOW, PREC)
+    m_i, l_i, acc = _attend_range(q, k_cache, v_cache, bt_ptr + b * s_bt, sc_blk, sc_tok, head_off, lo, hi, q_pos,
+                                  qk_scale, window, d, dmask, BLOCK_M, BLOCK_D, BLOCK_N, BLOCK_SIZE, False,
+                                  USE_WINDOW, PREC)
     if not SPLIT:
         out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
         out_ptrs = out_ptr + b * so_b + head[:, None] * so_h + d[None, :]
