@@ -5,6 +5,7 @@ the background while the first reads run; the sweep knobs come from the environm
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 
 import pytest
@@ -229,6 +230,20 @@ def test_pinned_host_buffers_are_registered_pieces_and_released_by_the_pool(monk
         host2.get(4)                                   # other buffers: the registered ones went first
     assert fresh and unlocked == [p for p, _ in locked] and host2.how == "host"
     pool.close()
+    addr = bufs[0].data_ptr()
+    assert _mapped(addr)
+    del bufs, host
+    gc.collect()
+    assert not _mapped(addr)          # unmapped once the last view went: nothing left behind
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
 
 
 def test_pinning_falls_back_to_cudahostalloc_where_registering_fails(monkeypatch, caplog):
