@@ -12,6 +12,12 @@ first load pins a fresh staging pool alongside its reads, the second reuses it, 
 loads do — then fp8_per_tensor with the best one. Before the loads, `--pins` also times pinning
 the default pool alone (each way, alternating, three times) and pinned -> GPU copies out of it.
     python3 tests/gpu_io_ceiling.py CHECKPOINT_DIR --sweep --json OUT.json   (~30-60 s for 16 GB)
+
+`--direct` measures the other way round the staging buffers: the files mapped (read-only,
+shared: the page cache itself), page-aligned windows of the mapping locked with
+`cudaHostRegister(..., cudaHostRegisterReadOnly)`, copied to the GPU straight out of the page
+cache, unlocked again — per window size and thread count; and the locking alone.
+    python3 tests/gpu_io_ceiling.py CHECKPOINT_DIR --direct --json OUT.json
 """
 from __future__ import annotations
 
@@ -85,6 +91,88 @@ def h2d(nbytes: int, streams: int, repeats: int = 4) -> float:
 
 #: threads x chunk MiB x buffers (0: threads + 8) x streams; the first is the default config.
 SWEEP = "16x16x0x4,16x32x0x4,16x64x0x4,12x32x0x4,14x32x0x4,16x32x48x4,16x32x0x2,16x32x0x8"
+
+
+def direct(files: list[Path], out: dict, windows_mib=(16, 64, 256), threads_list=(4, 8, 16)) -> None:
+    """GB/s of page cache -> GPU copies out of the registered file mappings (see the docstring)."""
+    import mmap
+    import warnings
+
+    cudart = torch.cuda.cudart()
+    flags = 1 | 8          # cudaHostRegisterPortable | cudaHostRegisterReadOnly
+    maps = []
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            maps.append((mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), size))
+        finally:
+            os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # "not writable": only read from here
+        srcs = [torch.frombuffer(mm, dtype=torch.uint8) for mm, _ in maps]
+    total = sum(size for _, size in maps)
+    dst = torch.empty(total, dtype=torch.uint8, device="cuda")
+    rows = out["direct"] = []
+
+    def run(window: int, threads: int, copy: bool) -> float:
+        jobs, base = [], 0
+        for src, (_, size) in zip(srcs, maps):
+            jobs.extend((src, off, min(window, size - off), base + off) for off in range(0, size, window))
+            base += size
+        it, lock, errors = iter(jobs), threading.Lock(), []
+
+        def worker() -> None:
+            stream = torch.cuda.Stream()
+            while True:
+                with lock:
+                    job = next(it, None)
+                if job is None or errors:
+                    return
+                src, off, n, at = job
+                ptr = src.data_ptr() + off
+                err = cudart.cudaHostRegister(ptr, n, flags)
+                if err != cudart.cudaError.success:
+                    errors.append(f"cudaHostRegister({n} bytes of a file mapping): {cudart.cudaGetErrorString(err)}")
+                    return
+                if copy:
+                    with torch.cuda.stream(stream):
+                        dst[at : at + n].copy_(src[off : off + n], non_blocking=True)
+                    stream.synchronize()
+                cudart.cudaHostUnregister(ptr)
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        ts = [threading.Thread(target=worker) for _ in range(threads)]
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join()
+        torch.cuda.synchronize()
+        if errors:
+            raise RuntimeError(errors[0])
+        return total / (time.perf_counter() - t) / 1e9
+
+    try:
+        for window_mib in windows_mib:
+            for threads in threads_list:
+                for copy in (False, True):
+                    rate = run(window_mib * MiB, threads, copy)
+                    rows.append({"window_mib": window_mib, "threads": threads, "copy": copy, "gb_s": rate})
+                    print(f"DIRECT {'register+copy' if copy else 'register only'}, {window_mib} MiB windows, "
+                          f"{threads} threads: {rate:.1f} GB/s", flush=True)
+    except RuntimeError as e:
+        out["direct_error"] = str(e)
+        print(f"DIRECT failed: {e}", flush=True)
+        return
+    # the copies' bytes are the files' (each file's first and last MiB checked)
+    start = 0
+    for src, (_, size) in zip(srcs, maps):
+        for lo in (0, max(0, size - MiB)):
+            hi = min(size, lo + MiB)
+            assert torch.equal(dst[start + lo : start + hi].cpu(), src[lo:hi]), "a copied window differs from its file"
+        start += size
+    print("DIRECT copies equal the files", flush=True)
 
 
 def _parse_configs(text: str) -> list:
@@ -192,10 +280,20 @@ def main() -> None:
                     "smoke test of this script)")
     ap.add_argument("--configs", default=SWEEP, help="for --sweep: THREADSxCHUNK_MIBxBUFFERSxSTREAMS,... "
                     f"[default: {SWEEP}]")
+    ap.add_argument("--direct", action="store_true", help="time copies straight out of the registered page cache")
     ap.add_argument("--pins", default="register", help="for --sweep: each config once per way of pinning "
                     "(register,torch), alternating; also times pinning alone")
     args = ap.parse_args()
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
+    if args.direct:
+        out = {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "cpus": os.cpu_count()}
+        out["page_cache_read_gb_s"] = page_cache_read(files, 16, 64 * MiB)
+        print(f"page cache -> pinned, 16 threads, 64 MiB chunks: {out['page_cache_read_gb_s']:.1f} GB/s", flush=True)
+        try:
+            direct(files, out)
+        finally:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return
     if args.sweep:
         pins = [p.strip() for p in args.pins.split(",") if p.strip()]
         configs = [dataclasses.replace(c, pin=p) for c in _parse_configs(args.configs) for p in pins]
