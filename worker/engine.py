@@ -15,6 +15,7 @@ Not thread-safe: one thread owns the engine (see async_engine.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ _NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's tokens can be sampled before the host knows its previous token:
-    no penalties (they count the earlier tokens) and no logprobs (read back with the token)."""
+    no penalties (they count the earlier tokens) and no logprobs (read back with the token).
+    min_tokens overlaps: its mask needs only how many tokens came before, placeholders included."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0)
 
@@ -129,6 +131,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this engine has none; "
                              "use stop_token_ids instead")
+        if params.min_tokens and not params.ignore_eos and params.eos_token_ids != self.eos_token_ids:
+            # What min_tokens masks in the sampler is what this engine stops on (a copy: the
+            # caller's params stay as they were).
+            params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
         room = limit - len(prompt)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, prompt, params, next(self._arrivals), max_output)
@@ -275,24 +281,28 @@ class LLMEngine:
 
     def _process_token(self, request: Request, state: OutputState, index: int,
                        logprob: TokenLogprob | None) -> RequestStatus | None:
-        """Output token `index`: its logprob and text; the finish status it causes, if any."""
+        """Output token `index`: its logprob and text; the finish status it causes, if any.
+        The first min_tokens tokens never stop the request (vLLM's min_tokens: no EOS, stop token
+        or stop string ending among them); only the length limit ends it there."""
         token = request.output_token_ids[index]
         params = request.sampling_params
         self.num_generated_tokens += 1
         if logprob is not None:
             state.pending_logprobs.append(logprob)
         status: RequestStatus | None = None
-        stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        may_stop = index >= params.min_tokens
+        stop_token = may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
+                                   or token in params.stop_token_ids)
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
         # A stop token's own text is shown only with include_stop_str_in_output.
         stop_string = state.detokenizer is not None and state.add_token(
-            token, detokenize=not stop_token or params.include_stop_str_in_output)
+            token, detokenize=not stop_token or params.include_stop_str_in_output, check_stop=may_stop)
         if stop_string:
             status = RequestStatus.FINISHED_STOPPED
         elif status is None and index + 1 >= request.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH
-        if status is not None and not stop_string and state.flush():
+        if status is not None and not stop_string and state.flush(check_stop=may_stop):
             status = RequestStatus.FINISHED_STOPPED  # the released tail completed a stop string
         return status
 

@@ -79,6 +79,12 @@ def _placeholder_rows(ids: list[int]) -> list[int]:
     return rows if rows and min(rows) >= 0 else []
 
 
+def _all_plain_greedy(to_sample: list[ScheduledRequest]) -> bool:
+    """Whether every chunk's next token is the raw logits' argmax (`is_plain_greedy`; a
+    min_tokens mask depends on how many tokens the request has generated)."""
+    return all(is_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in to_sample)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
@@ -292,7 +298,7 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         to_sample = [s for s in out.scheduled if s.sample]
-        raw = all(is_plain_greedy(s.sampling_params) for s in to_sample)
+        raw = _all_plain_greedy(to_sample)
         logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled], raw=raw)
         return to_sample, logits if to_sample else None
 
@@ -314,7 +320,7 @@ class ModelRunner:
                 return PendingTokens([], list)
             if any(s.sampling_params.logprobs is not None for s in to_sample):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
-            if all(is_plain_greedy(s.sampling_params) for s in to_sample):
+            if _all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)
             else:
                 tokens = self.sampler.choose(logits, self._sampling_rows(to_sample))
@@ -347,7 +353,7 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> ModelRunnerOutput:
         """Sample one token per request from its row of `logits` (float, [len(to_sample), V])."""
-        if all(is_plain_greedy(s.sampling_params) for s in to_sample):   # no per-row work to set up
+        if _all_plain_greedy(to_sample):   # no per-row work to set up
             return ModelRunnerOutput(sampled=dict(zip([s.request_id for s in to_sample], self.sampler.greedy(logits))))
         rows = self._sampling_rows(to_sample)
         result = self.sampler(logits, rows)

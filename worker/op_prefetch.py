@@ -63,7 +63,7 @@ def warm_sampler(device: torch.device, vocab_size: int, row_counts: Sequence[int
 
     def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         # ModelRunner.sample's choice: a batch of only plain-greedy rows skips the rows.
-        if all(is_plain_greedy(r.params) for r in rows):
+        if all(is_plain_greedy(r.params, len(r.output_token_ids)) for r in rows):
             sampler.greedy(logits)
         else:
             sampler(logits, rows)

@@ -40,30 +40,31 @@ class OutputState:
         self.num_sent_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
 
-    def add_token(self, token_id: int, detokenize: bool = True) -> bool:
-        """Extend the text by token_id; True when that completes a stop string."""
+    def add_token(self, token_id: int, detokenize: bool = True, check_stop: bool = True) -> bool:
+        """Extend the text by token_id; True when that completes a stop string. `check_stop`
+        False (a token among the first min_tokens): its text cannot complete one."""
         if self.detokenizer is None or not detokenize:
             return False
-        return self._append_text(self.detokenizer.step(token_id))
+        return self._append_text(self.detokenizer.step(token_id), check_stop)
 
-    def flush(self) -> bool:
+    def flush(self, check_stop: bool = True) -> bool:
         """At the end of generation: append what the detokenizer still held back (a trailing
         incomplete character, rendered as the full decode renders it). True on a stop string."""
         finish = getattr(self.detokenizer, "finish", None)
-        return self._append_text(finish()) if finish is not None else False
+        return self._append_text(finish(), check_stop) if finish is not None else False
 
-    def _append_text(self, new_text: str) -> bool:
+    def _append_text(self, new_text: str, check_stop: bool = True) -> bool:
         if not new_text:
             return False
         num_old = len(self.text)
         self.text += new_text
-        if not self.stop:
+        if not self.stop or not check_stop:
             return False
-        # A match must end inside the new text, so it starts at most max_stop_len-1 before it.
-        window_start = max(0, num_old - self.max_stop_len + 1)
+        # A match must end inside the new text, so it starts at most len(s)-1 before it. Per
+        # stop string: text appended unchecked (min_tokens) may hold a shorter one whole.
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, window_start)
+            i = self.text.find(s, max(0, num_old - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

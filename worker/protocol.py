@@ -6,9 +6,9 @@ own invariants again when the server builds it (its ValueError also becomes a 40
 we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
 fields that change processing beyond sampling (a request-supplied chat template, template
 or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
-that change the output and that we do not implement (`min_tokens`, guided decoding,
-`prompt_logprobs`, a `response_format` other than text, ...) are refused unless sent with
-the value that means "off": ignored, they would silently break what the client asked for.
+that change the output and that we do not implement (guided decoding, `prompt_logprobs`,
+a `response_format` other than text, ...) are refused unless sent with the value that means
+"off": ignored, they would silently break what the client asked for.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from resident.worker.sampling_params import MAX_LOGIT_BIAS
 
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                   "include_stop_str_in_output")
+                   "include_stop_str_in_output", "min_tokens")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
            "return_tokens_as_token_ids", "response_format", *_EXTRA_SAMPLING}
@@ -36,10 +36,10 @@ CHAT_FIELDS = frozenset(_COMMON | {
 })
 # Fields of vLLM's OpenAI server that change the output and that this server does not
 # implement, each with the values that mean "off" (accepted: they change nothing). Any other
-# value is a 400: ignored like an unknown field, `min_tokens` would still stop at the first
-# EOS, `guided_json` would return free text, `prompt_logprobs` would be missing.
+# value is a 400: ignored like an unknown field, `guided_json` would return free text,
+# `prompt_logprobs` would be missing.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "min_tokens": (None, 0), "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
+    "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
@@ -267,6 +267,19 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+def _min_tokens(body: dict, max_tokens: int | None, max_tokens_field: str, defaulted: bool,
+                opts: ServingOptions) -> int:
+    """vLLM's min_tokens: the first that many tokens never stop the request (EOS, stop ids and
+    strings are kept from ending it); at most max_tokens, sent or defaulted, as vLLM."""
+    value = _int(body, "min_tokens", 0, opts.max_model_len) or 0
+    if max_tokens is not None and value > max_tokens:
+        name = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
+        sent = (f"'{name}' ({max_tokens})" if not defaulted
+                else f"max_tokens ({max_tokens}: not sent, the default for completions)")
+        raise RequestError(f"'min_tokens' must be at most {sent}, got {value}", param="min_tokens")
+    return value
+
+
 def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
             default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
@@ -340,6 +353,9 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     bias = _logit_bias(body)
     if bias:
         sampling["logit_bias"] = bias
+    min_tokens = _min_tokens(body, max_tokens, max_tokens_field, defaulted, opts)
+    if min_tokens:
+        sampling["min_tokens"] = min_tokens
     _unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,

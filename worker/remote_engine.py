@@ -53,8 +53,12 @@ class TextStream:
             request.append_output_token(token)
             if i < len(logprobs):
                 state.pending_logprobs.append(logprobs[i])
-            stop_token = (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-            if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output):
+            # As the engine: the first min_tokens tokens stop nothing.
+            may_stop = request.num_output_tokens > params.min_tokens
+            stop_token = may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
+                                       or token in params.stop_token_ids)
+            if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output,
+                               check_stop=may_stop):
                 request.finish(RequestStatus.FINISHED_STOPPED)
                 self.stopped_here = not out.finished
                 break
@@ -63,7 +67,8 @@ class TextStream:
                 status = _STATUS.get(out.finish_reason or "", RequestStatus.FINISHED_STOPPED)
                 # As the engine: what the detokenizer held back is released at a stop or the
                 # length limit (not at an abort) and may complete a stop string.
-                if status is not RequestStatus.FINISHED_ABORTED and state.flush():
+                may_stop = request.num_output_tokens > params.min_tokens
+                if status is not RequestStatus.FINISHED_ABORTED and state.flush(check_stop=may_stop):
                     status = RequestStatus.FINISHED_STOPPED
                 request.finish(status)
         result = state.make_output()

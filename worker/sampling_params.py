@@ -46,6 +46,12 @@ class SamplingParams:
     stop: strings that end generation when they appear in the generated text; the text is
     cut before the stop string unless include_stop_str_in_output. A single string is
     accepted and wrapped in a list.
+    min_tokens (vLLM's): the first min_tokens generated tokens never end the request (EOS,
+    stop_token_ids, stop strings); the sampler masks the EOS ids (unless ignore_eos) and the
+    stop_token_ids until then. max_tokens and the context still end it.
+    eos_token_ids: the model's EOS ids, which min_tokens masks; the engine sets them when it
+    queues the request (`LLMEngine.add_request`), a caller need not (vLLM's
+    `all_stop_token_ids`, set from the generation config).
     """
 
     max_tokens: int | None = 16
@@ -63,6 +69,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
@@ -100,6 +108,19 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._check_logit_bias()
+        self._check_min_tokens()
+
+    def _check_min_tokens(self) -> None:
+        if _check_int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not isinstance(self.eos_token_ids, (frozenset, set, list, tuple)):
+            raise ValueError(f"eos_token_ids must be a set of token ids, got {self.eos_token_ids!r}")
+        for t in self.eos_token_ids:
+            if _check_int("eos_token_ids", t) < 0:
+                raise ValueError(f"eos_token_ids must be non-negative token ids, got {t}")
+        self.eos_token_ids = frozenset(self.eos_token_ids)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -118,12 +139,28 @@ class SamplingParams:
                 checked[token] = bias
         self.logit_bias = checked
 
-    @property
-    def changes_logits(self) -> bool:
-        """Whether the sampler changes this request's logits before choosing (a logit bias or a
-        penalty): a greedy row then cannot take the raw logits' argmax."""
+    def changes_logits(self, num_output_tokens: int) -> bool:
+        """Whether the sampler changes this request's logits before choosing its next token, with
+        `num_output_tokens` generated so far (a logit bias, a penalty, or min_tokens' mask): a
+        greedy row then cannot take the raw logits' argmax."""
         return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or self.masks_stop_tokens(num_output_tokens))
+
+    def masks_stop_tokens(self, num_output_tokens: int) -> bool:
+        """Whether min_tokens masks the stop tokens (`min_tokens_stop_ids`) from the next token,
+        with `num_output_tokens` generated so far: fewer than min_tokens, and something to mask.
+        Once false it stays false as the output grows."""
+        return num_output_tokens < self.min_tokens and bool(
+            self.stop_token_ids or (self.eos_token_ids and not self.ignore_eos))
+
+    @property
+    def min_tokens_stop_ids(self) -> list[int]:
+        """The tokens min_tokens keeps from being sampled, sorted: the stop_token_ids, and the EOS
+        ids unless ignore_eos (exactly the tokens the engine would stop on)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(ids)
 
     def _check_stops(self) -> None:
         if isinstance(self.stop, str):

@@ -124,9 +124,13 @@ def compact(out: Any) -> Any:
     small however long the contexts are. The first output token says whether the request has
     sampled before: a seeded request's first sample starts its generator afresh
     (`ModelRunner.generator`), on every rank alike, which async scheduling relies on (each rank
-    substitutes its own samples)."""
+    substitutes its own samples). A request with min_tokens keeps up to min_tokens of them: its
+    mask asks whether fewer than min_tokens were generated, and async scheduling has every rank
+    sample alike."""
     return dataclasses.replace(out, scheduled=[
-        dataclasses.replace(s, prompt_token_ids=[], output_token_ids=s.output_token_ids[:1]) for s in out.scheduled])
+        dataclasses.replace(s, prompt_token_ids=[],
+                            output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])
+        for s in out.scheduled])
 
 
 class CommandPipe:

@@ -525,3 +525,38 @@ def test_logit_bias_steers_the_tokens_and_names_an_id_outside_the_vocabulary(ser
                         "logit_bias": {"99999": 5}})
     _assert_error(got, status, 400, "logit_bias", "token id 99999 is outside the vocabulary [0, ")
     _ok_completion(server.base_url)
+
+
+def test_min_tokens_is_honoured_and_bounded_by_max_tokens(server):
+    """vLLM's min_tokens was refused as unsupported; now the first min_tokens tokens cannot stop
+    the request: the stop token id greedy decoding picks first (it alone ended the request) and
+    EOS (forced by logit_bias, which the mask overrides) are kept out of them, and the first EOS
+    after them ends it. min_tokens above max_tokens is a 400 naming min_tokens."""
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    status, plain = http(server.base_url, "POST", "/v1/completions", {**body, "ignore_eos": True})
+    assert status == 200, plain
+    first = plain["choices"][0]["logprobs"]["tokens"][0]
+    stop = {**body, "stop_token_ids": [int(first.removeprefix("token_id:"))]}
+    status, got = http(server.base_url, "POST", "/v1/completions", stop)
+    assert status == 200 and got["usage"]["completion_tokens"] == 1 and got["choices"][0]["finish_reason"] == "stop"
+    status, got = http(server.base_url, "POST", "/v1/completions", {**stop, "min_tokens": 5})
+    assert status == 200, got
+    generated = got["choices"][0]["logprobs"]["tokens"]
+    assert len(generated) >= 5 and first not in generated[:5], got
+    eos = {**body, "logit_bias": {"2": 100}}   # the tiny tokenizer's EOS, <|im_end|>
+    status, got = http(server.base_url, "POST", "/v1/completions", eos)
+    assert status == 200 and got["choices"][0]["logprobs"]["tokens"] == ["token_id:2"], got
+    status, got = http(server.base_url, "POST", "/v1/completions", {**eos, "min_tokens": 3})
+    assert status == 200, got
+    generated = got["choices"][0]["logprobs"]["tokens"]
+    assert len(generated) == 4 and "token_id:2" not in generated[:3] and generated[3] == "token_id:2", got
+    assert got["choices"][0]["finish_reason"] == "stop"
+    status, got = http(server.base_url, "POST", "/v1/chat/completions",
+                       {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                        "min_tokens": 3})
+    _assert_error(got, status, 400, "min_tokens", "'min_tokens' must be at most 'max_tokens' (2), got 3")
+    status, got = http(server.base_url, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "x",
+                                                                   "min_tokens": 17})
+    _assert_error(got, status, 400, "min_tokens", "the default for completions")
+    _ok_completion(server.base_url)

@@ -5,6 +5,7 @@ of synchronous steps — greedy and seeded sampling, stops, length limits, preem
 The scheduling logic itself is covered against a fake runner in test_engine_core.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -149,3 +150,43 @@ def test_placeholder_rows_in_any_order_and_beside_real_tokens(model) -> None:
     assert pending3.resolve() == [ref.execute(SchedulerOutput(known, 3)).sampled[r] for r in ("c", "a")]
     for got, exp in zip(runner.kv_cache.tensors, ref.kv_cache.tensors):
         assert torch.equal(got, exp)
+
+
+def test_min_tokens_keeps_the_stop_token_greedy_picks_first_from_the_first_tokens(model) -> None:
+    """vLLM's min_tokens on the tiny model, synchronous and async steps alike: the token greedy
+    decoding picks first, made the stop token id (or the model's EOS, as the front-end's hello
+    sets it), ends the request at once; with min_tokens=5 the sampler masks it from the first 5
+    tokens and the request goes on. Other requests in the batch are unaffected, and a sampled
+    request (top-p, seeded) with the mask generates the same tokens in both modes."""
+    prompt = [3, 14, 15, 92, 65]
+    plain, _, _ = generate(model, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=12))}, False)
+    first = plain["g"][0]
+    stop = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first])
+    sampled = SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=12, min_tokens=6, stop_token_ids=[first])
+    requests = {"stop": (prompt, stop), "min": (prompt, dataclasses.replace(stop, min_tokens=5)),
+                "sampled": (prompt, sampled), "plain": ([1, 41, 42, 13], SamplingParams(temperature=0.0, max_tokens=9))}
+    runs = [generate(model, requests, mode) for mode in (False, True)]
+    assert runs[0][:2] == runs[1][:2]
+    tokens, reasons, _ = runs[0]
+    assert (tokens["stop"], reasons["stop"]) == ([first], "stop")
+    for rid, n in (("min", 5), ("sampled", 6)):
+        got = tokens[rid]
+        assert len(got) > n and first not in got[:n], (rid, got)
+        # After min_tokens the stop token id ends it again, the first time it comes.
+        assert first not in got[n:-1] and (reasons[rid] == "stop") == (got[-1] == first), (rid, got)
+    want_plain, _, _ = generate(model, {"plain": requests["plain"]}, False)
+    assert tokens["plain"] == want_plain["plain"]
+    # EOS: the engine process learns the EOS ids from the front-end's hello, after start.
+    for mode in (False, True):
+        config = EngineConfig(block_size=4, num_kv_blocks=64, max_model_len=64)
+        engine = LLMEngine(config, ModelRunner(model[0], config, model[1]), async_scheduling=mode)
+        engine.eos_token_ids = frozenset({first})
+        params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5)
+        engine.add_request("eos", prompt, params)
+        engine.add_request("no-min", prompt, SamplingParams(temperature=0.0, max_tokens=12))
+        got: dict[str, list[int]] = {"eos": [], "no-min": []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+        assert got["no-min"] == [first] and len(got["eos"]) > 5 and first not in got["eos"][:5], got
+        assert params.eos_token_ids == frozenset()   # the engine set them on its own copy

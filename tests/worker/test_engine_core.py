@@ -357,6 +357,24 @@ def test_stop_token_ids():
     assert r.finish_reason == "stop"
 
 
+def test_min_tokens_keeps_eos_stop_token_ids_and_stop_strings_from_ending_the_first_tokens():
+    """vLLM's min_tokens on the engine's side (the runner here masks nothing): none of the first
+    min_tokens tokens stops the request, whatever it is; the first stop after them does, and
+    max_tokens still ends it."""
+    r = scripted(ids("a", "b", "<eos>", "c", "d", "<eos>", "e"), SamplingParams(max_tokens=10, min_tokens=4))
+    assert (r.tokens, r.text, r.finish_reason) == (ids("a", "b", "<eos>", "c", "d", "<eos>"), "abcd", "stop")
+    r = scripted("abcdce", SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=ids("c")))
+    assert (r.tokens, r.text, r.finish_reason) == (ids(*"abcdc"), "abcd", "stop")
+    r = scripted(ids("a", "<eos>", "b", "c"), SamplingParams(max_tokens=3, min_tokens=3))
+    assert (r.tokens, r.finish_reason) == (ids("a", "<eos>", "b"), "length")
+    # A stop string inside the first min_tokens tokens' text is no stop, even beside a longer stop
+    # string (whose reach must not find it later); one completed after them is.
+    r = scripted("acdxcdy", SamplingParams(max_tokens=10, min_tokens=3, stop=["cd", "zzzz"]))
+    assert (r.tokens, r.text, r.finish_reason) == (ids(*"acdxcd"), "acdx", "stop")
+    r = scripted("abcd", SamplingParams(max_tokens=10, min_tokens=2, stop=["bc"]))   # begins among them: a stop
+    assert (r.text, r.finish_reason) == ("a", "stop")
+
+
 def test_stop_string_spanning_tokens_is_cut_and_never_streamed():
     r = scripted("abcdefg", SamplingParams(max_tokens=20, stop=["cde"]))
     assert (r.tokens, r.text, r.finish_reason) == (ids(*"abcde"), "ab", "stop")

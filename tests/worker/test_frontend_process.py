@@ -180,6 +180,24 @@ def test_stop_strings_and_logprobs_are_the_inline_ones(workers, greedy_text):
     assert _choices(got) == _choices(post(inline, "/v1/completions", body))
 
 
+def test_min_tokens_is_the_inline_one(workers, greedy_text):
+    """vLLM's min_tokens across the two processes: the engine process masks EOS (its ids came in
+    the front-end's hello) even against a logit_bias forcing it, and the front-end lets no stop
+    string end the first min_tokens tokens; the answers are the inline worker's."""
+    inline, proc = workers
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logit_bias": {"2": 100}, "min_tokens": 3,
+            "logprobs": 0, "return_tokens_as_token_ids": True}   # 2: the tiny tokenizer's EOS
+    got = post(proc, "/v1/completions", body)
+    assert _choices(got) == _choices(post(inline, "/v1/completions", body))
+    assert got["choices"][0]["logprobs"]["tokens"][3:] == ["token_id:2"] and got["usage"]["completion_tokens"] == 4
+    stop = _stop_in(greedy_text)
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop],
+            "min_tokens": 40}
+    got = post(proc, "/v1/completions", body)
+    assert _choices(got) == _choices(post(inline, "/v1/completions", body))
+    assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (greedy_text, "length")
+
+
 def test_chat_completion_is_the_inline_one(workers):
     inline, proc = workers
     body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24, "temperature": 0}

@@ -53,8 +53,7 @@ def test_unknown_fields_are_ignored_and_reported():
 
 
 @pytest.mark.parametrize("fn,field,value", [
-    (parse_completion_request, "min_tokens", 3), (parse_chat_request, "min_tokens", 3),
-    (parse_completion_request, "min_tokens", False), (parse_completion_request, "skip_special_tokens", False),
+    (parse_completion_request, "skip_special_tokens", False),
     (parse_chat_request, "skip_special_tokens", False), (parse_completion_request, "prompt_logprobs", 0),
     (parse_completion_request, "guided_json", {"type": "object"}), (parse_chat_request, "guided_choice", ["a"]),
     (parse_chat_request, "guided_regex", "a+"), (parse_chat_request, "structured_outputs", {"json": {}}),
@@ -69,8 +68,8 @@ def test_unknown_fields_are_ignored_and_reported():
 ])
 def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(fn, field, value):
     """Ignored like unknown fields, they returned an answer that broke what was asked
-    (min_tokens still stopped at the first EOS, response_format json_object on /v1/completions
-    gave free text): a 400 naming the field instead."""
+    (response_format json_object on /v1/completions gave free text): a 400 naming the field
+    instead."""
     body = {"model": "tiny", **({"prompt": "a"} if fn is parse_completion_request else {"messages": MSGS})}
     err = bad(fn, {**body, field: value})
     assert err.param == field and "not supported" in err.message
@@ -114,6 +113,28 @@ def test_logit_bias_maps_token_ids_to_biases():
     assert err.message == "'logit_bias' values must be numbers in [-100, 100], got 150 for token 1"
     err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "logit_bias": {"hello": 1}})
     assert err.message == "'logit_bias' keys must be token ids (non-negative integers), got 'hello'"
+
+
+def test_min_tokens_is_carried_and_bounded_by_max_tokens():
+    """vLLM's min_tokens (was refused as unsupported): carried to the sampling params on both
+    endpoints (0 means off and is left out); more than max_tokens, sent or defaulted (16 on
+    completions), is a 400 naming min_tokens."""
+    req = parse_completion_request({"model": "tiny", "prompt": "a", "max_tokens": 8, "min_tokens": 8}, OPTS)
+    assert req.sampling["min_tokens"] == 8 and req.ignored_fields == []
+    assert "min_tokens" not in parse_completion_request({"model": "tiny", "prompt": "a", "min_tokens": 0},
+                                                        OPTS).sampling
+    chat = parse_chat_request({"model": "tiny", "messages": MSGS, "min_tokens": 100}, OPTS)   # no max_tokens
+    assert chat.sampling["min_tokens"] == 100 and chat.max_tokens is None
+    err = bad(parse_chat_request, {"model": "tiny", "messages": MSGS, "max_completion_tokens": 4, "min_tokens": 5})
+    assert (err.param, err.message) == ("min_tokens", "'min_tokens' must be at most 'max_completion_tokens' (4), got 5")
+    err = bad(parse_chat_request, {"model": "tiny", "messages": MSGS, "max_tokens": 4, "min_tokens": 5})
+    assert (err.param, err.message) == ("min_tokens", "'min_tokens' must be at most 'max_tokens' (4), got 5")
+    err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "min_tokens": 20})
+    assert err.param == "min_tokens" and "max_tokens (16: not sent, the default for completions)" in err.message
+    for value, words in ((-1, "at least 0"), (1.5, "an integer"), (False, "an integer"), ("3", "an integer"),
+                         (10**9, "at most 128")):
+        err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "max_tokens": 8, "min_tokens": value})
+        assert err.param == "min_tokens" and words in err.message, (value, err.message)
 
 
 def test_unknown_model_and_missing_model():

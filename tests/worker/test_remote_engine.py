@@ -172,6 +172,23 @@ def test_stop_token_ids(tok):
     assert seen.finish_reason == "stop"
 
 
+def test_min_tokens_in_the_front_end_as_in_the_engine(tok):
+    """vLLM's min_tokens: the front-end matches stop strings (and decides whether a stop token's
+    text shows) as the inline engine does: nothing among the first min_tokens tokens stops,
+    neither the stop string, the stop token id nor EOS; the stop string after them does."""
+    x = enc(tok, "x")[0]
+    eos = min(tok.eos_token_ids)
+    script = enc(tok, "the end") + [x, eos] + enc(tok, "ab the end") + [FILLER] * 5
+    params = SamplingParams(max_tokens=60, min_tokens=8, stop=["the end"], stop_token_ids=[x])
+    seen, stopped = both(tok, script, params)
+    assert (seen.text, seen.finish_reason) == ("the endxab ", "stop")
+    assert seen.tokens == script[:len(script) - 5] and stopped[-1] is True
+    seen, _ = both(tok, script, dataclasses.replace(params, min_tokens=6))   # the EOS (token 6) stops then
+    assert (seen.text, seen.finish_reason, seen.tokens) == ("the endx", "stop", script[:7])
+    seen, _ = both(tok, script, SamplingParams(max_tokens=7, min_tokens=7, stop=["the end"]))
+    assert (seen.text, seen.finish_reason) == ("the endx", "length")
+
+
 def test_eos_with_and_without_ignore_eos(tok):
     (eos,) = tok.eos_token_ids
     script = enc(tok, "hi") + [eos] + enc(tok, "more")

@@ -143,12 +143,51 @@ def test_a_logit_bias_takes_the_row_off_the_plain_greedy_path() -> None:
     from resident.worker.spec_decode.probs import greedy_tokens, needs_penalties
 
     params = SamplingParams(temperature=0.0, logit_bias={2: 50.0})
-    assert params.changes_logits and not is_plain_greedy(params) and needs_penalties(params)
-    assert not SamplingParams(temperature=0.0, logit_bias={2: 0.0}).changes_logits   # zeros dropped
+    assert params.changes_logits(0) and not is_plain_greedy(params, 0) and needs_penalties(params, 0)
+    assert not SamplingParams(temperature=0.0, logit_bias={2: 0.0}).changes_logits(0)   # zeros dropped
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     assert greedy_tokens(logits, [SamplingRow(params, [], [])]).tolist() == [2]   # speculative decoding's choice
     with pytest.raises(ValueError, match="logit_bias names token 7, outside the vocabulary"):
         apply_penalties(logits, [row(logit_bias={7: 1.0})])
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_that_many_tokens_came() -> None:
+    """vLLM's min_tokens: while a row has generated fewer than min_tokens tokens, its EOS ids
+    (unless ignore_eos) and stop_token_ids are -inf, after the penalties (a repetition penalty's
+    clamp would have made -inf finite); from then on, and for other rows, nothing changes."""
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0]] * 2)
+    masked = row(temperature=0.0, output=[1, 1], min_tokens=3, stop_token_ids=[3], eos_token_ids=frozenset({0}))
+    assert apply_penalties(logits, [masked, row(temperature=0.0)]).tolist() == [
+        [-math.inf, 2.75, 0.0, -math.inf], [3.0, 2.75, 0.0, -1.0]]
+    assert Sampler(seed=0)(logits, [masked, row(temperature=0.0)]).token_ids == [1, 0]
+    done = row(temperature=0.0, output=[1, 1, 1], min_tokens=3, stop_token_ids=[3], eos_token_ids=frozenset({0}))
+    assert apply_penalties(logits, [done, done]) is logits   # min_tokens reached: untouched
+    ignore = row(temperature=0.0, min_tokens=3, ignore_eos=True, eos_token_ids=frozenset({0}), stop_token_ids=[2])
+    assert apply_penalties(logits[:1], [ignore]).tolist() == [[3.0, 2.75, -math.inf, -1.0]]   # EOS kept
+    penalized = row(temperature=0.0, prompt=[0], min_tokens=1, eos_token_ids=frozenset({0}), repetition_penalty=2.0)
+    assert apply_penalties(logits[:1], [penalized])[0, 0] == -math.inf
+    beyond = row(temperature=0.0, min_tokens=1, eos_token_ids=frozenset({0, 9}))   # an EOS id past the vocabulary
+    assert apply_penalties(logits[:1], [beyond]).tolist() == [[-math.inf, 2.75, 0.0, -1.0]]
+    sampled = frequencies(Sampler(seed=3), torch.zeros(4), 400, temperature=1.0, top_p=0.6, min_tokens=5,
+                          eos_token_ids=frozenset({0}), stop_token_ids=[2])
+    assert sampled[0] == 0 and sampled[2] == 0 and sampled[1] > 0.3 and sampled[3] > 0.3
+
+
+def test_min_tokens_leaves_the_plain_greedy_path_only_while_it_masks() -> None:
+    from resident.worker.layers.sampler import is_plain_greedy
+    from resident.worker.spec_decode.probs import greedy_tokens, needs_penalties
+
+    params = SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=frozenset({0}))
+    assert [is_plain_greedy(params, n) for n in (0, 1, 2, 3)] == [False, False, True, True]
+    assert needs_penalties(params, 1) and not needs_penalties(params, 2)
+    # Nothing to mask (no stop ids; EOS ignored or unknown): the fast path all along.
+    for nothing in ({"ignore_eos": True, "eos_token_ids": frozenset({0})}, {}):
+        assert is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=5, **nothing), 0), nothing
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[4]), 4)
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    # speculative decoding's greedy choice, one row per position: the mask counts earlier drafts
+    choice = greedy_tokens(logits.expand(3, -1), [SamplingRow(params, [], [1] * n) for n in range(3)])
+    assert choice.tolist() == [1, 1, 0]
 
 
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
@@ -170,10 +209,10 @@ def test_plain_greedy_fast_path_matches_the_full_sampler() -> None:
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
     full = Sampler(seed=0)(logits, [row(temperature=0.0)] * 5)
     assert Sampler.greedy(logits) == full.token_ids == logits.argmax(-1).tolist()
-    assert is_plain_greedy(SamplingParams(temperature=0.0, seed=4, top_k=3, stop_token_ids=[1]))
+    assert is_plain_greedy(SamplingParams(temperature=0.0, seed=4, top_k=3, stop_token_ids=[1]), 0)
     for other in ({"temperature": 0.5}, {"logprobs": 0}, {"repetition_penalty": 1.1},
                   {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}):
-        assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **other})), other
+        assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **other}), 0), other
 
 
 def test_extreme_repetition_penalties_keep_the_distribution_finite() -> None:

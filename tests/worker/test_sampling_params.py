@@ -50,6 +50,12 @@ def test_defaults_are_valid():
     ({"logprobs": -1}, "logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": True}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),   # more than max_tokens (16, the default)
+    ({"eos_token_ids": [-1]}, "eos_token_ids"),
+    ({"eos_token_ids": 2}, "eos_token_ids"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -64,6 +70,22 @@ def test_boundaries_and_normalisation():
     assert p.stop == ["END"] and p.stop_token_ids == [7, 8]
     assert isinstance(p.temperature, float)
     assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_min_tokens_bounds_and_what_it_masks():
+    """vLLM's min_tokens: 0 (off) up to max_tokens (any, without one); it masks the stop token
+    ids and, unless ignore_eos, the EOS ids the engine sets."""
+    assert SamplingParams().min_tokens == 0
+    assert SamplingParams(max_tokens=5, min_tokens=5).min_tokens == 5
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).min_tokens == 10**6
+    with pytest.raises(ValueError, match=r"^min_tokens must be at most max_tokens \(4\), got 5$"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    p = SamplingParams(min_tokens=3, stop_token_ids=[9, 4], eos_token_ids=[2, 4])
+    assert p.eos_token_ids == frozenset({2, 4}) and p.min_tokens_stop_ids == [2, 4, 9]
+    assert [p.masks_stop_tokens(n) for n in (0, 2, 3)] == [True, True, False]
+    ignored = SamplingParams(min_tokens=3, eos_token_ids={2}, ignore_eos=True, stop_token_ids=[9])
+    assert ignored.min_tokens_stop_ids == [9]
+    assert not SamplingParams(min_tokens=3, eos_token_ids={2}, ignore_eos=True).masks_stop_tokens(0)
 
 
 @pytest.mark.parametrize("kwargs, match", [

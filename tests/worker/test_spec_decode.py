@@ -4,7 +4,6 @@ sampling, preemption, abort and prefix caching; block-manager integrity after ev
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +162,32 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(target) -> None:
     out = run(near, {"ctx": (long_prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))})
     assert out["ctx"][-1].num_output_tokens == ENGINE.max_model_len - 90
     assert out["ctx"][-1].finish_reason == "length"
+
+
+def test_min_tokens_masks_the_stop_token_at_every_drafted_position(target) -> None:
+    """vLLM's min_tokens under speculation: the token greedy decoding picks at position i (inside
+    a speculative step), made the stop token id with min_tokens = i + 1, cannot be committed
+    there, whether the draft proposes it or not, and ends the request when it comes after: greedy
+    output equals plain decoding's with the same mask (prompt lookup, the target as its own
+    draft, a noisy draft); a sampled request (rejection sampling) keeps it out too."""
+    prompt = [11, 42, 7, 99, 5, 23] * 4
+    free = tokens(run(make_engine(target), {"a": (prompt, GREEDY)})["a"])
+    i = first_unique_index(free, 6)
+    stop, n = free[i], i + 1
+    params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=n, stop_token_ids=[stop])
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=30, min_tokens=n, stop_token_ids=[stop])
+    reqs = {"g": (prompt, params), "s": (prompt, sampled)}
+    plain = run(make_engine(target), reqs)["g"]
+    got = tokens(plain)
+    assert got[:i] == free[:i] and len(got) > n and stop not in got[:n]
+    assert (plain[-1].finish_reason, got[-1]) == ("stop", stop), got   # this fixture meets it again soon
+    for spec, draft in ((SpecConfig(method="ngram", num_speculative_tokens=4), None), (draft_spec(3), target[1]),
+                        (draft_spec(3), perturbed(target[1], 0.05))):
+        engine = make_engine(target, spec, draft)
+        out = run(engine, reqs)
+        assert tokens(out["g"]) == got, spec.method
+        assert len(tokens(out["s"])) > n and stop not in tokens(out["s"])[:n], spec.method
+        assert engine.stats().spec_num_proposed > 0
 
 
 def test_logprobs_for_every_committed_token(target) -> None:

@@ -17,6 +17,7 @@ test_tensor_parallel_gpu.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -248,21 +249,29 @@ def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
 
 def test_the_other_ranks_get_no_prompt_and_at_most_the_first_output_token():
     """A step's message to the other ranks stays small however long the contexts are; the first
-    output token tells every rank alike whether a seeded request samples for the first time."""
+    output token tells every rank alike whether a seeded request samples for the first time (and
+    up to min_tokens of them whether min_tokens' mask is still on)."""
     params = SamplingParams(temperature=0.9, seed=3)
     first = ScheduledRequest("a", [1, 2, 3], 0, [0], True, params, [1, 2, 3], [])
     later = ScheduledRequest("b", [9], 40, [1, 2, 3], True, params, list(range(30)), list(range(11)))
     out = compact(SchedulerOutput([first, later], 4))
     assert [(s.prompt_token_ids, s.output_token_ids) for s in out.scheduled] == [([], []), ([], [0])]
     assert [s.token_ids for s in out.scheduled] == [[1, 2, 3], [9]] and later.output_token_ids == list(range(11))
+    # min_tokens' mask asks whether fewer than min_tokens were generated: every rank must see the
+    # same answer (async scheduling has them all sample alike), so up to min_tokens tokens go.
+    masked = SamplingParams(temperature=0.9, seed=3, max_tokens=None, min_tokens=20, stop_token_ids=[7])
+    longer = dataclasses.replace(later, sampling_params=masked, output_token_ids=list(range(25)))
+    out = compact(SchedulerOutput([dataclasses.replace(later, sampling_params=masked), longer], 2))
+    assert [s.output_token_ids for s in out.scheduled] == [list(range(11)), list(range(20))]
+    assert [masked.masks_stop_tokens(len(s.output_token_ids)) for s in out.scheduled] == [True, False]
 
 
 def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
     """Async scheduling over a TP group: every rank runs `execute_async` and substitutes its own
     copy of the previous step's tokens (the same tokens: identical logits, per-request seeds and
     one `sampler_seed` for all ranks, sent with the build command). Greedy and seeded requests
-    generate what synchronous steps over the same runner generate; an unseeded sampled request
-    runs beside them."""
+    generate what synchronous steps over the same runner generate, also under a min_tokens mask
+    (every rank must know it is on); an unseeded sampled request runs beside them."""
     from resident.worker.engine import LLMEngine
 
     path = tiny_model("llama")
@@ -277,8 +286,13 @@ def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
         runner = group.build_runner(store.tensors, engine_config=engine_config())
         builds = [cmd for cmd in sent if cmd[0] == "build"]
         assert len(builds) == 1 and builds[0][1]["sampler_seed"] == runner.sampler._generator.initial_seed()
+        # "m*": a min_tokens mask (of a fifth of the vocabulary) changes the top-k set while it is on.
         requests = {"g": ([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=12)),
                     "s": ([11, 12, 13], SamplingParams(temperature=0.9, top_k=40, seed=3, max_tokens=12))}
+        for seed in range(4):
+            requests[f"m{seed}"] = ([21, 22, 23 + seed], SamplingParams(
+                temperature=1.0, top_k=3, seed=seed, max_tokens=12, min_tokens=2,
+                stop_token_ids=list(range(0, 256, 5))))
         got = {}
         for mode in (False, True):
             engine = LLMEngine(engine_config(), runner, async_scheduling=mode)
@@ -297,7 +311,7 @@ def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
     finally:
         group.close()
     assert {rid: got[True][rid] for rid in requests} == got[False]
-    assert all(len(t) == 12 for t in got[True].values())
+    assert all(len(t) == 12 for rid, t in got[True].items() if not rid.startswith("m"))
 
 
 #: A smaller shape of the GPU test's model (same head ratio, 4 layers), bf16.

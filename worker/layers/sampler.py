@@ -1,14 +1,16 @@
-"""The sampler: logit bias, penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+"""The sampler: logit bias, penalties, min_tokens, temperature, top-k/top-p/min-p, seeded
+sampling, logprobs.
 
 Order per row (vLLM's: logit processors, then penalties; HF's logits-processor order for the
 rest): the request's logit_bias added to the logits (OpenAI semantics), repetition penalty
 (HF semantics: over prompt and output tokens, positive logits divided by the penalty, negative
-ones multiplied),
-presence/frequency penalties (OpenAI semantics: over output tokens, `logit -= frequency *
-count + presence * (count > 0)`), then temperature 0 = greedy argmax of the penalized
-logits; otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the
-top-p nucleus (the smallest set of most likely tokens whose mass reaches top_p), drop
-tokens below min_p x the top probability, and sample.
+ones multiplied), presence/frequency penalties (OpenAI semantics: over output tokens,
+`logit -= frequency * count + presence * (count > 0)`), min_tokens (vLLM's: while a request
+has generated fewer, its stop tokens' logits are -inf; last, since the repetition penalty's
+clamp would make -inf finite), then temperature 0 = greedy argmax of the penalized logits;
+otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the top-p
+nucleus (the smallest set of most likely tokens whose mass reaches top_p), drop tokens below
+min_p x the top probability, and sample.
 
 Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1), as vLLM): each
 seeded request draws its E from its own torch.Generator, so the same seed gives the same
@@ -41,10 +43,12 @@ class SamplingRow:
     generator: torch.Generator | None = None   # set for seeded requests
 
 
-def is_plain_greedy(params: SamplingParams) -> bool:
-    """True when the token is just the argmax of the raw logits: temperature 0, no penalty or
-    logit bias, no logprobs. A batch of only such rows needs no per-row tensors (`Sampler.greedy`)."""
-    return params.temperature == 0.0 and params.logprobs is None and not params.changes_logits
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when the next token (`num_output_tokens` generated so far) is just the argmax of the
+    raw logits: temperature 0, no penalty, logit bias or min_tokens mask, no logprobs. A batch of
+    only such rows needs no per-row tensors (`Sampler.greedy`)."""
+    return (params.temperature == 0.0 and params.logprobs is None
+            and not params.changes_logits(num_output_tokens))
 
 
 #: Set once the argmax kernel failed to import or build here (logged once; torch.argmax from then on).
@@ -105,13 +109,14 @@ PENALIZED_LOGIT_LIMIT = 1e30
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Logit bias, then repetition, presence and frequency penalties (returns a new tensor when
-    any apply)."""
+    """Logit bias, then repetition, presence and frequency penalties, then min_tokens' mask
+    (returns a new tensor when any apply)."""
     n, vocab = logits.shape
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
-    if not biased and not rep and not pf:
+    masked = [i for i, r in enumerate(rows) if r.params.masks_stop_tokens(len(r.output_token_ids))]
+    if not biased and not rep and not pf and not masked:
         return logits
     logits = logits.clone()
     dev = logits.device
@@ -148,7 +153,23 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         pres = torch.tensor([rows[i].params.presence_penalty for i in pf], dtype=logits.dtype, device=dev)[:, None]
         idx = torch.tensor(pf, device=dev)
         logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).to(logits.dtype)
+    if masked:
+        _mask_stop_tokens(logits, [(i, rows[i].params.min_tokens_stop_ids) for i in masked])
     return logits
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:
+    """min_tokens: -inf at each (row, its stop token ids). Ids beyond the vocabulary are skipped:
+    the model never samples them anyway (a tokenizer's EOS id may lie there)."""
+    vocab = logits.shape[1]
+    row_ids, token_ids = [], []
+    for i, ids in rows:
+        ids = [t for t in ids if t < vocab]
+        row_ids += [i] * len(ids)
+        token_ids += ids
+    if token_ids:
+        dev = logits.device
+        logits[_to_device(row_ids, torch.int64, dev), _to_device(token_ids, torch.int64, dev)] = float("-inf")
 
 
 def truncation_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -118,7 +118,9 @@ class DraftProposer:
 
     def _sample(self, logits: torch.Tensor, active: list[ScheduledRequest], drafts: dict[str, list[int]],
                 probs: dict[str, list[torch.Tensor]]) -> None:
-        if all(s.sampling_params.temperature <= 0.0 and not needs_penalties(s.sampling_params) for s in active):
+        if all(s.sampling_params.temperature <= 0.0
+               and not needs_penalties(s.sampling_params, len(s.output_token_ids) + len(drafts[s.request_id]))
+               for s in active):
             # Greedy without penalties (the common case): the argmax, without sampling rows.
             for s, t in zip(active, logits.argmax(dim=-1).tolist()):
                 drafts[s.request_id].append(t)

@@ -29,7 +29,7 @@ def chainable(active: Sequence[ScheduledRequest], num_drafts: int) -> bool:
     number of drafts (>= 2) for every request."""
     return num_drafts >= 2 and bool(active) and all(
         s.num_spec_tokens == num_drafts and s.sampling_params.temperature <= 0.0
-        and not needs_penalties(s.sampling_params) for s in active)
+        and not needs_penalties(s.sampling_params, len(s.output_token_ids)) for s in active)
 
 
 def stage_chain(active: Sequence[ScheduledRequest], num_passes: int, *, size: int, block_size: int,

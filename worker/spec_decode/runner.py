@@ -233,7 +233,7 @@ class SpecDecodeRunner:
         committed: dict[str, list[int]] = {}
         greedy = [i for i, s in enumerate(spec) if s.sampling_params.temperature <= 0.0]
         sampled = [i for i, s in enumerate(spec) if s.sampling_params.temperature > 0.0]
-        if greedy and not any(needs_penalties(spec[i].sampling_params) for i in greedy):
+        if greedy and not any(needs_penalties(spec[i].sampling_params, len(spec[i].output_token_ids)) for i in greedy):
             argmax = logits.argmax(dim=-1).tolist()   # every row at once: one transfer, no sampling rows
             for i in greedy:
                 s, (start, n) = spec[i], spec_rows[i]
@@ -268,8 +268,8 @@ class SpecDecodeRunner:
         return out
 
     def _rows(self, s: ScheduledRequest, drafts: list[int]) -> list[SamplingRow]:
-        """Sampling rows for the positions of s's drafts and the one after: penalties count
-        the drafts before each position as generated."""
+        """Sampling rows for the positions of s's drafts and the one after: penalties (and
+        min_tokens) count the drafts before each position as generated."""
         g = self.target.generator(s)
         out = list(s.output_token_ids)
         return [SamplingRow(s.sampling_params, s.prompt_token_ids, out + drafts[:j], g) for j in range(len(drafts) + 1)]
