@@ -130,6 +130,44 @@ def test_async_scheduling_on_gpu_gives_the_synchronous_tokens(tiny_model) -> Non
     assert got[True] == got[False] and all(len(t) == 20 for t in got[True].values())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logit_bias_and_min_tokens_on_gpu(tiny_model, async_scheduling) -> None:
+    """The sampler's logit changes on CUDA tensors, beside plain greedy rows in graph-replayed
+    steps: min_tokens keeps the stop token greedy decoding picks first out of the first 5 tokens
+    (and out of the output's end until then), a +100 logit bias makes greedy pick its token, -100
+    keeps it out."""
+    path = tiny_model("llama3")
+    mc, weights = _config(path), {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
+    ec = EngineConfig(block_size=8, num_kv_blocks=96, max_model_len=128, max_num_seqs=8)
+    prompt = [random.Random(2).randrange(256) for _ in range(11)]
+    runner = ModelRunner(mc, ec, weights, device="cuda")
+    engine = LLMEngine(ec, runner, async_scheduling=async_scheduling)
+
+    def run(requests: dict[str, SamplingParams]) -> dict[str, list[int]]:
+        for rid, sp in requests.items():
+            engine.add_request(rid, prompt, sp)
+        out: dict[str, list[int]] = {rid: [] for rid in requests}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return out
+
+    first = run({"plain": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)})["plain"]
+    t0 = first[0]
+    forced = (t0 + 1) % mc.vocab_size
+    got = run({"plain": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+               "stop": SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[t0], ignore_eos=True),
+               "min": SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, stop_token_ids=[t0],
+                                     ignore_eos=True),
+               "up": SamplingParams(temperature=0.0, max_tokens=4, logit_bias={forced: 100.0}, ignore_eos=True),
+               "down": SamplingParams(temperature=0.0, max_tokens=4, logit_bias={t0: -100.0}, ignore_eos=True)})
+    assert runner.graphs.num_replays > 0
+    assert got["plain"] == first and got["stop"] == [t0]
+    assert len(got["min"]) >= 5 and t0 not in got["min"][:5], got["min"]
+    assert got["up"] == [forced] * 4 and got["down"][0] != t0
+    runner.close()
+
+
 # --- CUDA graphs vs eager ----------------------------------------------------------------------
 def _decode_schedule(seed: int, n: int, vocab: int) -> list[list[tuple[int, int]]]:
     rng = random.Random(seed)
