@@ -27,7 +27,9 @@ from resident.worker.cuda_preinit import ContextPreinit, device_index_for, start
 
 #: Never needed to serve: a model folder is read by resident's own safetensors/tokenizer code.
 HEAVY = ("transformers", "accelerate", "gguf", "huggingface_hub", "safetensors", "matplotlib", "pandas", "scipy",
-         "sklearn", "openai", "numba", "IPython", "psutil")
+         "sklearn", "openai", "numba", "IPython", "psutil",
+         # structured outputs: imported on the first guided request, never to start
+         "xgrammar", "tvm_ffi", "pydantic")
 #: Needed only after /ready: chat templates (jinja2) are compiled for the first chat request,
 #: in a thread once the worker is ready (startup.compile_chat_template_after_ready).
 AFTER_READY = ("jinja2", "markupsafe", "resident.worker.chat_template")

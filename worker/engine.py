@@ -8,8 +8,16 @@ on the device, and only then reads N's tokens and processes them while the GPU c
 Outputs thus come one step later than they were computed. What changes for requests: one
 wasted token computed for a request that stops on a token or string (dropped, never shown);
 none for length limits (the scheduler skips a request whose last token is in flight).
-Requests with penalties or logprobs need every token on the host before the next is sampled:
-while any is queued, steps run synchronously.
+Requests with penalties, logprobs or a grammar need every token on the host before the next is
+sampled: while any is queued, steps run synchronously.
+
+Guided decoding (structured outputs, structured_output.py): a request whose params carry a
+GuidedSpec gets an `xgrammar.GrammarMatcher` when it is queued (its grammar compiled, or found
+compiled, by the engine's GrammarCache). Before each step the engine fills the bitmask of the
+tokens each sampling guided request may take next (SchedulerOutput.grammar_bitmask, applied by
+the sampler after the penalties); each sampled token is fed back to the matcher, and the request
+stops ("stop") once the matcher terminates (the grammar complete and EOS chosen). Not with
+speculative decoding (refused when the request is added).
 
 Not thread-safe: one thread owns the engine (see async_engine.py).
 """
@@ -27,6 +35,8 @@ from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholde
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.scheduler import Scheduler
+from resident.worker.structured_output import (SPECULATIVE_REFUSAL, GrammarCache, GuidedDecodingError,
+                                               GuidedSpec)
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +71,11 @@ _NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's tokens can be sampled before the host knows its previous token:
-    no penalties (they count the earlier tokens) and no logprobs (read back with the token).
-    min_tokens overlaps: its mask needs only how many tokens came before, placeholders included."""
+    no penalties (they count the earlier tokens), no logprobs (read back with the token) and no
+    grammar (its next mask follows from the previous token). min_tokens overlaps: its mask needs
+    only how many tokens came before, placeholders included."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0)
+            and params.frequency_penalty == 0.0 and params.guided is None)
 
 
 class LLMEngine:
@@ -79,10 +90,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: Any, tokenizer: Any | None = None,
                  *, detokenizer_factory: DetokenizerFactory | None = None,
-                 num_speculative_tokens: int = 0, async_scheduling: bool = False) -> None:
+                 num_speculative_tokens: int = 0, async_scheduling: bool = False,
+                 grammars: GrammarCache | None = None) -> None:
         """`async_scheduling`: launch each step before reading the previous one's tokens (see
         the module doc); used only with a runner that supports it (`supports_async_scheduling`
-        on its class: a ModelRunner or a TP group's rank 0; not with speculative decoding)."""
+        on its class: a ModelRunner or a TP group's rank 0; not with speculative decoding).
+        `grammars`: guided requests' compiled grammars (shared with the HTTP layer, which compiles
+        to validate); by default one over `tokenizer` and the runner's vocabulary, made on the
+        first guided request; without either, guided requests are refused."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -104,8 +119,10 @@ class LLMEngine:
                                  and getattr(type(runner), "supports_async_scheduling", False))
         self._in_flight: _InFlight | None = None
         # Unfinished requests whose sampling needs the host to know every earlier token
-        # (penalties) or returns logprobs: while any is queued, steps run synchronously.
+        # (penalties, a grammar) or returns logprobs: while any is queued, steps run synchronously.
         self._sync_only: set[str] = set()
+        self.grammars = grammars
+        self._matchers: dict[str, Any] = {}   # unfinished guided requests' xgrammar.GrammarMatcher
 
     # -- requests ------------------------------------------------------------------------
 
@@ -137,11 +154,14 @@ class LLMEngine:
             params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
         room = limit - len(prompt)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
+        matcher = self._matcher(params.guided) if params.guided is not None else None
         request = Request(request_id, prompt, params, next(self._arrivals), max_output)
         detokenizer = (self._make_detokenizer(self.tokenizer, prompt)
                        if self._make_detokenizer is not None and self.tokenizer is not None else None)
         self.scheduler.add_request(request)
         self._states[request_id] = OutputState(request, detokenizer)
+        if matcher is not None:
+            self._matchers[request_id] = matcher
         if self.async_scheduling and not overlappable(params):
             self._sync_only.add(request_id)
 
@@ -152,6 +172,7 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         state = self._states.pop(request_id, None)
         self._sync_only.discard(request_id)
+        self._matchers.pop(request_id, None)
         if request is not None and state is not None:
             request.drop_placeholder()   # its token in flight, if any, is dropped with it
             self._pending.append(state.make_output())
@@ -208,6 +229,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return outputs
+        if self._matchers:
+            self._fill_grammar_bitmask(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
         for spec in runner_output.spec.values():
             if spec.num_proposed:
@@ -274,6 +297,7 @@ class LLMEngine:
         if request.is_finished:
             del self._states[rid]
             self._sync_only.discard(rid)
+            self._matchers.pop(rid, None)
         out = state.make_output()
         if self.num_speculative_tokens:
             out.spec_decode = request.spec_stats
@@ -291,8 +315,13 @@ class LLMEngine:
             state.pending_logprobs.append(logprob)
         status: RequestStatus | None = None
         may_stop = index >= params.min_tokens
-        stop_token = may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
-                                   or token in params.stop_token_ids)
+        matcher = self._matchers.get(request.request_id)
+        # A grammar's end (it accepted EOS) ends the request whatever min_tokens says.
+        grammar_end = matcher is not None and self._accept(request, matcher, token)
+        if grammar_end is None:
+            return RequestStatus.FINISHED_ABORTED
+        stop_token = grammar_end or (may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
+                                                   or token in params.stop_token_ids))
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
         # A stop token's own text is shown only with include_stop_str_in_output.
@@ -305,6 +334,42 @@ class LLMEngine:
         if status is not None and not stop_string and state.flush(check_stop=may_stop):
             status = RequestStatus.FINISHED_STOPPED  # the released tail completed a stop string
         return status
+
+    # -- guided decoding ------------------------------------------------------------------
+
+    def _matcher(self, spec: GuidedSpec) -> Any:
+        """A new request's grammar matcher (GuidedDecodingError, a ValueError, when it cannot have one)."""
+        param = spec.param or None
+        if self.num_speculative_tokens:
+            raise GuidedDecodingError(f"'{spec.param or 'guided'}': {SPECULATIVE_REFUSAL}", param=param)
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise GuidedDecodingError("structured outputs need the model's vocabulary, and this engine has no "
+                                          "tokenizer nor grammar cache", param=param)
+            from resident.worker.structured_output import tokenizer_info_of
+
+            tokenizer, eos = self.tokenizer, self.eos_token_ids
+            vocab = getattr(getattr(self.runner, "model_config", None), "vocab_size", None) or tokenizer.vocab_size
+            self.grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab, eos))
+        return self.grammars.matcher(spec)
+
+    def _fill_grammar_bitmask(self, out: Any) -> None:
+        """The tokens each guided request that samples this step may take next (see the module doc)."""
+        rids = [s.request_id for s in out.scheduled if s.sample and s.request_id in self._matchers]
+        if rids:
+            bitmask = self.grammars.fill_bitmask([self._matchers[r] for r in rids])
+            out.grammar_bitmask = {rid: bitmask[i] for i, rid in enumerate(rids)}
+
+    def _accept(self, request: Request, matcher: Any, token: int) -> bool | None:
+        """Feed the sampled token to the request's grammar: whether the grammar ended with it; None
+        when the grammar rejects it (a bug: the sampler masked every token it does not allow), which
+        ends the request, logged, and not the engine."""
+        if matcher.accept_token(token):
+            return bool(matcher.is_terminated())
+        logger.error("request %r: its grammar rejected the sampled token %d (output token %d), which the mask "
+                     "should have excluded; the request is aborted", request.request_id, token,
+                     request.num_output_tokens)
+        return None
 
     def stats(self) -> EngineStats:
         s = self.scheduler

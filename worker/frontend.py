@@ -160,8 +160,12 @@ class Frontend:
         from resident.worker.openai_serving import OpenAIServing
         from resident.worker.protocol import ServingOptions
 
+        # Guided requests are compiled here too, to refuse a bad schema before a stream starts: the
+        # first one imports xgrammar (and torch, which it needs) into this process; the engine
+        # process compiles them again in its own cache.
         opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
-                              trust_request_chat_template=self.start.trust_request_chat_template)
+                              trust_request_chat_template=self.start.trust_request_chat_template,
+                              guided_refusal=ready.guided_refusal)
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size)
         self.metrics.set_weights_source(ready.weights_source)
         self.phases = dict(ready.phases)

@@ -288,7 +288,8 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._last_sampled = None   # a synchronous step's tokens are on the host: no placeholders follow it
         to_sample, logits = self._forward_step(out)
-        return ModelRunnerOutput(sampled={}) if logits is None else self.sample(logits, to_sample)
+        return ModelRunnerOutput(sampled={}) if logits is None else self.sample(logits, to_sample,
+                                                                                   out.grammar_bitmask)
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """A step's forward pass after forgetting its finished requests: (the chunks that sample,
@@ -323,7 +324,7 @@ class ModelRunner:
             if _all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)
             else:
-                tokens = self.sampler.choose(logits, self._sampling_rows(to_sample))
+                tokens = self.sampler.choose(logits, self._sampling_rows(to_sample, out.grammar_bitmask))
             self._last_sampled = tokens
             return PendingTokens([s.request_id for s in to_sample], self._read_back(tokens))
 
@@ -351,11 +352,13 @@ class ModelRunner:
         for rid in request_ids:
             self._generators.pop(rid, None)
 
-    def sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]) -> ModelRunnerOutput:
-        """Sample one token per request from its row of `logits` (float, [len(to_sample), V])."""
+    def sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest],
+               grammar_bitmask: Mapping[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """Sample one token per request from its row of `logits` (float, [len(to_sample), V]);
+        `grammar_bitmask`: guided requests' allowed tokens (SchedulerOutput.grammar_bitmask)."""
         if _all_plain_greedy(to_sample):   # no per-row work to set up
             return ModelRunnerOutput(sampled=dict(zip([s.request_id for s in to_sample], self.sampler.greedy(logits))))
-        rows = self._sampling_rows(to_sample)
+        rows = self._sampling_rows(to_sample, grammar_bitmask)
         result = self.sampler(logits, rows)
         sampled = {s.request_id: t for s, t in zip(to_sample, result.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, result.logprobs) if lp is not None}
@@ -411,9 +414,11 @@ class ModelRunner:
         with self._device_guard():
             return self.forward_logits(out.scheduled, [len(s.token_ids) for s in out.scheduled])
 
-    def _sampling_rows(self, to_sample: list[ScheduledRequest]) -> list[SamplingRow]:
-        return [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s))
-                for s in to_sample]
+    def _sampling_rows(self, to_sample: list[ScheduledRequest],
+                       grammar_bitmask: Mapping[str, torch.Tensor] | None = None) -> list[SamplingRow]:
+        masks = grammar_bitmask or {}
+        return [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s),
+                            masks.get(s.request_id)) for s in to_sample]
 
     def generator(self, s: ScheduledRequest) -> torch.Generator | None:
         """The request's own generator when it is seeded, else None. Its first sampled token

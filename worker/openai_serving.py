@@ -72,12 +72,19 @@ def sse(payload: dict | str) -> bytes:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, opts: ServingOptions, metrics: ServerMetrics,
-                 vocab_size: int) -> None:
+                 vocab_size: int, grammars: Any = None) -> None:
+        """`grammars`: the structured_output.GrammarCache guided requests are compiled in (the inline
+        engine's own, so the engine finds them compiled); by default one over `tokenizer`."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.opts = opts
         self.metrics = metrics
         self.vocab_size = vocab_size
+        if grammars is None and tokenizer is not None:
+            from resident.worker.structured_output import GrammarCache, tokenizer_info_of
+
+            grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, tokenizer.eos_token_ids))
+        self.grammars = grammars
         self._warned_fields: set[str] = set()
 
     # --- preparation -----------------------------------------------------------------------
@@ -100,6 +107,8 @@ class OpenAIServing:
 
         if req.sampling.get("logit_bias"):
             self._check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
+        if req.sampling.get("guided") is not None:
+            self._check_guided(req.sampling["guided"])
         out = []
         for _ in range(num_prompts):
             for i in range(req.n):
@@ -118,6 +127,19 @@ class OpenAIServing:
                     param = name if name in {f.name for f in fields(SamplingParams)} else None
                     raise RequestError(str(e), param=param) from None
         return out
+
+    def _check_guided(self, spec: Any) -> None:
+        """Compile the request's grammar (kept for the engine): a 400 naming its field when this
+        server cannot guide (speculative decoding), xgrammar is missing, or xgrammar refuses it."""
+        from resident.worker.structured_output import GuidedDecodingError
+
+        param = spec.param or None
+        if self.opts.guided_refusal is not None:
+            raise RequestError(f"'{spec.param}': {self.opts.guided_refusal}", param=param)
+        try:
+            self.grammars.compile(spec)
+        except GuidedDecodingError as e:
+            raise RequestError(e.message, param=e.param) from None
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Tokenize, refusing early a text far longer than the context: tokenizing holds the
@@ -210,7 +232,8 @@ class OpenAIServing:
                 if item is done:
                     remaining -= 1
                 elif isinstance(item, ValueError) and not isinstance(item, RequestError):
-                    raise RequestError(str(item)) from item  # the engine refused the request
+                    # the engine refused the request
+                    raise RequestError(str(item), param=getattr(item, "param", None)) from item
                 elif isinstance(item, BaseException):
                     raise item
                 else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from resident.worker.request import TokenLogprob
 from resident.worker.sampling_params import SamplingParams
@@ -42,6 +43,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     finished_request_ids: set[str] = field(default_factory=set)  # the runner drops per-request state
+    # Guided decoding (structured_output.py): request id -> the tokens its grammar allows next, a
+    # row of an int32 CPU bitmask (bit t set = token t allowed), for the chunks that sample. Set by
+    # the engine after scheduling; the runner's sampler sets the other tokens' logits to -inf.
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -6,9 +6,15 @@ own invariants again when the server builds it (its ValueError also becomes a 40
 we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
 fields that change processing beyond sampling (a request-supplied chat template, template
 or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
-that change the output and that we do not implement (guided decoding, `prompt_logprobs`,
-a `response_format` other than text, ...) are refused unless sent with the value that means
-"off": ignored, they would silently break what the client asked for.
+that change the output and that we do not implement (`prompt_logprobs`, `structured_outputs`,
+...) are refused unless sent with the value that means "off": ignored, they would silently break
+what the client asked for.
+
+Structured outputs: OpenAI's `response_format` (text, json_object, json_schema) and vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, at most one per request, are
+parsed by structured_output.parse_guided into SamplingParams' `guided` (its shape errors are
+400s naming the field here; the serving layer compiles the schema, regex or grammar, and
+refuses one xgrammar cannot follow with a 400 naming the field).
 """
 from __future__ import annotations
 
@@ -20,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resident.worker.sampling_params import MAX_LOGIT_BIAS
+from resident.worker.structured_output import GUIDED_FIELDS, GuidedDecodingError, parse_guided
 
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
                    "include_stop_str_in_output", "min_tokens")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
-           "return_tokens_as_token_ids", "response_format", *_EXTRA_SAMPLING}
+           "return_tokens_as_token_ids", *GUIDED_FIELDS, *_EXTRA_SAMPLING}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix"})
 CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
@@ -42,7 +49,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,),
 }
 # add_special_tokens defaults differ: a completion prompt gets them, a rendered chat template has them.
@@ -89,6 +95,8 @@ class ServingOptions:
     served_model_names: tuple[str, ...]
     max_model_len: int
     trust_request_chat_template: bool = False
+    #: why this server refuses structured outputs (speculative decoding), or None: it serves them
+    guided_refusal: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -238,10 +246,6 @@ def _unsupported(body: dict, unsupported: dict[str, tuple[Any, ...]]) -> None:
         if v not in offs or (isinstance(v, bool) and not any(isinstance(o, bool) for o in offs)):
             hint = " or send " + " or ".join(json.dumps(o) for o in offs if o is not None) if len(offs) > 1 else ""
             raise RequestError(f"'{name}' is not supported by this server; leave it out{hint}", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError(f"'response_format' {json.dumps(fmt)[:200]} is not supported by this server; leave it "
-                           "out or send {\"type\": \"text\"}", param="response_format")
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -356,6 +360,12 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     min_tokens = _min_tokens(body, max_tokens, max_tokens_field, defaulted, opts)
     if min_tokens:
         sampling["min_tokens"] = min_tokens
+    try:
+        guided = parse_guided(body)
+    except GuidedDecodingError as e:
+        raise RequestError(e.message, param=e.param) from None
+    if guided is not None:
+        sampling["guided"] = guided
     _unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,

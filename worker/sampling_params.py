@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from resident.worker.structured_output import GuidedSpec
+
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): the sampler divides float32
@@ -52,6 +54,10 @@ class SamplingParams:
     eos_token_ids: the model's EOS ids, which min_tokens masks; the engine sets them when it
     queues the request (`LLMEngine.add_request`), a caller need not (vLLM's
     `all_stop_token_ids`, set from the generation config).
+    guided: the output's constraint (structured outputs: a JSON schema, regex, choice or grammar;
+    structured_output.py), or None. The engine keeps a grammar matcher per request and the sampler
+    masks the tokens the grammar does not allow next; the request stops once the grammar is complete
+    and EOS was chosen.
     """
 
     max_tokens: int | None = 16
@@ -71,6 +77,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    guided: GuidedSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
@@ -109,6 +116,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._check_logit_bias()
         self._check_min_tokens()
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            raise ValueError(f"guided must be a GuidedSpec or None, got {self.guided!r}")
 
     def _check_min_tokens(self) -> None:
         if _check_int("min_tokens", self.min_tokens) < 0:
@@ -141,10 +150,11 @@ class SamplingParams:
 
     def changes_logits(self, num_output_tokens: int) -> bool:
         """Whether the sampler changes this request's logits before choosing its next token, with
-        `num_output_tokens` generated so far (a logit bias, a penalty, or min_tokens' mask): a
-        greedy row then cannot take the raw logits' argmax."""
-        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.masks_stop_tokens(num_output_tokens))
+        `num_output_tokens` generated so far (a logit bias, a penalty, min_tokens' mask, or a
+        grammar's): a greedy row then cannot take the raw logits' argmax."""
+        return (self.guided is not None or bool(self.logit_bias) or self.repetition_penalty != 1.0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.masks_stop_tokens(num_output_tokens))
 
     def masks_stop_tokens(self, num_output_tokens: int) -> bool:
         """Whether min_tokens masks the stop tokens (`min_tokens_stop_ids`) from the next token,

@@ -351,6 +351,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
                            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
                            async_scheduling=config.async_scheduling == "on"
                            or (config.async_scheduling == "auto" and device.type == "cuda"))
+        engine.grammars = _grammars(engine, store.model_dir, model_config.vocab_size)
         logger.info("async scheduling: %s (--async-scheduling %s)", "on" if engine.async_scheduling else "off",
                     config.async_scheduling)
         startup.end("kv_alloc")
@@ -398,14 +399,38 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         from resident.worker.protocol import ServingOptions
 
         opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
-                              trust_request_chat_template=config.trust_request_chat_template)
-        serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size)
+                              trust_request_chat_template=config.trust_request_chat_template,
+                              guided_refusal=guided_refusal(config))
+        serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size,
+                                grammars=engine.grammars)
     worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
                      draft_store=draft.store if draft is not None else None, max_model_len=max_model_len,
                      vocab_size=model_config.vocab_size)
     worker.llm_engine = engine
     worker.tokenizer = tokenizer
     return worker
+
+
+def _grammars(engine: Any, model_dir: str, vocab_size: int) -> Any:
+    """The engine's cache of compiled grammars (structured outputs), its vocabulary made on the first
+    guided request (xgrammar is not imported before): from the inline front end's tokenizer (the HTTP
+    layer compiles into the same cache, so the engine finds its grammars compiled), or, under
+    --frontend process (no tokenizer in this process), from the model folder's tokenizer.json and the
+    engine's EOS ids (the front-end's hello's, set before any request)."""
+    from resident.worker.structured_output import GrammarCache, tokenizer_info_from_file, tokenizer_info_of
+
+    tokenizer = engine.tokenizer
+    if tokenizer is not None:
+        return GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, engine.eos_token_ids))
+    return GrammarCache(lambda: tokenizer_info_from_file(str(Path(model_dir) / "tokenizer.json"), vocab_size,
+                                                         engine.eos_token_ids))
+
+
+def guided_refusal(config: ServeConfig) -> str | None:
+    """Why this server refuses structured outputs (ServingOptions.guided_refusal), or None."""
+    from resident.worker.structured_output import SPECULATIVE_REFUSAL
+
+    return SPECULATIVE_REFUSAL if config.speculative is not None else None
 
 
 def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],

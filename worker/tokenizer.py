@@ -187,6 +187,11 @@ class Tokenizer:
                     tokenizer.bos_token_id, sorted(tokenizer.eos_token_ids), sorted(templates) or "none")
         return tokenizer
 
+    @property
+    def backend(self) -> _BackendTokenizer:
+        """The `tokenizers.Tokenizer` underneath (structured outputs read its vocabulary and type)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -126,8 +126,9 @@ def compact(out: Any) -> Any:
     (`ModelRunner.generator`), on every rank alike, which async scheduling relies on (each rank
     substitutes its own samples). A request with min_tokens keeps up to min_tokens of them: its
     mask asks whether fewer than min_tokens were generated, and async scheduling has every rank
-    sample alike."""
-    return dataclasses.replace(out, scheduled=[
+    sample alike. Guided requests' grammar bitmasks stay on rank 0: such requests step
+    synchronously (engine.overlappable), so the other ranks' samples are discarded."""
+    return dataclasses.replace(out, grammar_bitmask={}, scheduled=[
         dataclasses.replace(s, prompt_token_ids=[],
                             output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])
         for s in out.scheduled])

@@ -55,16 +55,12 @@ def test_unknown_fields_are_ignored_and_reported():
 @pytest.mark.parametrize("fn,field,value", [
     (parse_completion_request, "skip_special_tokens", False),
     (parse_chat_request, "skip_special_tokens", False), (parse_completion_request, "prompt_logprobs", 0),
-    (parse_completion_request, "guided_json", {"type": "object"}), (parse_chat_request, "guided_choice", ["a"]),
-    (parse_chat_request, "guided_regex", "a+"), (parse_chat_request, "structured_outputs", {"json": {}}),
+    (parse_chat_request, "structured_outputs", {"json": {}}),
     (parse_completion_request, "allowed_token_ids", [1]), (parse_completion_request, "bad_words", ["x"]),
     (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
     (parse_completion_request, "length_penalty", True), (parse_completion_request, "truncate_prompt_tokens", 5),
     (parse_completion_request, "add_special_tokens", False), (parse_chat_request, "add_special_tokens", True),
     (parse_chat_request, "echo", True), (parse_chat_request, "continue_final_message", True),
-    (parse_completion_request, "response_format", {"type": "json_object"}),
-    (parse_chat_request, "response_format", {"type": "json_schema", "json_schema": {}}),
-    (parse_completion_request, "response_format", "text"),
 ])
 def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(fn, field, value):
     """Ignored like unknown fields, they returned an answer that broke what was asked
@@ -218,3 +214,65 @@ def test_a_user_that_is_not_a_string_is_named(user):
         e = bad(fn, {**body, "user": user})
         assert e.param == "user" and "must be a string" in e.message
         assert fn({**body, "user": "end-user-42"}, OPTS).model == "tiny"
+
+
+# --- structured outputs -------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fn", [parse_completion_request, parse_chat_request])
+def test_structured_output_fields_become_one_guided_spec(fn):
+    """response_format (json_object, json_schema) and vLLM's guided_* fields, on both endpoints,
+    become SamplingParams' `guided` (kind + spec text, the field it came from); {"type": "text"}
+    constrains nothing; a schema sent as a JSON string is the same spec as the object."""
+    from resident.worker.structured_output import GuidedSpec
+
+    base = {"model": "tiny", **({"prompt": "a"} if fn is parse_completion_request else {"messages": MSGS})}
+    compact = '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'
+    cases = [
+        ({"response_format": {"type": "json_object"}}, GuidedSpec("json_object", ""), "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         GuidedSpec("json", compact), "response_format.json_schema.schema"),
+        ({"guided_json": SCHEMA}, GuidedSpec("json", compact), "guided_json"),
+        ({"guided_json": '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'},
+         GuidedSpec("json", compact), "guided_json"),
+        ({"guided_regex": r"\d+"}, GuidedSpec("regex", r"\d+"), "guided_regex"),
+        ({"guided_choice": ["yes", "no \"q\""]}, GuidedSpec("choice", '["yes", "no \\"q\\""]'), "guided_choice"),
+        ({"guided_grammar": 'root ::= "a"'}, GuidedSpec("grammar", 'root ::= "a"'), "guided_grammar"),
+        ({"response_format": {"type": "text"}, "guided_regex": "a"}, GuidedSpec("regex", "a"), "guided_regex"),
+    ]
+    for extra, want, param in cases:
+        req = fn({**base, **extra}, OPTS)
+        assert req.sampling["guided"] == want and req.sampling["guided"].param == param, extra
+        assert req.ignored_fields == []
+    assert "guided" not in fn({**base, "response_format": {"type": "text"}}, OPTS).sampling
+
+
+@pytest.mark.parametrize("extra,param,text", [
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex", "'guided_json' and 'guided_regex' both"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice",
+     "'response_format' and 'guided_choice' both constrain the output"),
+    ({"response_format": "text"}, "response_format", "'response_format' must be {\"type\": \"text\"}"),
+    ({"response_format": {"type": "xml"}}, "response_format", "got {\"type\": \"xml\"}"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "'response_format.json_schema.schema' is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 3, "schema": SCHEMA}}},
+     "response_format.json_schema.name", "must be a string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes", "schema": SCHEMA}}},
+     "response_format.json_schema.strict", "must be true or false"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema", "must be a JSON schema (an object)"),
+    ({"guided_json": "{not json"}, "guided_json", "the string does not decode"),
+    ({"guided_json": 5}, "guided_json", "must be a JSON schema"),
+    ({"guided_regex": ""}, "guided_regex", "must be a non-empty string: a regular expression"),
+    ({"guided_regex": ["a"]}, "guided_regex", "must be a non-empty string"),
+    ({"guided_choice": []}, "guided_choice", "must be a non-empty list of strings"),
+    ({"guided_choice": ["a", 1]}, "guided_choice", "must be a non-empty list of strings"),
+    ({"guided_choice": "a"}, "guided_choice", "must be a non-empty list of strings"),
+    ({"guided_grammar": {"root": "x"}}, "guided_grammar", "an EBNF grammar"),
+])
+def test_malformed_or_conflicting_structured_output_fields_are_400s_naming_the_field(extra, param, text):
+    for fn, base in ((parse_completion_request, {"prompt": "a"}), (parse_chat_request, {"messages": MSGS})):
+        err = bad(fn, {"model": "tiny", **base, **extra})
+        assert err.param == param and text in err.message, err.message

@@ -5,9 +5,12 @@ Order per row (vLLM's: logit processors, then penalties; HF's logits-processor o
 rest): the request's logit_bias added to the logits (OpenAI semantics), repetition penalty
 (HF semantics: over prompt and output tokens, positive logits divided by the penalty, negative
 ones multiplied), presence/frequency penalties (OpenAI semantics: over output tokens,
-`logit -= frequency * count + presence * (count > 0)`), min_tokens (vLLM's: while a request
-has generated fewer, its stop tokens' logits are -inf; last, since the repetition penalty's
-clamp would make -inf finite), then temperature 0 = greedy argmax of the penalized logits;
+`logit -= frequency * count + presence * (count > 0)`), a guided request's grammar (the
+tokens its bitmask leaves out are -inf: xgrammar's apply_token_bitmask_inplace, a CUDA/Triton
+kernel on a GPU, C++ on the CPU), min_tokens (vLLM's: while a request has generated fewer, its
+stop tokens' logits are -inf; after the repetition penalty, whose clamp would make -inf finite;
+on a guided row only where the grammar leaves another token: a complete grammar allows only EOS,
+and the grammar wins), then temperature 0 = greedy argmax of the penalized logits;
 otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the top-p
 nucleus (the smallest set of most likely tokens whose mass reaches top_p), drop tokens below
 min_p x the top probability, and sample.
@@ -41,6 +44,9 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None   # set for seeded requests
+    #: guided decoding: the tokens the request's grammar allows next, int32 [ceil(vocab / 32)] on
+    #: the CPU (xgrammar's bitmask row: bit t set = token t allowed)
+    token_bitmask: torch.Tensor | None = None
 
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -109,14 +115,15 @@ PENALIZED_LOGIT_LIMIT = 1e30
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Logit bias, then repetition, presence and frequency penalties, then min_tokens' mask
-    (returns a new tensor when any apply)."""
+    """Logit bias, then repetition, presence and frequency penalties, then a grammar's mask, then
+    min_tokens' mask (returns a new tensor when any apply)."""
     n, vocab = logits.shape
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
     masked = [i for i, r in enumerate(rows) if r.params.masks_stop_tokens(len(r.output_token_ids))]
-    if not biased and not rep and not pf and not masked:
+    guided = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    if not biased and not rep and not pf and not masked and not guided:
         return logits
     logits = logits.clone()
     dev = logits.device
@@ -153,9 +160,33 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         pres = torch.tensor([rows[i].params.presence_penalty for i in pf], dtype=logits.dtype, device=dev)[:, None]
         idx = torch.tensor(pf, device=dev)
         logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).to(logits.dtype)
+    if guided:
+        apply_token_bitmask(logits, guided, [rows[i].token_bitmask for i in guided])
     if masked:
+        # A guided row keeps its stop tokens where the grammar allows nothing else (it is complete).
+        both = [i for i in masked if rows[i].token_bitmask is not None]
+        if both:
+            idx = _to_device(both, torch.int64, dev)
+            before = logits.index_select(0, idx)
         _mask_stop_tokens(logits, [(i, rows[i].params.min_tokens_stop_ids) for i in masked])
+        if both:
+            after = logits.index_select(0, idx)
+            nothing_left = torch.isneginf(after).all(dim=1, keepdim=True)
+            logits.index_copy_(0, idx, torch.where(nothing_left, before, after))
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, row_ids: list[int], bitmasks: Sequence[torch.Tensor]) -> None:
+    """Guided decoding: in place, -inf at the tokens each row `row_ids[j]` of `logits` [N, V] may not
+    take next (bit t of `bitmasks[j]`, int32 [ceil(V / 32)] on the CPU, unset). xgrammar's kernel:
+    Triton on a GPU, C++ on the CPU (xgrammar is imported by then: the engine compiled the grammar)."""
+    from resident.worker.structured_output import import_xgrammar
+
+    xgr = import_xgrammar()
+    bitmask = torch.zeros(logits.shape[0], bitmasks[0].shape[-1], dtype=torch.int32)
+    bitmask[torch.tensor(row_ids)] = torch.stack(list(bitmasks))
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=logits.shape[1], indices=row_ids)
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:

@@ -1,0 +1,317 @@
+"""Structured outputs (guided decoding) with xgrammar, as vLLM does them.
+
+A request constrains its output with at most one of OpenAI's `response_format`
+({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) or vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (xgrammar's EBNF); `parse_guided`
+turns the request body's fields into a `GuidedSpec` (kind + spec text), which travels in
+SamplingParams (it pickles: `--frontend process` sends it over the link).
+
+`GrammarCache` compiles specs against one model's vocabulary (an `xgrammar.TokenizerInfo`
+built from the project's own tokenizer, lazily, on the first guided request) and keeps the
+compiled grammars in an LRU keyed by (kind, spec text): the HTTP layer compiles to validate (a
+bad schema, regex or grammar is a 400 naming its field), and the engine finds it compiled when
+it makes the request's `xgrammar.GrammarMatcher`. Each step the engine fills the matchers' next-
+token bitmasks (`fill_bitmask`); the sampler sets the logits of the tokens a row's bitmask leaves
+out to -inf; the engine feeds each sampled token back to its matcher.
+
+xgrammar (which imports torch) is imported only here and only when a guided request comes: never
+on the start-up path. Without it, guided requests are refused with what to install.
+
+JSON follows the schema in xgrammar's strict mode (no properties or items the schema does not
+list), with any whitespace between elements but at most MAX_JSON_WHITESPACE characters of it in
+a row: a model that keeps choosing whitespace (a real risk: vLLM's --disable-any-whitespace exists
+for it) runs out of it instead of out of max_tokens. `json_object` is the schema {"type":
+"object"} (any JSON object, as vLLM; xgrammar's builtin JSON grammar would allow an array too).
+`guided_choice` becomes the EBNF grammar `root ::= "a" | "b" | ...` (exact strings).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: What a GuidedSpec constrains the output to.
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: The request fields that constrain the output, in the order a conflict names them.
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+#: Whitespace characters allowed in a row between JSON elements (see the module doc).
+MAX_JSON_WHITESPACE = 32
+#: Compiled grammars kept per GrammarCache (one model).
+MAX_CACHED_GRAMMARS = 256
+#: A message from xgrammar is cut to this many characters.
+MAX_ERROR_CHARS = 500
+XGRAMMAR_REQUIREMENT = "xgrammar>=0.1.21"
+#: Why a server with speculative decoding refuses guided requests (a 400 naming the field).
+SPECULATIVE_REFUSAL = ("structured outputs are not supported together with --speculative-model (speculative "
+                       "decoding: the grammar would have to mask every drafted position); serve without "
+                       "--speculative-model for guided requests")
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class GuidedDecodingError(ValueError):
+    """A guided-decoding field the server refuses (a 400): `param` names the request field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """One request's constraint: `kind` (GUIDED_KINDS) and its text — the JSON schema (compact
+    JSON), the regex, the choices (a JSON list of strings), the EBNF grammar; "" for json_object.
+    `param` is the request field it came from (errors name it); it is not part of the identity."""
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not isinstance(self.param, str):
+            raise ValueError(f"a guided spec's text and param must be strings, got {self.spec!r}, {self.param!r}")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.spec
+
+
+# --- the request's fields -----------------------------------------------------------------
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON schema given as an object or as a JSON string of one, as compact JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise GuidedDecodingError(f"'{param}' must be a JSON schema (an object, or a string holding one); "
+                                      f"the string does not decode: {e}", param=param) from None
+    if not isinstance(value, dict):
+        raise GuidedDecodingError(f"'{param}' must be a JSON schema (an object), got {json.dumps(value)[:100]}",
+                                  param=param)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _response_format(fmt: Any) -> GuidedSpec | None:
+    shape = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+             '{"name": "<name>", "schema": {<JSON schema>}}}')
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedSpec("json_object", "", "response_format")
+    if kind != "json_schema":
+        got = json.dumps(fmt)[:200] if isinstance(fmt, dict) else type(fmt).__name__
+        raise GuidedDecodingError(f"'response_format' must be {shape}, got {got}", param="response_format")
+    js = fmt.get("json_schema")
+    if not isinstance(js, dict):
+        raise GuidedDecodingError(f"'response_format.json_schema' must be an object {{\"name\": \"<name>\", "
+                                  f"\"schema\": {{<JSON schema>}}}}, got {json.dumps(js)[:100]}",
+                                  param="response_format.json_schema")
+    for key, types, what in (("name", str, "a string"), ("description", str, "a string"),
+                             ("strict", (bool, type(None)), "true or false")):
+        if key in js and not isinstance(js[key], types):
+            raise GuidedDecodingError(f"'response_format.json_schema.{key}' must be {what}, got "
+                                      f"{json.dumps(js[key])[:100]}", param=f"response_format.json_schema.{key}")
+    if js.get("schema") is None:
+        raise GuidedDecodingError("'response_format.json_schema.schema' is required: the JSON schema the output "
+                                  "follows", param="response_format.json_schema.schema")
+    param = "response_format.json_schema.schema"
+    return GuidedSpec("json", _schema_text(js["schema"], param), param)
+
+
+def _one(body: dict, name: str) -> GuidedSpec | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if name == "response_format":
+        return _response_format(value)
+    if name == "guided_json":
+        return GuidedSpec("json", _schema_text(value, name), name)
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GuidedDecodingError(f"'guided_choice' must be a non-empty list of strings, got "
+                                      f"{json.dumps(value)[:100]}", param=name)
+        return GuidedSpec("choice", json.dumps(value, ensure_ascii=False), name)
+    if not isinstance(value, str) or not value:
+        what = "a regular expression" if name == "guided_regex" else "an EBNF grammar (xgrammar's)"
+        raise GuidedDecodingError(f"'{name}' must be a non-empty string: {what}, got {json.dumps(value)[:100]}",
+                                  param=name)
+    return GuidedSpec("regex" if name == "guided_regex" else "grammar", value, name)
+
+
+def parse_guided(body: dict) -> GuidedSpec | None:
+    """The request body's output constraint, or None (also for response_format text). More than
+    one constraining field, or a malformed one, is a GuidedDecodingError naming the field."""
+    found: list[tuple[str, GuidedSpec]] = []
+    for name in GUIDED_FIELDS:
+        spec = _one(body, name)
+        if spec is not None:
+            found.append((name, spec))
+    if len(found) > 1:
+        (a, _), (b, _) = found[:2]
+        raise GuidedDecodingError(f"'{a}' and '{b}' both constrain the output; send at most one of them", param=b)
+    return found[0][1] if found else None
+
+
+# --- xgrammar -----------------------------------------------------------------------------
+def import_xgrammar(param: str | None = None) -> Any:
+    """The xgrammar module, or a GuidedDecodingError saying what to install."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise GuidedDecodingError(
+            f"structured outputs (response_format json_object/json_schema, guided_json/regex/choice/grammar) need "
+            f"the xgrammar package, which this server cannot import ({e}); install it beside resident "
+            f"(pip install '{XGRAMMAR_REQUIREMENT}') and restart the server", param=param) from None
+    return xgrammar
+
+
+_XGRAMMAR_PREFIX = re.compile(r"^\s*(\[[0-9:]+\]\s*)?(\S+\.(cc|cpp|h|py):\d+:\s*)?")
+
+
+def short_error(e: BaseException) -> str:
+    """xgrammar's message without its log prefix and C++ file (`[04:38:44] /project/cpp/regex_converter.cc:94:
+    Regex parsing error ...` -> `Regex parsing error ...`), on one line, cut to MAX_ERROR_CHARS."""
+    lines = [_XGRAMMAR_PREFIX.sub("", line).strip() for line in str(e).splitlines()]
+    text = " ".join(line for line in lines if line) or type(e).__name__
+    text = text.replace("Check failed: (error.empty()) is false: ", "")
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def tokenizer_info(tokenizer_json: str, vocab: dict[str, int], vocab_size: int,
+                   stop_token_ids: Iterable[int], special_token_ids: Iterable[int] = ()) -> Any:
+    """`xgrammar.TokenizerInfo` for a `tokenizers` tokenizer: its serialized form (`to_str()`, for
+    the vocabulary type and prefix space xgrammar detects from it) and its vocabulary with the
+    added tokens. `vocab_size` is the model's logits width (config.json's, often larger than the
+    tokenizer's); ids the tokenizer lacks are "" (never allowed), ids past the logits are dropped.
+    `stop_token_ids`: the model's EOS ids, which end a complete grammar. `special_token_ids` are ""
+    too: their text ("<|im_end|>") would otherwise match a grammar's characters, yet the output's
+    text leaves them out (and an EOS taken as text ended a regex such as `.+` at once)."""
+    xgr = import_xgrammar()
+    encoded = [""] * vocab_size
+    for token, i in vocab.items():
+        if 0 <= i < vocab_size:
+            encoded[i] = token
+    for i in special_token_ids:
+        if 0 <= i < vocab_size:
+            encoded[i] = ""
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+    stops = sorted(i for i in stop_token_ids if 0 <= i < vocab_size)
+    return xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=stops or None, add_prefix_space=meta["add_prefix_space"])
+
+
+def tokenizer_info_of(backend: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:
+    """`tokenizer_info` of a `tokenizers.Tokenizer` (the worker Tokenizer's `backend`)."""
+    special = [i for i, token in backend.get_added_tokens_decoder().items() if token.special]
+    return tokenizer_info(backend.to_str(), backend.get_vocab(with_added_tokens=True), vocab_size, stop_token_ids,
+                          special)
+
+
+def tokenizer_info_from_file(path: str, vocab_size: int, stop_token_ids: Iterable[int]) -> Any:
+    """`tokenizer_info` from a model folder's tokenizer.json (the engine process of `--frontend
+    process`, which loads no tokenizer of its own)."""
+    from tokenizers import Tokenizer
+
+    return tokenizer_info_of(Tokenizer.from_file(str(path)), vocab_size, stop_token_ids)
+
+
+def _choice_grammar(choices_json: str) -> str:
+    # EBNF string literals take JSON's escapes.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(choices_json))
+
+
+_WHAT = {"json": "is not a JSON schema this server can follow", "json_object": "cannot be compiled",
+         "regex": "is not a regular expression this server can follow",
+         "choice": "cannot be compiled", "grammar": "is not a valid EBNF grammar (xgrammar's syntax)"}
+
+
+class GrammarCache:
+    """Compiled grammars for one model's vocabulary, least recently used dropped past `max_entries`.
+
+    `make_tokenizer_info()` builds the `xgrammar.TokenizerInfo`, once, on the first compile (0.15
+    s for a 49k vocabulary). Thread-safe: the HTTP layer and the engine thread both compile; a spec
+    compiled by both at once is compiled twice, harmlessly."""
+
+    def __init__(self, make_tokenizer_info: Callable[[], Any], max_entries: int = MAX_CACHED_GRAMMARS) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self._make_info = make_tokenizer_info
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._vocab_size = 0
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_compiled = 0   # compilations done (cache misses that compiled)
+
+    def _get_compiler(self, param: str | None) -> Any:
+        xgr = import_xgrammar(param)
+        with self._lock:
+            if self._compiler is None:
+                info = self._make_info()
+                # xgrammar's own cache would grow without bound (and key the same specs): ours is the LRU.
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+                self._vocab_size = info.vocab_size
+            return self._compiler
+
+    @property
+    def vocab_size(self) -> int:
+        """The bitmask's vocabulary (the model's logits width); 0 before the first compile."""
+        return self._vocab_size
+
+    def compile(self, spec: GuidedSpec) -> Any:
+        """The `xgrammar.CompiledGrammar` of `spec`; GuidedDecodingError (naming spec.param) for a
+        schema, regex or grammar xgrammar refuses, or when xgrammar is missing."""
+        with self._lock:
+            compiled = self._compiled.get(spec.key)
+            if compiled is not None:
+                self._compiled.move_to_end(spec.key)
+                return compiled
+        compiler = self._get_compiler(spec.param or None)
+        try:
+            if spec.kind in ("json", "json_object"):
+                compiled = compiler.compile_json_schema(spec.spec or _JSON_OBJECT_SCHEMA, any_whitespace=True,
+                                                        max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.spec)
+            else:
+                compiled = compiler.compile_grammar(spec.spec if spec.kind == "grammar" else _choice_grammar(spec.spec))
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input
+            name = spec.param or spec.kind
+            raise GuidedDecodingError(f"'{name}' {_WHAT[spec.kind]}: {short_error(e)}", param=spec.param or None) \
+                from None
+        with self._lock:
+            self.num_compiled += 1
+            self._compiled[spec.key] = compiled
+            self._compiled.move_to_end(spec.key)
+            while len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: GuidedSpec) -> Any:
+        """A fresh `xgrammar.GrammarMatcher` for one request."""
+        xgr = import_xgrammar(spec.param or None)
+        return xgr.GrammarMatcher(self.compile(spec))
+
+    def fill_bitmask(self, matchers: list[Any]) -> Any:
+        """int32 CPU tensor [len(matchers), ceil(vocab / 32)]: row i the tokens matchers[i] allows
+        next (bit t set = token t allowed)."""
+        xgr = import_xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self._vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        return bitmask
+
+
+__all__ = ["GUIDED_FIELDS", "GUIDED_KINDS", "SPECULATIVE_REFUSAL", "GrammarCache", "GuidedDecodingError", "GuidedSpec",
+           "import_xgrammar", "parse_guided", "short_error", "tokenizer_info", "tokenizer_info_from_file",
+           "tokenizer_info_of"]
