@@ -47,7 +47,7 @@ MAX_JSON_WHITESPACE = 32
 MAX_CACHED_GRAMMARS = 256
 #: A message from xgrammar is cut to this many characters.
 MAX_ERROR_CHARS = 500
-XGRAMMAR_REQUIREMENT = "xgrammar>=0.1.21"
+XGRAMMAR_REQUIREMENT = "xgrammar>=0.2.9"   # as pyproject.toml
 #: Why a server with speculative decoding refuses guided requests (a 400 naming the field).
 SPECULATIVE_REFUSAL = ("structured outputs are not supported together with --speculative-model (speculative "
                        "decoding: the grammar would have to mask every drafted position); serve without "

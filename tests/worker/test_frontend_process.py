@@ -538,3 +538,44 @@ worker.store.close()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=serve_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "None None 256 256 []", out.stdout
+
+
+GUIDED_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+                 "required": ["ok", "color"]}
+
+
+def _guided_json(text: str) -> dict:
+    value = json.loads(text)
+    assert list(value) == ["ok", "color"] and isinstance(value["ok"], bool) and value["color"] in ("red", "green")
+    return value
+
+
+def test_structured_outputs_are_the_inline_ones(workers):
+    """Guided decoding across the two processes: the front-end compiles the schema to validate
+    it (a bad one is a 400 naming the field before the stream starts), the engine process builds
+    its vocabulary from the model folder's tokenizer.json and masks; the random-weight model's
+    output follows the schema only because of the mask, and equals the inline worker's, greedy
+    and seeded, streamed too."""
+    inline, proc = workers
+    chat = {"messages": [{"role": "user", "content": "Reply in JSON"}], "max_tokens": 400}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": GUIDED_SCHEMA, "strict": True}}
+    for sampling in ({"temperature": 0}, {"temperature": 1, "seed": 3}):
+        body = {**chat, **sampling, "response_format": fmt}
+        got = post(proc, "/v1/chat/completions", body)
+        assert _choices(got) == _choices(post(inline, "/v1/chat/completions", body))
+        _guided_json(got["choices"][0]["message"]["content"])
+        assert got["choices"][0]["finish_reason"] == "stop"
+        events = stream(proc.base_url, "/v1/chat/completions", body)
+        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        assert text == got["choices"][0]["message"]["content"]
+    got = post(proc, "/v1/completions", {"prompt": PROMPT, "max_tokens": 30, "guided_choice": ["yes", "no"], "n": 3,
+                                         "temperature": 1})
+    assert {c["text"] for c in got["choices"]} <= {"yes", "no"}
+    obj = post(proc, "/v1/completions", {"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                                         "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj["choices"][0]["text"]), dict)
+    for stream_ in (False, True):
+        status, err = http(proc.base_url, "POST", "/v1/chat/completions",
+                           {"model": MODEL_NAME, **chat, "stream": stream_, "guided_regex": "(a"}, headers=AUTH)
+        assert status == 400 and err["error"]["param"] == "guided_regex", err
+        assert "Regex parsing error" in err["error"]["message"] and ".cc:" not in err["error"]["message"], err

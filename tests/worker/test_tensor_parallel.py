@@ -314,6 +314,55 @@ def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
     assert all(len(t) == 12 for rid, t in got[True].items() if not rid.startswith("m"))
 
 
+def test_tp2_guided_requests_follow_their_grammar_beside_others(tiny_model):
+    """Structured outputs over a TP group: rank 0 masks with the grammar (the other ranks get no
+    bitmask: guided requests step synchronously, so their samples are discarded); the outputs
+    match the regex and choices, and every request generates the same with async scheduling on
+    and off."""
+    import re
+
+    from fixtures_tokenizer import write_tiny_tokenizer
+
+    from resident.worker.engine import LLMEngine
+    from resident.worker.structured_output import GuidedSpec
+    from resident.worker.tokenizer import Tokenizer
+
+    path = tiny_model("llama")
+    write_tiny_tokenizer(path)
+    tokenizer = Tokenizer.from_folder(path)
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        runner = group.build_runner(store.tensors, engine_config=engine_config())
+        got = {}
+        for mode in (False, True):
+            engine = LLMEngine(engine_config(), runner, tokenizer, async_scheduling=mode)
+            requests = {"re": SamplingParams(temperature=0.0, max_tokens=20, guided=GuidedSpec("regex", r"[a-f]{3}\d")),
+                        "ch": SamplingParams(temperature=1.0, seed=2, max_tokens=20,
+                                             guided=GuidedSpec("choice", '["left", "right"]')),
+                        "plain": SamplingParams(temperature=0.0, max_tokens=10)}
+            for rid, params in requests.items():
+                engine.add_request(f"{rid}{mode}", [5, 6, 7], params)
+            text: dict[str, str] = {}
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    rid = out.request_id.removesuffix(str(mode))
+                    text[rid] = text.get(rid, "") + out.new_text
+                    tokens.setdefault(rid, []).extend(out.new_token_ids)
+            got[mode] = text, tokens
+        runner.close()
+        store.close()
+    finally:
+        group.close()
+    assert got[True] == got[False]
+    text, tokens = got[False]
+    assert re.fullmatch(r"[a-f]{3}\d", text["re"]) and text["ch"] in ("left", "right"), text
+    assert len(tokens["plain"]) == 10
+
+
 #: A smaller shape of the GPU test's model (same head ratio, 4 layers), bf16.
 DECISIVE_SHAPE = dict(dtype="bfloat16", init_std=0.02, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024)
