@@ -190,9 +190,9 @@ def test_the_warm_up_samples_with_the_prefetchs_params(tiny_model, monkeypatch):
     seen = []
     sample = runner.sample
 
-    def spy(logits, to_sample):
+    def spy(logits, to_sample, *args):
         seen.extend(s.sampling_params for s in to_sample)
-        return sample(logits, to_sample)
+        return sample(logits, to_sample, *args)
     monkeypatch.setattr(runner, "sample", spy)
     runner.warmup(full=True)   # the GPU's passes: greedy (the sampler's kernels load after ready)
     greedy = warmup_sampling_params()[0]

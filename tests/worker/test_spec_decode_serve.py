@@ -78,6 +78,12 @@ def test_serve_with_speculation_matches_plain_greedy(model, method: str) -> None
         if method == "draft":
             assert proposed > 0
             assert metric(proc.base_url, "resident_worker_spec_acceptance_rate") >= 0.9
+        # Structured outputs are refused with speculative decoding: a 400 naming the field.
+        for field, value in (("guided_regex", "a+"), ("response_format", {"type": "json_object"})):
+            status, body = http(proc.base_url, "POST", "/v1/completions", {
+                "model": MODEL_NAME, "prompt": "x", "max_tokens": 4, field: value})
+            assert status == 400 and body["error"]["param"] == field, body
+            assert "not supported together with --speculative-model" in body["error"]["message"], body
     finally:
         stop_serve(proc)
 
