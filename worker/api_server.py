@@ -336,12 +336,16 @@ class ApiServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
         req = parse_completion_request(await self._body(request), serving.opts)
-        return await self._respond(request, serving, serving.prepare_completion(req))
+        prep = serving.prepare_completion(req)
+        await serving.compile_guided(prep)
+        return await self._respond(request, serving, prep)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         serving = self._serving()
         req = parse_chat_request(await self._body(request), serving.opts)
-        return await self._respond(request, serving, serving.prepare_chat(req))
+        prep = serving.prepare_chat(req)
+        await serving.compile_guided(prep)
+        return await self._respond(request, serving, prep)
 
     async def _respond(self, request: web.Request, serving: OpenAIServing, prep: Prepared) -> web.StreamResponse:
         self.state.num_http_in_flight += 1

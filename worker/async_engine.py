@@ -177,6 +177,11 @@ class AsyncEngine(RequestStreams):
         #: a snapshot waits for it: a capture must not run while the weights are unmapped).
         self.idle_work_done = threading.Event()
 
+    @property
+    def grammars(self) -> Any:
+        """The engine's structured_output.GrammarCache (None for an engine without one)."""
+        return getattr(self._engine, "grammars", None)
+
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""

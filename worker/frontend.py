@@ -110,6 +110,8 @@ class Frontend:
             self.engine.deliver(message[1])
         elif kind == "refused":
             self.engine.refused(*message[1:])
+        elif kind == "compiled":
+            self.engine.compiled(*message[1:])
         elif kind == "metrics":
             waiter = self._metric_waiters.pop(message[1], None)
             if waiter is not None and not waiter.done():
@@ -160,13 +162,14 @@ class Frontend:
         from resident.worker.openai_serving import OpenAIServing
         from resident.worker.protocol import ServingOptions
 
-        # Guided requests are compiled here too, to refuse a bad schema before a stream starts: the
-        # first one imports xgrammar (and torch, which it needs) into this process; the engine
-        # process compiles them again in its own cache.
+        # Guided requests are compiled in the engine process (frontend_server, off its steps), which
+        # refuses a bad spec naming the field before any token: xgrammar needs torch, which this
+        # process never imports.
         opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
                               trust_request_chat_template=self.start.trust_request_chat_template,
                               guided_refusal=ready.guided_refusal)
-        self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size)
+        self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size,
+                                           compile_guided=False)
         self.metrics.set_weights_source(ready.weights_source)
         self.phases = dict(ready.phases)
         self.state.ready = True

@@ -11,9 +11,12 @@ Engine -> front-end:
 - `("start", FrontendStart)`: first, written before the front-end runs (it is buffered).
 - `("ready", EngineReady)`: the engine is built; the front-end turns /ready 200.
 - `("outputs", [RequestOutput, ...])`: token ids, finish, logprobs; no text.
-- `("refused", request_id, kind, message)`: `kind` "invalid" (a bad request, HTTP 400),
+- `("refused", request_id, kind, message[, param])`: `kind` "invalid" (a bad request, HTTP 400;
+  `param`, when given, the request field it names),
   "draining", "aborted" or "dead" (the matching async_engine exceptions).
 - `("metrics", token, bytes)`: the engine process's Prometheus exposition, as asked.
+- `("compiled", token, message, param)`: the answer to "compile" (message None: compiled; else
+  why the spec is refused and the request field it names).
 - `("drain",)`: the engine was told to stop (SIGTERM, admin /drain): drain and exit.
 - `("failed", message)`: the engine could not start, or its thread died.
 
@@ -22,6 +25,8 @@ Front-end -> engine:
 - `("failed", message)`: the front-end could not start (e.g. the tokenizer files are bad).
 - `("add", request_id, prompt_token_ids, SamplingParams)`, `("abort", request_id)`.
 - `("metrics", token)`: asks for the engine's exposition.
+- `("compile", token, GuidedSpec)`: compile a guided request's grammar before adding it (in a
+  worker thread, into the engine's cache): a bad spec is a 400 before any stream starts.
 - `("drained",)`: the front-end has finished its in-flight requests and exits.
 """
 from __future__ import annotations

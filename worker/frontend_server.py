@@ -125,6 +125,7 @@ class EngineSide:
         self.failed: str | None = None
         self.drained = False
         self._tasks: dict[str, asyncio.Task] = {}
+        self._compile_tasks: set[asyncio.Task] = set()   # "compile"s in flight (held: asyncio keeps weak refs)
         self._outputs: list[Any] = []
 
     async def read_link(self) -> None:
@@ -157,6 +158,10 @@ class EngineSide:
                 task.cancel()
         elif kind == "metrics":
             self.link.send(("metrics", message[1], self.metrics.render()))
+        elif kind == "compile":
+            task = asyncio.create_task(self._compile(message[1], message[2]))
+            self._compile_tasks.add(task)
+            task.add_done_callback(self._compile_tasks.discard)
         elif kind == "hello":
             if not self.hello.done():
                 self.hello.set_result(message[1])
@@ -170,16 +175,34 @@ class EngineSide:
         else:
             logger.warning("ignoring an unknown message %r from the front-end process", kind)
 
+    async def _compile(self, token: int, spec: Any) -> None:
+        """A "compile" from the front-end: its grammar compiled in a worker thread into the engine's
+        cache (xgrammar's first use, a large schema: the steps do not wait), answered "compiled"."""
+        grammars = self.engine.grammars if self.engine is not None else None
+        try:
+            if grammars is None:
+                raise ValueError("the engine is not ready yet" if self.engine is None
+                                 else "this engine cannot guide decoding")
+            await asyncio.to_thread(grammars.compile, spec)
+        except ValueError as e:   # GuidedDecodingError names the field
+            self.link.send(("compiled", token, str(e), getattr(e, "param", None)))
+        else:
+            self.link.send(("compiled", token, None, None))
+
     async def _run(self, request_id: str, prompt: list[int], params: Any) -> None:
         from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
 
         try:
+            if getattr(params, "guided", None) is not None and self.engine.grammars is not None:
+                # Compiled in a worker thread into the engine's cache (the engine then finds it): the
+                # first use imports xgrammar and builds the vocabulary, which the steps should not wait for.
+                await asyncio.to_thread(self.engine.grammars.compile, params.guided)
             async for out in self.engine.generate(request_id, prompt, params):
                 self._send_output(out)
         except asyncio.CancelledError:
             pass
-        except ValueError as e:
-            self.link.send(("refused", request_id, "invalid", str(e)))
+        except ValueError as e:   # a GuidedDecodingError names its field: the 400's param
+            self.link.send(("refused", request_id, "invalid", str(e), getattr(e, "param", None)))
         except EngineDraining as e:
             self.link.send(("refused", request_id, "draining", str(e)))
         except RequestAborted as e:

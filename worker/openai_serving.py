@@ -72,15 +72,18 @@ def sse(payload: dict | str) -> bytes:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, opts: ServingOptions, metrics: ServerMetrics,
-                 vocab_size: int, grammars: Any = None) -> None:
+                 vocab_size: int, grammars: Any = None, compile_guided: bool = True) -> None:
         """`grammars`: the structured_output.GrammarCache guided requests are compiled in (the inline
-        engine's own, so the engine finds them compiled); by default one over `tokenizer`."""
+        engine's own, so the engine finds them compiled); by default one over `tokenizer`.
+        `compile_guided=False` (the --frontend process front-end): none here — the engine process
+        compiles, off its event loop and its steps, and refuses a bad spec with the field's name;
+        this process never imports xgrammar (nor the torch it needs)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.opts = opts
         self.metrics = metrics
         self.vocab_size = vocab_size
-        if grammars is None and tokenizer is not None:
+        if grammars is None and tokenizer is not None and compile_guided:
             from resident.worker.structured_output import GrammarCache, tokenizer_info_of
 
             grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, tokenizer.eos_token_ids))
@@ -129,15 +132,26 @@ class OpenAIServing:
         return out
 
     def _check_guided(self, spec: Any) -> None:
-        """Compile the request's grammar (kept for the engine): a 400 naming its field when this
-        server cannot guide (speculative decoding), xgrammar is missing, or xgrammar refuses it."""
+        """A 400 naming the guided field when this server cannot guide (speculative decoding)."""
+        if self.opts.guided_refusal is not None:
+            raise RequestError(f"'{spec.param}': {self.opts.guided_refusal}", param=spec.param or None)
+
+    async def compile_guided(self, prep: Prepared) -> None:
+        """Compile a prepared request's grammar (kept in the cache the engine reads) in a worker
+        thread: xgrammar's first use (its import, the vocabulary) and a large schema's compile take
+        from tenths of a second to seconds, which neither the event loop (every other stream) nor
+        the engine's steps should wait for. A 400 naming the field when xgrammar is missing or
+        refuses the spec. Under --frontend process the engine process compiles, asked over the link."""
         from resident.worker.structured_output import GuidedDecodingError
 
-        param = spec.param or None
-        if self.opts.guided_refusal is not None:
-            raise RequestError(f"'{spec.param}': {self.opts.guided_refusal}", param=param)
+        spec = prep.params[0].guided if prep.params else None
+        if spec is None:
+            return
         try:
-            self.grammars.compile(spec)
+            if self.grammars is not None:
+                await asyncio.to_thread(self.grammars.compile, spec)
+            elif hasattr(self.engine, "compile_grammar"):   # the engine process compiles (RemoteEngine)
+                await self.engine.compile_grammar(spec)
         except GuidedDecodingError as e:
             raise RequestError(e.message, param=e.param) from None
 

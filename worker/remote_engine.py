@@ -9,6 +9,8 @@ engine is told to abort it: the tokens it computed meanwhile are dropped unseen.
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from dataclasses import replace
 from typing import Any
@@ -87,6 +89,8 @@ class RemoteEngine(RequestStreams):
         self._tokenizer = tokenizer
         self._eos = eos_token_ids
         self._texts: dict[str, TextStream] = {}   # beside each stream: its detokenization and stop strings
+        self._compiles: dict[int, asyncio.Future] = {}   # grammar compiles asked of the engine process
+        self._compile_tokens = itertools.count()
 
     def _send_add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         text = TextStream(request_id, prompt_token_ids, params, self._tokenizer, self._eos)
@@ -94,6 +98,31 @@ class RemoteEngine(RequestStreams):
         # Stop strings are matched here; the engine (no tokenizer) would refuse them.
         self._link.send(("add", request_id, text.request.prompt_token_ids,
                          replace(params, stop=[]) if params.stop else params))
+
+    async def compile_grammar(self, spec: Any) -> None:
+        """Have the engine process compile a guided request's grammar (in a worker thread there,
+        kept in the cache its engine reads) before the request is sent: a spec it refuses raises
+        GuidedDecodingError naming the field, so the HTTP layer answers 400 before any stream."""
+        from resident.worker.structured_output import GuidedDecodingError
+
+        if self.error is not None:
+            raise self.error
+        token = next(self._compile_tokens)
+        waiter = asyncio.get_running_loop().create_future()
+        self._compiles[token] = waiter
+        self._link.send(("compile", token, spec))
+        try:
+            refusal = await waiter
+        finally:
+            self._compiles.pop(token, None)
+        if refusal is not None:
+            raise GuidedDecodingError(*refusal)
+
+    def compiled(self, token: int, message: str | None, param: str | None) -> None:
+        """The engine process's answer to `compile_grammar` (message None: compiled)."""
+        waiter = self._compiles.get(token)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None if message is None else (message, param))
 
     def _send_abort(self, request_id: str) -> None:
         self._link.send(("abort", request_id))
@@ -115,13 +144,19 @@ class RemoteEngine(RequestStreams):
                 self._link.send(("abort", out.request_id))
             queue.put_nowait(result)
 
-    def refused(self, request_id: str, kind: str, message: str) -> None:
-        self._fail_stream(request_id, _REFUSALS.get(kind, EngineDead)(message))
+    def refused(self, request_id: str, kind: str, message: str, param: str | None = None) -> None:
+        error = _REFUSALS.get(kind, EngineDead)(message)
+        if param is not None:
+            error.param = param   # the request field a 400 names (openai_serving reads it)
+        self._fail_stream(request_id, error)
 
     def fail_all(self, reason: str) -> None:
         """The engine died or the link closed: every waiting request fails, new ones too."""
         if self.error is None:
             self.error = EngineDead(reason)
+        for waiter in self._compiles.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDead(f"engine failed: {reason}"))
         for rid in list(self._streams):
             self._fail_stream(rid, EngineDead(f"engine failed: {reason}"))
 

@@ -551,9 +551,10 @@ def _guided_json(text: str) -> dict:
 
 
 def test_structured_outputs_are_the_inline_ones(workers):
-    """Guided decoding across the two processes: the front-end compiles the schema to validate
-    it (a bad one is a 400 naming the field before the stream starts), the engine process builds
-    its vocabulary from the model folder's tokenizer.json and masks; the random-weight model's
+    """Guided decoding across the two processes: the engine process compiles the schema (in a
+    worker thread; a bad one is a 400 naming the field before the stream starts) with its
+    vocabulary from the model folder's tokenizer.json and masks — the front-end never imports
+    xgrammar nor torch; the random-weight model's
     output follows the schema only because of the mask, and equals the inline worker's, greedy
     and seeded, streamed too."""
     inline, proc = workers
@@ -579,3 +580,5 @@ def test_structured_outputs_are_the_inline_ones(workers):
                            {"model": MODEL_NAME, **chat, "stream": stream_, "guided_regex": "(a"}, headers=AUTH)
         assert status == 400 and err["error"]["param"] == "guided_regex", err
         assert "Regex parsing error" in err["error"]["message"] and ".cc:" not in err["error"]["message"], err
+    maps = Path(f"/proc/{frontend_pid(proc)}/maps").read_text()
+    assert "xgrammar" not in maps and "libtorch" not in maps   # the engine process compiled them all

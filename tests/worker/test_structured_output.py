@@ -4,10 +4,12 @@ the tiny random-weight model — whose output is valid only because of the mask 
 request beside them shows what it writes unguided)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -128,7 +130,7 @@ def test_without_xgrammar_guided_requests_are_refused_with_what_to_install(tiny,
     serving = OpenAIServing(None, tokenizer, opts, None, vocab_size=config.vocab_size)
     req = parse_completion_request({"model": "tiny", "prompt": "a", "guided_regex": "a+"}, opts)
     with pytest.raises(RequestError) as e:
-        serving.prepare_completion(req)
+        asyncio.run(serving.compile_guided(serving.prepare_completion(req)))
     assert e.value.status == 400 and e.value.param == "guided_regex"
     assert "need the xgrammar package" in e.value.message and "pip install 'xgrammar>=" in e.value.message
     plain = serving.prepare_completion(parse_completion_request({"model": "tiny", "prompt": "a"}, opts))
@@ -145,11 +147,21 @@ def test_the_serving_layer_refuses_bad_specs_and_guidance_under_speculative_deco
     opts = ServingOptions(served_model_names=("tiny",), max_model_len=128)
     serving = OpenAIServing(None, tokenizer, opts, None, vocab_size=config.vocab_size, grammars=grammars)
     body = {"model": "tiny", "prompt": "a", "guided_grammar": "root ::= foo"}
-    with pytest.raises(RequestError) as e:
-        serving.prepare_completion(parse_completion_request(body, opts))
+    with pytest.raises(RequestError) as e:   # compiled in a worker thread, off the event loop
+        asyncio.run(serving.compile_guided(serving.prepare_completion(parse_completion_request(body, opts))))
     assert e.value.param == "guided_grammar" and "Rule \"foo\" is not defined" in e.value.message
     ok = serving.prepare_completion(parse_completion_request({**body, "guided_grammar": 'root ::= "x"'}, opts))
+    asyncio.run(serving.compile_guided(ok))
     assert ok.params[0].guided == GuidedSpec("grammar", 'root ::= "x"')
+    assert grammars.compile(ok.params[0].guided) is grammars.compile(ok.params[0].guided)   # kept for the engine
+    threads = []
+    real_compile = grammars.compile
+    grammars.compile = lambda spec: threads.append(threading.current_thread()) or real_compile(spec)
+    try:
+        asyncio.run(serving.compile_guided(ok))
+    finally:
+        del grammars.compile
+    assert threads and threads[0] is not threading.main_thread()   # never on the event loop's thread
     spec_opts = ServingOptions(served_model_names=("tiny",), max_model_len=128, guided_refusal=SPECULATIVE_REFUSAL)
     spec_serving = OpenAIServing(None, tokenizer, spec_opts, None, vocab_size=config.vocab_size, grammars=grammars)
     with pytest.raises(RequestError) as e:
