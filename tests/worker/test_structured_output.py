@@ -279,11 +279,13 @@ def test_tp_ranks_get_no_bitmask(tiny):
 
 # --- the engine on the tiny model -----------------------------------------------------------
 def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = False, prompt: str = "hello",
-        **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
+        device: str = "cpu", **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
     config, weights, tokenizer, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
-    engine = LLMEngine(engine_config, ModelRunner(config, engine_config, weights), tokenizer,
-                       async_scheduling=async_scheduling, **engine_kwargs)
+    if device != "cpu":
+        weights = {k: v.to(device) for k, v in weights.items()}
+    runner = ModelRunner(config, engine_config, weights, device=device)
+    engine = LLMEngine(engine_config, runner, tokenizer, async_scheduling=async_scheduling, **engine_kwargs)
     for rid, params in requests.items():
         engine.add_request(rid, tokenizer.encode(prompt), params)
     text = {rid: "" for rid in requests}
@@ -324,6 +326,31 @@ def test_guided_outputs_follow_their_schema_regex_and_choice(tiny, async_schedul
     assert reasons["plain"] == "length"
     if temperature:
         assert run(tiny, requests, not async_scheduling)[0] == text   # seeded: the same in both modes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_guided_outputs_on_gpu_are_the_cpu_ones(tiny, async_scheduling):
+    """On CUDA (the bitmask applied by xgrammar's GPU kernel to device logits, decode steps
+    replayed from graphs) the guided outputs follow their schema, regex and choice and stop at
+    the grammar's end, beside a plain request — greedy, so that they equal the CPU runner's
+    wherever the tiny model's float32 logits agree (checked by the schema and lengths here)."""
+    def params(spec: GuidedSpec) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=1000, guided=spec)
+
+    requests = {"json": params(GuidedSpec("json", json.dumps(SCHEMA), "guided_json")),
+                "regex": params(GuidedSpec("regex", REGEX, "guided_regex")),
+                "choice": params(GuidedSpec("choice", json.dumps(CHOICES), "guided_choice")),
+                "plain": SamplingParams(temperature=0.0, max_tokens=12),
+                "seeded": SamplingParams(temperature=1.0, seed=11, max_tokens=1000,
+                                         guided=GuidedSpec("choice", json.dumps(CHOICES), "guided_choice"))}
+    text, reasons, tokens = run(tiny, requests, async_scheduling, device="cuda")
+    check_schema(text["json"])
+    assert re.fullmatch(REGEX, text["regex"]) and text["choice"] in CHOICES, text
+    assert text["seeded"] in CHOICES, text["seeded"]
+    for rid in ("json", "regex", "choice", "seeded"):
+        assert reasons[rid] == "stop" and tokens[rid][-1] == EOS, (rid, text[rid])
+    assert reasons["plain"] == "length"
 
 
 def test_max_tokens_stop_strings_and_min_tokens_keep_working_with_a_grammar(tiny):
