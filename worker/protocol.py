@@ -6,12 +6,13 @@ own invariants again when the server builds it (its ValueError also becomes a 40
 we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
 fields that change processing beyond sampling (a request-supplied chat template, template
 or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
-that change the output and that we do not implement (`prompt_logprobs`, `structured_outputs`,
+that change the output and that we do not implement (`prompt_logprobs`, beam search,
 ...) are refused unless sent with the value that means "off": ignored, they would silently break
 what the client asked for.
 
 Structured outputs: OpenAI's `response_format` (text, json_object, json_schema) and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, at most one per request, are
+`structured_outputs` and older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+at most one per request, are
 parsed by structured_output.parse_guided into SamplingParams' `guided` (its shape errors are
 400s naming the field here; the serving layer compiles the schema, regex or grammar, and
 refuses one xgrammar cannot follow with a 400 naming the field).
@@ -49,7 +50,6 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
-    "structured_outputs": (None,),
 }
 # add_special_tokens defaults differ: a completion prompt gets them, a rendered chat template has them.
 UNSUPPORTED_COMPLETION_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}

@@ -1,8 +1,9 @@
 """Structured outputs (guided decoding) with xgrammar, as vLLM does them.
 
 A request constrains its output with at most one of OpenAI's `response_format`
-({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}) or vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (xgrammar's EBNF); `parse_guided`
+({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}), vLLM's
+`structured_outputs` ({"json" | "regex" | "choice" | "grammar": ...} or {"json_object": true}) or
+its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (xgrammar's EBNF); `parse_guided`
 turns the request body's fields into a `GuidedSpec` (kind + spec text), which travels in
 SamplingParams (it pickles: `--frontend process` sends it over the link).
 
@@ -40,7 +41,12 @@ logger = logging.getLogger(__name__)
 #: What a GuidedSpec constrains the output to.
 GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 #: The request fields that constrain the output, in the order a conflict names them.
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
+#: vLLM's `structured_outputs` object (StructuredOutputsParams): its constraint keys -> the guided_* field
+#: each spells the same way.
+STRUCTURED_OUTPUT_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                          "grammar": "guided_grammar"}
 #: Whitespace characters allowed in a row between JSON elements (see the module doc).
 MAX_JSON_WHITESPACE = 32
 #: Compiled grammars kept per GrammarCache (one model).
@@ -128,24 +134,65 @@ def _response_format(fmt: Any) -> GuidedSpec | None:
     return GuidedSpec("json", _schema_text(js["schema"], param), param)
 
 
+def _guided_field(name: str, value: Any, param: str) -> GuidedSpec:
+    """The spec of a `guided_json/regex/choice/grammar` value (`name`), its errors naming `param`."""
+    if name == "guided_json":
+        return GuidedSpec("json", _schema_text(value, param), param)
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise GuidedDecodingError(f"'{param}' must be a non-empty list of strings, got "
+                                      f"{json.dumps(value)[:100]}", param=param)
+        return GuidedSpec("choice", json.dumps(value, ensure_ascii=False), param)
+    if not isinstance(value, str) or not value:
+        what = "a regular expression" if name == "guided_regex" else "an EBNF grammar (xgrammar's)"
+        raise GuidedDecodingError(f"'{param}' must be a non-empty string: {what}, got {json.dumps(value)[:100]}",
+                                  param=param)
+    return GuidedSpec("regex" if name == "guided_regex" else "grammar", value, param)
+
+
+def _structured_outputs(value: Any) -> GuidedSpec:
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar or
+    json_object: true; `disable_fallback` is accepted (xgrammar is the only backend here), the
+    other options only with their defaults."""
+    keys = ", ".join([*STRUCTURED_OUTPUT_KEYS, "json_object"])
+    if not isinstance(value, dict):
+        raise GuidedDecodingError(f"'structured_outputs' must be an object with one of {keys}, got "
+                                  f"{json.dumps(value)[:100]}", param="structured_outputs")
+    found: list[GuidedSpec] = []
+    for key, v in value.items():
+        param = f"structured_outputs.{key}"
+        if v is None:
+            continue
+        if key in STRUCTURED_OUTPUT_KEYS:
+            found.append(_guided_field(STRUCTURED_OUTPUT_KEYS[key], v, param))
+        elif key in ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(v, bool):
+                raise GuidedDecodingError(f"'{param}' must be true or false, got {json.dumps(v)[:100]}", param=param)
+            if key == "json_object" and v:
+                found.append(GuidedSpec("json_object", "", param))
+            elif key.startswith("disable_a") and v:
+                raise GuidedDecodingError(f"'{param}': true is not supported by this server (JSON may hold at most "
+                                          f"{MAX_JSON_WHITESPACE} whitespace characters in a row, and follows the "
+                                          "schema strictly); send false or leave it out", param=param)
+        else:
+            raise GuidedDecodingError(f"'{param}' is not supported by this server; structured_outputs takes one of "
+                                      f"{keys} (and disable_fallback)", param=param)
+    if len(found) != 1:
+        given = " and ".join(f"'{f.param}'" for f in found)
+        raise GuidedDecodingError(f"'structured_outputs' must set exactly one of {keys}, got "
+                                  f"{given + ' together' if found else 'none'}", param="structured_outputs")
+    return found[0]
+
+
 def _one(body: dict, name: str) -> GuidedSpec | None:
     value = body.get(name)
     if value is None:
         return None
     if name == "response_format":
         return _response_format(value)
-    if name == "guided_json":
-        return GuidedSpec("json", _schema_text(value, name), name)
-    if name == "guided_choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise GuidedDecodingError(f"'guided_choice' must be a non-empty list of strings, got "
-                                      f"{json.dumps(value)[:100]}", param=name)
-        return GuidedSpec("choice", json.dumps(value, ensure_ascii=False), name)
-    if not isinstance(value, str) or not value:
-        what = "a regular expression" if name == "guided_regex" else "an EBNF grammar (xgrammar's)"
-        raise GuidedDecodingError(f"'{name}' must be a non-empty string: {what}, got {json.dumps(value)[:100]}",
-                                  param=name)
-    return GuidedSpec("regex" if name == "guided_regex" else "grammar", value, name)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    return _guided_field(name, value, name)
 
 
 def parse_guided(body: dict) -> GuidedSpec | None:

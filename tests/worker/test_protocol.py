@@ -55,7 +55,6 @@ def test_unknown_fields_are_ignored_and_reported():
 @pytest.mark.parametrize("fn,field,value", [
     (parse_completion_request, "skip_special_tokens", False),
     (parse_chat_request, "skip_special_tokens", False), (parse_completion_request, "prompt_logprobs", 0),
-    (parse_chat_request, "structured_outputs", {"json": {}}),
     (parse_completion_request, "allowed_token_ids", [1]), (parse_completion_request, "bad_words", ["x"]),
     (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
     (parse_completion_request, "length_penalty", True), (parse_completion_request, "truncate_prompt_tokens", 5),
@@ -240,6 +239,16 @@ def test_structured_output_fields_become_one_guided_spec(fn):
         ({"guided_choice": ["yes", "no \"q\""]}, GuidedSpec("choice", '["yes", "no \\"q\\""]'), "guided_choice"),
         ({"guided_grammar": 'root ::= "a"'}, GuidedSpec("grammar", 'root ::= "a"'), "guided_grammar"),
         ({"response_format": {"type": "text"}, "guided_regex": "a"}, GuidedSpec("regex", "a"), "guided_regex"),
+        # vLLM's structured_outputs (StructuredOutputsParams): the same specs, named by their key
+        ({"structured_outputs": {"json": SCHEMA}}, GuidedSpec("json", compact), "structured_outputs.json"),
+        ({"structured_outputs": {"regex": r"\d+", "disable_fallback": True}}, GuidedSpec("regex", r"\d+"),
+         "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["yes"], "json": None}}, GuidedSpec("choice", '["yes"]'),
+         "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": 'root ::= "a"', "disable_any_whitespace": False}},
+         GuidedSpec("grammar", 'root ::= "a"'), "structured_outputs.grammar"),
+        ({"structured_outputs": {"json_object": True}}, GuidedSpec("json_object", ""),
+         "structured_outputs.json_object"),
     ]
     for extra, want, param in cases:
         req = fn({**base, **extra}, OPTS)
@@ -271,6 +280,21 @@ def test_structured_output_fields_become_one_guided_spec(fn):
     ({"guided_choice": ["a", 1]}, "guided_choice", "must be a non-empty list of strings"),
     ({"guided_choice": "a"}, "guided_choice", "must be a non-empty list of strings"),
     ({"guided_grammar": {"root": "x"}}, "guided_grammar", "an EBNF grammar"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json",
+     "'structured_outputs' and 'guided_json' both constrain the output"),
+    ({"structured_outputs": "json"}, "structured_outputs", "must be an object with one of json, regex"),
+    ({"structured_outputs": {}}, "structured_outputs", "must set exactly one of json, regex, choice, grammar, "
+                                                       "json_object, got none"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs", "got none"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "got 'structured_outputs.regex' and 'structured_outputs.choice' together"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json", "must be a JSON schema"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "must be a non-empty list of strings"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "must be true or false"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace", "true is not supported by this server"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
+     "is not supported by this server"),
 ])
 def test_malformed_or_conflicting_structured_output_fields_are_400s_naming_the_field(extra, param, text):
     for fn, base in ((parse_completion_request, {"prompt": "a"}), (parse_chat_request, {"messages": MSGS})):
