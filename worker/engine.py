@@ -33,7 +33,7 @@ from resident.worker.engine_config import EngineConfig
 from resident.worker.output_processor import DetokenizerFactory, OutputState
 from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholder, placeholder_row
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from resident.worker.sampling_params import SamplingParams
+from resident.worker.sampling_params import SamplingParams, tokenize_bad_words
 from resident.worker.scheduler import Scheduler
 from resident.worker.structured_output import (SPECULATIVE_REFUSAL, GrammarCache, GuidedDecodingError,
                                                GuidedSpec)
@@ -71,11 +71,12 @@ _NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's tokens can be sampled before the host knows its previous token:
-    no penalties (they count the earlier tokens), no logprobs (read back with the token) and no
-    grammar (its next mask follows from the previous token). min_tokens overlaps: its mask needs
-    only how many tokens came before, placeholders included."""
+    no penalties (they count the earlier tokens), no logprobs (read back with the token), no
+    grammar (its next mask follows from the previous token) and no bad word of several tokens (its
+    mask compares the output's last tokens). min_tokens overlaps: its mask needs only how many
+    tokens came before, placeholders included; so do allowed_token_ids and one-token bad words."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.guided is None)
+            and params.frequency_penalty == 0.0 and params.guided is None and not params.bad_words_need_history)
 
 
 class LLMEngine:
@@ -152,11 +153,16 @@ class LLMEngine:
             # What min_tokens masks in the sampler is what this engine stops on (a copy: the
             # caller's params stay as they were).
             params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        if params.bad_words and not params.bad_words_token_ids:   # the serving layer tokenizes its own
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this engine has none; send bad_words_token_ids")
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words,
+                                                                                        self.tokenizer))
         room = limit - len(prompt)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         matcher = self._matcher(params.guided) if params.guided is not None else None
         request = Request(request_id, prompt, params, next(self._arrivals), max_output)
-        detokenizer = (self._make_detokenizer(self.tokenizer, prompt)
+        detokenizer = (self._make_detokenizer(self.tokenizer, prompt, params.skip_special_tokens)
                        if self._make_detokenizer is not None and self.tokenizer is not None else None)
         self.scheduler.add_request(request)
         self._states[request_id] = OutputState(request, detokenizer)

@@ -110,12 +110,24 @@ class OpenAIServing:
 
         if req.sampling.get("logit_bias"):
             self._check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
+        if req.sampling.get("allowed_token_ids"):
+            self._check_ids(sorted(set(req.sampling["allowed_token_ids"])), "allowed_token_ids")
         if req.sampling.get("guided") is not None:
             self._check_guided(req.sampling["guided"])
+        sampling = dict(req.sampling)
+        if sampling.get("bad_words"):
+            # Here, where the tokenizer is (with --frontend process the engine has none).
+            from resident.worker.sampling_params import tokenize_bad_words
+
+            try:
+                sampling["bad_words_token_ids"] = tokenize_bad_words(sampling["bad_words"], self.tokenizer)
+            except ValueError as e:
+                raise RequestError(str(e), param="bad_words") from None
+            self._check_ids(sorted({t for ids in sampling["bad_words_token_ids"] for t in ids}), "bad_words")
         out = []
         for _ in range(num_prompts):
             for i in range(req.n):
-                kwargs = dict(req.sampling)
+                kwargs = dict(sampling)
                 if "seed" in kwargs and req.n > 1:
                     # n seeded choices that still differ from each other; past the top of the
                     # range the seed wraps, as torch reads seeds modulo 2**64.
@@ -176,6 +188,22 @@ class OpenAIServing:
             num_chars *= 4
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def _encode_last(self, text: str, add_special_tokens: bool, keep: int) -> list[int]:
+        """truncate_prompt_tokens on a text: its last `keep` tokens (`Tokenizer.encode_last`: a BOS
+        the tokenizer adds is kept, as transformers' left truncation keeps it in vLLM). Only the end
+        of a long text is tokenized: a tail cut at a space, 4x longer each time, until it holds
+        PRESCAN_SLACK_TOKENS more tokens than are kept (the tokens away from the cut are the whole
+        text's), so a huge text costs the event loop no more than a short one."""
+        num_chars = (keep + PRESCAN_SLACK_TOKENS) * PRESCAN_CHARS_PER_TOKEN
+        while num_chars < len(text):
+            start = len(text) - num_chars
+            cut = text.find(" ", start, start + num_chars // 2)
+            ids, num_text = self.tokenizer.encode_last(text[cut if cut >= 0 else start:], keep, add_special_tokens)
+            if num_text >= keep + PRESCAN_SLACK_TOKENS:
+                return ids
+            num_chars *= 4
+        return self.tokenizer.encode_last(text, keep, add_special_tokens)[0]
+
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -185,14 +213,16 @@ class OpenAIServing:
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self._note_ignored(req.ignored_fields)
         prompts, texts = [], []
+        keep = req.truncate_prompt_tokens
         for i, p in enumerate(req.prompts):
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"  # which one of a batch
             if isinstance(p, str):
-                ids = self._encode(p, True, param)
+                ids = self._encode(p, True, param) if keep is None else self._encode_last(p, True, keep)
                 check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param,
                                     max_tokens_defaulted=req.max_tokens_defaulted)
                 texts.append(p)
             else:
+                p = p if keep is None else p[-keep:]
                 check_prompt_length(len(p), req.max_tokens, self.opts.max_model_len, param=param,
                                     max_tokens_defaulted=req.max_tokens_defaulted)
                 ids = self._check_ids(list(p), param)
@@ -215,7 +245,8 @@ class OpenAIServing:
                 raise RequestError(str(e), param=e.param) from None
             raise RequestError(f"the chat template failed to render these messages: {e}",
                                param="messages") from None
-        ids = self._encode(text, False, "messages")
+        keep = req.truncate_prompt_tokens
+        ids = self._encode(text, False, "messages") if keep is None else self._encode_last(text, False, keep)
         check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="messages")
         logprobs = req.top_logprobs if req.logprobs else None
         return Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],

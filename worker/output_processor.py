@@ -20,7 +20,8 @@ class Detokenizer(Protocol):
     def step(self, token_id: int) -> str: ...
 
 
-DetokenizerFactory = Callable[[Any, list[int]], Detokenizer]
+#: (tokenizer, prompt token ids, skip_special_tokens) -> a request's detokenizer
+DetokenizerFactory = Callable[[Any, list[int], bool], Detokenizer]
 
 
 class OutputState:

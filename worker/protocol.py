@@ -7,7 +7,7 @@ we do not know are ignored (the caller logs them once), as OpenAI-compatible ser
 fields that change processing beyond sampling (a request-supplied chat template, template
 or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
 that change the output and that we do not implement (`prompt_logprobs`, beam search,
-...) are refused unless sent with the value that means "off": ignored, they would silently break
+`logits_processors`, ...) are refused unless sent with the value that means "off": ignored, they would silently break
 what the client asked for.
 
 Structured outputs: OpenAI's `response_format` (text, json_object, json_schema) and vLLM's
@@ -26,12 +26,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from resident.worker.sampling_params import MAX_LOGIT_BIAS
+from resident.worker.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS
 from resident.worker.structured_output import GUIDED_FIELDS, GuidedDecodingError, parse_guided
 
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                   "include_stop_str_in_output", "min_tokens")
+                   "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "bad_words",
+                   "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
            "return_tokens_as_token_ids", *GUIDED_FIELDS, *_EXTRA_SAMPLING}
@@ -47,9 +48,8 @@ CHAT_FIELDS = frozenset(_COMMON | {
 # value is a 400: ignored like an unknown field, `guided_json` would return free text,
 # `prompt_logprobs` would be missing.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "skip_special_tokens": (None, True), "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,), "logits_processors": (None, []),
+    "prompt_logprobs": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "logits_processors": (None, []),
 }
 # add_special_tokens defaults differ: a completion prompt gets them, a rendered chat template has them.
 UNSUPPORTED_COMPLETION_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
@@ -115,6 +115,8 @@ class CommonRequest:
     max_tokens: int | None = None
     max_tokens_defaulted: bool = False   # not sent: the route's default (completions: 16, as OpenAI's)
     sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams kwargs except max_tokens/logprobs
+    #: vLLM's truncate_prompt_tokens, resolved (-1: as many as fit): keep the prompt's last this many tokens
+    truncate_prompt_tokens: int | None = None
     tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     ignored_fields: list[str] = field(default_factory=list)
 
@@ -284,6 +286,50 @@ def _min_tokens(body: dict, max_tokens: int | None, max_tokens_field: str, defau
     return value
 
 
+def _allowed_token_ids(body: dict) -> list[int] | None:
+    """vLLM's allowed_token_ids: the only tokens that may be generated (ids beyond the vocabulary
+    are refused by the serving layer, which knows it)."""
+    ids = body.get("allowed_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise RequestError("'allowed_token_ids' must be a list of token ids", param="allowed_token_ids")
+    if not ids:
+        raise RequestError("'allowed_token_ids' must hold at least one token id; leave it out to allow every token",
+                           param="allowed_token_ids")
+    return ids
+
+
+def _bad_words(body: dict) -> list[str]:
+    """vLLM's bad_words: words never to generate (the serving layer tokenizes them)."""
+    words = body.get("bad_words")
+    if words is None:
+        return []
+    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise RequestError("'bad_words' must be a list of words (strings that are not empty nor only spaces)",
+                           param="bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise RequestError(f"'bad_words' holds {len(words)} words; this server takes at most {MAX_BAD_WORDS}",
+                           param="bad_words")
+    return list(words)
+
+
+def _truncate_prompt_tokens(body: dict, max_tokens: int | None, opts: ServingOptions) -> int | None:
+    """vLLM's truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens; -1 as many as fit
+    beside max_tokens (one token when max_tokens is not sent); more than fit is a 400, as in vLLM."""
+    value = _int(body, "truncate_prompt_tokens", -1)
+    if value is None:
+        return None
+    room = opts.max_model_len - (max_tokens or 1)
+    if value == 0:
+        raise RequestError("'truncate_prompt_tokens' must be -1 (as many prompt tokens as fit) or at least 1, got 0",
+                           param="truncate_prompt_tokens")
+    if value > room:
+        raise RequestError(f"'truncate_prompt_tokens' ({value}) must be at most the context ({opts.max_model_len}) "
+                           f"less the completion's {max_tokens or 1} tokens: {room}", param="truncate_prompt_tokens")
+    return room if value == -1 else value
+
+
 def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
             default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
@@ -351,9 +397,17 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             raise RequestError(f"'stop_token_ids' holds {len(ids)} ids; this server takes at most "
                                f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
         sampling["stop_token_ids"] = list(ids)
-    for flag in ("ignore_eos", "include_stop_str_in_output"):
+    for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if flag in body:
-            sampling[flag] = _bool(body, flag)
+            sampling[flag] = _bool(body, flag, default=flag == "skip_special_tokens")
+    # vLLM's; its fast-tokenizer detokenizer ignores it, as ours (tokenizer.json only) does.
+    _bool(body, "spaces_between_special_tokens", True)
+    allowed = _allowed_token_ids(body)
+    if allowed is not None:
+        sampling["allowed_token_ids"] = allowed
+    bad_words = _bad_words(body)
+    if bad_words:
+        sampling["bad_words"] = bad_words
     bias = _logit_bias(body)
     if bias:
         sampling["logit_bias"] = bias
@@ -369,8 +423,8 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     _unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
-               max_tokens=max_tokens,
-               max_tokens_defaulted=defaulted, sampling=sampling,
+               max_tokens=max_tokens, max_tokens_defaulted=defaulted, sampling=sampling,
+               truncate_prompt_tokens=_truncate_prompt_tokens(body, max_tokens, opts),
                tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 
 

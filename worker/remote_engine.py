@@ -37,7 +37,8 @@ class TextStream:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any, tokenizer: Any,
                  eos_token_ids: frozenset[int]) -> None:
         self.request = Request(request_id, prompt_token_ids, params, 0, _NO_LIMIT)
-        self.state = OutputState(self.request, IncrementalDetokenizer(tokenizer, prompt_token_ids))
+        self.state = OutputState(self.request, IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                                      params.skip_special_tokens))
         self.eos_token_ids = eos_token_ids
         self.stopped_here = False     # a stop string ended it on this side: the engine must abort
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from resident.worker.structured_output import GuidedSpec
 
@@ -21,6 +22,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_TOP_K = 2**31
 #: OpenAI's range of a logit_bias value (-100 bans a token in effect, 100 forces it).
 MAX_LOGIT_BIAS = 100.0
+#: Token sequences bad_words may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS): the sampler compares
+#: each with the end of the output at every step of the request, on the host.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024   # vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS
 
 
 def _check_int(name: str, value: object) -> int:
@@ -58,6 +63,14 @@ class SamplingParams:
     structured_output.py), or None. The engine keeps a grammar matcher per request and the sampler
     masks the tokens the grammar does not allow next; the request stops once the grammar is complete
     and EOS was chosen.
+    allowed_token_ids (vLLM's): None, or the only tokens the sampler may choose (every other
+    logit -inf); not empty.
+    bad_words (vLLM's): words never to generate. The sampler works on `bad_words_token_ids`, the
+    words tokenized (`tokenize_bad_words`, by the serving layer or, with a tokenizer, by
+    `LLMEngine.add_request`): a one-token sequence's token is never chosen; a longer one's last token
+    is not chosen when the output ends with the sequence's other tokens.
+    skip_special_tokens: False keeps special tokens' text (e.g. an EOS under ignore_eos) in the output
+    text; True (the default, vLLM's) leaves it out.
     """
 
     max_tokens: int | None = 16
@@ -78,6 +91,10 @@ class SamplingParams:
     min_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     guided: GuidedSpec | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
@@ -109,7 +126,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self._check_stops()
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
@@ -118,6 +135,50 @@ class SamplingParams:
         self._check_min_tokens()
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             raise ValueError(f"guided must be a GuidedSpec or None, got {self.guided!r}")
+        self._check_allowed_token_ids()
+        self._check_bad_words()
+
+    def _check_allowed_token_ids(self) -> None:
+        if self.allowed_token_ids is None:
+            return
+        if not isinstance(self.allowed_token_ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+        if not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must hold at least one token id (leave it out to allow every token)")
+        for t in self.allowed_token_ids:
+            if _check_int("allowed_token_ids", t) < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t}")
+        self.allowed_token_ids = sorted(set(self.allowed_token_ids))
+
+    def _check_bad_words(self) -> None:
+        if not isinstance(self.bad_words, (list, tuple)):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must hold strings that are not empty nor only spaces, got {w!r}")
+        self.bad_words = list(dict.fromkeys(self.bad_words))
+        if not isinstance(self.bad_words_token_ids, (list, tuple)):
+            raise ValueError(f"bad_words_token_ids must be a list of token id lists, got {self.bad_words_token_ids!r}")
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words tokenize to {len(self.bad_words_token_ids)} token sequences; "
+                             f"at most {MAX_BAD_WORDS} are taken")
+        if sum(len(ids) for ids in self.bad_words_token_ids if isinstance(ids, (list, tuple))) > \
+                MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise ValueError(f"bad_words tokenize to more than {MAX_BAD_WORDS_TOTAL_TOKENS} tokens in all")
+        checked = []
+        for ids in self.bad_words_token_ids:
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"bad_words_token_ids must hold non-empty lists of token ids, got {ids!r}")
+            for t in ids:
+                if _check_int("bad_words_token_ids", t) < 0:
+                    raise ValueError(f"bad_words_token_ids must hold non-negative token ids, got {t}")
+            checked.append(list(ids))
+        self.bad_words_token_ids = checked
+
+    @property
+    def bad_words_need_history(self) -> bool:
+        """Whether a bad word spans several tokens: its mask then depends on the tokens before."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     def _check_min_tokens(self) -> None:
         if _check_int("min_tokens", self.min_tokens) < 0:
@@ -150,9 +211,10 @@ class SamplingParams:
 
     def changes_logits(self, num_output_tokens: int) -> bool:
         """Whether the sampler changes this request's logits before choosing its next token, with
-        `num_output_tokens` generated so far (a logit bias, a penalty, min_tokens' mask, or a
-        grammar's): a greedy row then cannot take the raw logits' argmax."""
-        return (self.guided is not None or bool(self.logit_bias) or self.repetition_penalty != 1.0
+        `num_output_tokens` generated so far (a logit bias, a penalty, min_tokens' mask, a grammar's,
+        allowed_token_ids or bad words): a greedy row then cannot take the raw logits' argmax."""
+        return (self.guided is not None or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids) or self.repetition_penalty != 1.0
                 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.masks_stop_tokens(num_output_tokens))
 
@@ -191,3 +253,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def tokenize_bad_words(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """vLLM's bad_words tokenization (`SamplingParams.update_from_tokenizer`): each word, its
+    leading spaces stripped, is tokenized without special tokens as it stands and after a space;
+    the second form is kept only when it is as long as the first and starts with another token (a
+    word token of its own, as "Ġword" beside "word"; a lone space token followed by the first form's
+    tokens is covered by the first). `tokenizer`: anything with `encode(text, add_special_tokens=)`.
+    ValueError (naming bad_words) for a word that gives no token."""
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    out: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        if not plain:
+            raise ValueError(f"bad_words: {word[:50]!r} tokenizes to no token")
+        out.append(list(plain))
+        spaced = encode(" " + word.lstrip())
+        if spaced and len(spaced) == len(plain) and spaced[0] != plain[0]:
+            out.append(list(spaced))
+    return out

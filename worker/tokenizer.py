@@ -195,6 +195,18 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_last(self, text: str, num_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """The last `num_tokens` tokens of `encode(text)` as transformers' left truncation gives them
+        (vLLM's truncate_prompt_tokens): the special tokens the post-processor adds (a BOS) kept, the
+        text's own tokens cut from the left to make room; and how many tokens the text itself has."""
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        num_text = len(encoding.ids)
+        num_special = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if num_text + num_special <= num_tokens or num_tokens <= num_special:
+            return self.encode(text, add_special_tokens)[-num_tokens:], num_text
+        encoding.truncate(num_tokens - num_special, direction="left")
+        return self._backend.post_process(encoding, add_special_tokens=add_special_tokens).ids, num_text
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -127,7 +127,9 @@ def compact(out: Any) -> Any:
     substitutes its own samples). A request with min_tokens keeps up to min_tokens of them: its
     mask asks whether fewer than min_tokens were generated, and async scheduling has every rank
     sample alike. Guided requests' grammar bitmasks stay on rank 0: such requests step
-    synchronously (engine.overlappable), so the other ranks' samples are discarded."""
+    synchronously (engine.overlappable), so the other ranks' samples are discarded; so do requests
+    with a bad word of several tokens (its mask reads the output's last tokens). allowed_token_ids
+    and one-token bad words need no earlier token: they travel in the sampling params."""
     return dataclasses.replace(out, grammar_bitmask={}, scheduled=[
         dataclasses.replace(s, prompt_token_ids=[],
                             output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])

@@ -562,6 +562,108 @@ def test_min_tokens_is_honoured_and_bounded_by_max_tokens(server):
     _ok_completion(server.base_url)
 
 
+def _tokens(got: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in got["choices"][0]["logprobs"]["tokens"]]
+
+
+def _tiny_words():
+    """The served tiny model's tokenizer, here: a bad word's text from token ids, and its tokens."""
+    from fixtures_tokenizer import build_tiny_tokenizer
+
+    from resident.worker.sampling_params import tokenize_bad_words
+    from resident.worker.tokenizer import Tokenizer
+
+    tok = Tokenizer(build_tiny_tokenizer())
+    return tok, lambda word: tokenize_bad_words([word], tok)
+
+
+def test_allowed_token_ids_and_bad_words_steer_the_tokens_and_name_what_is_wrong(server):
+    """vLLM's allowed_token_ids and bad_words were refused as unsupported; now every token is one
+    of the allowed ids (greedy and sampled), a bad word that is greedy's first token keeps it out of
+    the output, a bad word of greedy's first two tokens lets the first come and then not the second;
+    an id beyond the vocabulary, an empty list, a word of no token are 400s naming the field."""
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 6, "temperature": 0, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "ignore_eos": True}
+    status, plain = http(server.base_url, "POST", "/v1/completions", body)
+    assert status == 200, plain
+    greedy = _tokens(plain)
+    for extra in ({}, {"temperature": 1.0, "seed": 7}):
+        status, got = http(server.base_url, "POST", "/v1/completions",
+                           {**body, **extra, "allowed_token_ids": [70, 80, 90]})
+        assert status == 200 and len(_tokens(got)) == 6 and set(_tokens(got)) <= {70, 80, 90}, got
+    tok, tokenized = _tiny_words()
+    word = tok.decode(greedy[:1])
+    assert [greedy[0]] in tokenized(word), (word, tokenized(word))
+    status, banned = http(server.base_url, "POST", "/v1/completions", {**body, "bad_words": [word]})
+    assert status == 200 and len(_tokens(banned)) == 6 and greedy[0] not in _tokens(banned), (banned, greedy)
+    # A word of two one-byte tokens, from greedy's choice among two letters.
+    letters = [tok.encode(c, add_special_tokens=False)[0] for c in "qz"]
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "allowed_token_ids": letters})
+    two = _tokens(got)[:2]
+    pair = tok.decode(two)
+    assert tokenized(pair) == [two], (pair, tokenized(pair))
+    status, got = http(server.base_url, "POST", "/v1/completions",
+                       {**body, "allowed_token_ids": letters, "bad_words": [pair]})
+    assert status == 200 and _tokens(got)[0] == two[0] and _tokens(got)[1] != two[1], (got, two)
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "allowed_token_ids": [1, 99999]})
+    _assert_error(got, status, 400, "allowed_token_ids", "token id 99999 is outside the vocabulary [0, ")
+    status, got = http(server.base_url, "POST", "/v1/chat/completions",
+                       {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": []})
+    _assert_error(got, status, 400, "allowed_token_ids", "at least one token id")
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "bad_words": ["\x01"]})
+    _assert_error(got, status, 400, "bad_words", "tokenizes to no token")
+    _ok_completion(server.base_url)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server):
+    """vLLM's truncate_prompt_tokens was refused as unsupported; now the prompt keeps its last k
+    tokens before the context check (a prompt past the context is served), on both endpoints, and
+    usage counts the kept tokens; the answer is the one for those tokens sent as the prompt."""
+    long_ids = list(range(5, 105))   # 100 tokens: past the context of 64
+    body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": long_ids})
+    _assert_error(got, status, 400, "prompt", "maximum context length is 64")
+    status, cut = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": long_ids,
+                                                                     "truncate_prompt_tokens": 10})
+    status2, same = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": long_ids[-10:]})
+    assert status == status2 == 200 and cut["choices"][0]["text"] == same["choices"][0]["text"], (cut, same)
+    assert cut["usage"]["prompt_tokens"] == 10
+    status, fit = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": long_ids,
+                                                                     "truncate_prompt_tokens": -1})
+    assert status == 200 and fit["usage"]["prompt_tokens"] == 60, fit
+    text = "the cat sat on the mat " * 40   # a text prompt past the context
+    tok, _ = _tiny_words()
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": text, "truncate_prompt_tokens": 7})
+    status2, same = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": tok.encode(text)[-7:]})
+    assert status == status2 == 200 and got["choices"][0]["text"] == same["choices"][0]["text"], got
+    assert got["usage"]["prompt_tokens"] == 7
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    status, got = http(server.base_url, "POST", "/v1/chat/completions", chat)
+    _assert_error(got, status, 400, "messages", "maximum context length is 64")
+    status, got = http(server.base_url, "POST", "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 20})
+    assert status == 200 and got["usage"]["prompt_tokens"] == 20, got
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "prompt": "x", "truncate_prompt_tokens": 61})
+    _assert_error(got, status, 400, "truncate_prompt_tokens", "at most the context (64) less the completion's 4")
+
+
+def test_skip_special_tokens_false_shows_a_special_tokens_text(server):
+    """vLLM's skip_special_tokens was refused unless true; false now keeps a special token's text:
+    EOS forced by logit_bias under ignore_eos shows as <|im_end|> (and by default shows nothing),
+    streamed or not."""
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"2": 100}}   # 2: the tiny tokenizer's EOS, <|im_end|>
+    status, got = http(server.base_url, "POST", "/v1/completions", body)
+    assert status == 200 and got["choices"][0]["text"] == "" and got["usage"]["completion_tokens"] == 3, got
+    status, got = http(server.base_url, "POST", "/v1/completions", {**body, "skip_special_tokens": False})
+    assert status == 200 and got["choices"][0]["text"] == "<|im_end|>" * 3, got
+    assert _sse_text(server.base_url, "/v1/completions", {**body, "skip_special_tokens": False}) == (
+        "<|im_end|>" * 3, "length")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"2": 100}, "skip_special_tokens": False}
+    status, got = http(server.base_url, "POST", "/v1/chat/completions", {"model": MODEL_NAME, **chat})
+    assert status == 200 and got["choices"][0]["message"]["content"] == "<|im_end|>" * 2, got
+
+
 def _sse_text(base_url: str, path: str, body: dict) -> tuple[str, str | None]:
     """A streamed request's text (chat deltas or completion texts) and its finish reason."""
     import urllib.request

@@ -190,3 +190,36 @@ def test_min_tokens_keeps_the_stop_token_greedy_picks_first_from_the_first_token
                 got[out.request_id] += out.new_token_ids
         assert got["no-min"] == [first] and len(got["eos"]) > 5 and first not in got["eos"][:5], got
         assert params.eos_token_ids == frozenset()   # the engine set them on its own copy
+
+
+def test_allowed_token_ids_and_bad_words_on_the_tiny_model(model) -> None:
+    """vLLM's allowed_token_ids and bad_words through the engine, synchronous and async steps
+    alike: every token of a request with allowed_token_ids is one of them (greedy and sampled); a
+    one-token bad word on the token greedy decoding picks first keeps it out of the output; a bad
+    word of two tokens lets its first token come and then not its second. A plain request beside
+    them keeps its tokens."""
+    prompt = [3, 14, 15, 92, 65]
+    plain, _, _ = generate(model, {"g": (prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))},
+                           False)
+    greedy = plain["g"]
+    allowed = [7, 42, 100, 200]
+    base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = {
+        "allowed": (prompt, dataclasses.replace(base, allowed_token_ids=allowed)),
+        "allowed-sampled": (prompt, dataclasses.replace(base, temperature=1.0, seed=3, allowed_token_ids=allowed)),
+        "bad": (prompt, dataclasses.replace(base, bad_words_token_ids=[[greedy[0]]])),
+        "bad-pair": (prompt, dataclasses.replace(base, max_tokens=2, bad_words_token_ids=[greedy[:2]])),
+        "plain": (prompt, base),
+    }
+    runs = [generate(model, requests, mode) for mode in (False, True)]
+    assert runs[0][0] == runs[1][0]
+    tokens = runs[0][0]
+    assert tokens["plain"] == greedy
+    for rid in ("allowed", "allowed-sampled"):
+        assert len(tokens[rid]) == 12 and set(tokens[rid]) <= set(allowed), (rid, tokens[rid])
+    assert len(set(tokens["allowed-sampled"])) > 1, tokens   # sampled among them, not one forced token
+    assert len(tokens["bad"]) == 12 and greedy[0] not in tokens["bad"], tokens["bad"]
+    assert tokens["bad-pair"][0] == greedy[0] and tokens["bad-pair"][1] != greedy[1], (tokens["bad-pair"], greedy)
+    # A bad word of several tokens reads the output's last tokens: its request steps synchronously.
+    assert overlappable(SamplingParams(allowed_token_ids=[1], bad_words_token_ids=[[5], [6]]))
+    assert not overlappable(SamplingParams(bad_words_token_ids=[[5], [6, 7]]))

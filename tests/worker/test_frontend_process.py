@@ -198,6 +198,37 @@ def test_min_tokens_is_the_inline_one(workers, greedy_text):
     assert (got["choices"][0]["text"], got["choices"][0]["finish_reason"]) == (greedy_text, "length")
 
 
+def test_allowed_token_ids_bad_words_truncation_and_special_tokens_are_the_inline_ones(workers, greedy_text):
+    """allowed_token_ids, bad_words (tokenized by the front-end: the engine process has no
+    tokenizer), truncate_prompt_tokens and skip_special_tokens (the front-end detokenizes) across
+    the two processes: the answers are the inline worker's."""
+    inline, proc = workers
+    base = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    from fixtures_tokenizer import build_tiny_tokenizer
+
+    letters = [build_tiny_tokenizer().token_to_id(c) for c in "qz"]   # one-byte tokens
+    got = post(inline, "/v1/completions", {**base, "allowed_token_ids": letters})
+    first = got["choices"][0]["logprobs"]["tokens"][0]
+    word = got["choices"][0]["text"][0]
+    cases = [{"allowed_token_ids": [70, 80, 90]},
+             {"allowed_token_ids": [70, 80, 90], "temperature": 1.0, "seed": 11},
+             {"allowed_token_ids": letters, "bad_words": [word, "the"]},
+             {"prompt": list(range(5, 250)) * 3, "truncate_prompt_tokens": 20},
+             {"prompt": PROMPT * 200, "truncate_prompt_tokens": -1, "max_tokens": 4},
+             {"logit_bias": {"2": 100}, "skip_special_tokens": False}]
+    for extra in cases:
+        body = {**base, **extra}
+        got = post(proc, "/v1/completions", body)
+        assert _choices(got) == _choices(post(inline, "/v1/completions", body)), extra
+        assert got["usage"] == post(inline, "/v1/completions", body)["usage"], extra
+    tokens = post(proc, "/v1/completions", {**base, **cases[2]})["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8 and first not in tokens, (first, word, tokens)
+    got = post(proc, "/v1/completions", {**base, **cases[-1]})
+    assert got["choices"][0]["text"] == "<|im_end|>" * 8
+    assert post(proc, "/v1/completions", {**base, **cases[3]})["usage"]["prompt_tokens"] == 20
+
+
 def test_chat_completion_is_the_inline_one(workers):
     inline, proc = workers
     body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24, "temperature": 0}

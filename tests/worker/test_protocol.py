@@ -53,11 +53,9 @@ def test_unknown_fields_are_ignored_and_reported():
 
 
 @pytest.mark.parametrize("fn,field,value", [
-    (parse_completion_request, "skip_special_tokens", False),
-    (parse_chat_request, "skip_special_tokens", False), (parse_completion_request, "prompt_logprobs", 0),
-    (parse_completion_request, "allowed_token_ids", [1]), (parse_completion_request, "bad_words", ["x"]),
+    (parse_completion_request, "prompt_logprobs", 0), (parse_chat_request, "logits_processors", ["x"]),
     (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
-    (parse_completion_request, "length_penalty", True), (parse_completion_request, "truncate_prompt_tokens", 5),
+    (parse_completion_request, "length_penalty", True),
     (parse_completion_request, "add_special_tokens", False), (parse_chat_request, "add_special_tokens", True),
     (parse_chat_request, "echo", True), (parse_chat_request, "continue_final_message", True),
 ])
@@ -108,6 +106,49 @@ def test_logit_bias_maps_token_ids_to_biases():
     assert err.message == "'logit_bias' values must be numbers in [-100, 100], got 150 for token 1"
     err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "logit_bias": {"hello": 1}})
     assert err.message == "'logit_bias' keys must be token ids (non-negative integers), got 'hello'"
+
+
+@pytest.mark.parametrize("fn", [parse_completion_request, parse_chat_request])
+def test_allowed_token_ids_bad_words_and_skip_special_tokens_are_carried(fn):
+    """vLLM's allowed_token_ids, bad_words and skip_special_tokens (were refused as unsupported,
+    but for their off values) reach the sampling params on both endpoints; spaces_between_special_tokens
+    is accepted (vLLM's fast-tokenizer detokenizer ignores it, as ours does)."""
+    body = {"model": "tiny", **({"prompt": "a"} if fn is parse_completion_request else {"messages": MSGS})}
+    req = fn({**body, "allowed_token_ids": [5, 3, 5], "bad_words": ["foo", " bar baz"], "skip_special_tokens": False,
+              "spaces_between_special_tokens": False}, OPTS)
+    assert req.ignored_fields == []
+    assert (req.sampling["allowed_token_ids"], req.sampling["bad_words"]) == ([5, 3, 5], ["foo", " bar baz"])
+    assert req.sampling["skip_special_tokens"] is False
+    off = fn({**body, "allowed_token_ids": None, "bad_words": [], "skip_special_tokens": None}, OPTS)
+    assert "allowed_token_ids" not in off.sampling and "bad_words" not in off.sampling
+    assert off.sampling.get("skip_special_tokens", True) is True
+    for field, value, words in [
+            ("allowed_token_ids", [], "at least one token id"), ("allowed_token_ids", [1, -2], "list of token ids"),
+            ("allowed_token_ids", [True], "list of token ids"), ("allowed_token_ids", "5", "list of token ids"),
+            ("bad_words", "foo", "list of words"), ("bad_words", [""], "list of words"),
+            ("bad_words", ["  "], "list of words"), ("bad_words", [3], "list of words"),
+            ("bad_words", ["w"] * 129, "at most 128"), ("skip_special_tokens", "no", "true or false"),
+            ("spaces_between_special_tokens", 1, "true or false")]:
+        err = bad(fn, {**body, field: value})
+        assert err.param == field and words in err.message, (field, value, err.message)
+
+
+def test_truncate_prompt_tokens_resolves_to_the_tokens_kept():
+    """vLLM's truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens, -1 as many as fit
+    beside max_tokens (one without it); 0, less than -1, or more than fit is a 400 naming it."""
+    comp = {"model": "tiny", "prompt": "a"}
+    assert parse_completion_request(comp, OPTS).truncate_prompt_tokens is None
+    assert parse_completion_request({**comp, "truncate_prompt_tokens": 5}, OPTS).truncate_prompt_tokens == 5
+    assert parse_completion_request({**comp, "truncate_prompt_tokens": -1}, OPTS).truncate_prompt_tokens == 112
+    chat = {"model": "tiny", "messages": MSGS, "truncate_prompt_tokens": -1}
+    assert parse_chat_request(chat, OPTS).truncate_prompt_tokens == 127
+    assert parse_chat_request({**chat, "max_tokens": 28}, OPTS).truncate_prompt_tokens == 100
+    assert parse_chat_request({**chat, "truncate_prompt_tokens": 127}, OPTS).ignored_fields == []
+    for value, words in [(0, "-1 (as many prompt tokens as fit) or at least 1"), (-2, "at least -1"),
+                         (113, "at most the context (128) less the completion's 16 tokens: 112"),
+                         ("5", "must be an integer")]:
+        err = bad(parse_completion_request, {**comp, "truncate_prompt_tokens": value})
+        assert err.param == "truncate_prompt_tokens" and words in err.message, (value, err.message)
 
 
 def test_min_tokens_is_carried_and_bounded_by_max_tokens():

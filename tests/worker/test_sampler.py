@@ -190,6 +190,71 @@ def test_min_tokens_leaves_the_plain_greedy_path_only_while_it_masks() -> None:
     assert choice.tolist() == [1, 1, 0]
 
 
+def test_allowed_token_ids_leave_only_those_tokens() -> None:
+    """vLLM's allowed_token_ids: every other token's logit is -inf, after the bias and penalties (a
+    bias on a token outside the list does not bring it back; the repetition penalty's clamp does not
+    make the -inf finite); greedy and sampled rows choose among them only; other rows untouched."""
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0]] * 2)
+    allowed = row(temperature=0.0, allowed_token_ids=[2, 3], logit_bias={0: 100.0}, prompt=[1],
+                  repetition_penalty=2.0)
+    assert apply_penalties(logits, [allowed, row(temperature=0.0)]).tolist() == [
+        [-math.inf, -math.inf, 0.0, -1.0], [3.0, 2.75, 0.0, -1.0]]
+    assert Sampler(seed=0)(logits, [allowed, row(temperature=0.0)]).token_ids == [2, 0]
+    sampled = frequencies(Sampler(seed=3), torch.zeros(4), 400, temperature=1.0, allowed_token_ids=[1, 3])
+    assert sampled[0] == 0 and sampled[2] == 0 and sampled[1] > 0.3 and sampled[3] > 0.3
+    # Ids past the vocabulary are skipped (the serving layer refuses them with a 400).
+    assert apply_penalties(logits[:1], [row(allowed_token_ids=[1, 9])]).tolist() == [
+        [-math.inf, 2.75, -math.inf, -math.inf]]
+
+
+def test_bad_words_ban_one_token_words_always_and_a_longer_words_last_token_after_the_rest() -> None:
+    """vLLM's bad words (`apply_bad_words`): a one-token word's token is -inf at every step; a
+    longer word's last token only where the output ends with the word's other tokens (the prompt
+    does not count)."""
+    from resident.worker.layers.sampler import bad_word_bans
+
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0]])
+    words = [[0], [1, 2, 3], [2, 1]]
+    assert bad_word_bans(row(bad_words_token_ids=words)) == [0]
+    assert bad_word_bans(row(output=[1, 2], bad_words_token_ids=words)) == [0, 3, 1]
+    assert bad_word_bans(row(output=[2], bad_words_token_ids=words)) == [0, 1]
+    assert bad_word_bans(row(prompt=[1, 2], bad_words_token_ids=words)) == [0]
+    assert bad_word_bans(row(output=[1, 2], bad_words_token_ids=[[2, 2, 3]])) == []
+    got = apply_penalties(logits, [row(temperature=0.0, output=[2], bad_words_token_ids=words)])
+    assert got.tolist() == [[-math.inf, -math.inf, 0.0, -1.0]]
+    assert Sampler(seed=0)(logits, [row(temperature=0.0, output=[2], bad_words_token_ids=words)]).token_ids == [2]
+    sampled = frequencies(Sampler(seed=3), torch.zeros(4), 400, temperature=1.0, bad_words_token_ids=[[0], [2]])
+    assert sampled[0] == 0 and sampled[2] == 0 and sampled[1] > 0.3 and sampled[3] > 0.3
+
+
+def test_a_mask_that_would_leave_no_token_yields_to_the_earlier_one() -> None:
+    """allowed_token_ids, bad words and min_tokens together can exclude every token; the later mask
+    then yields on that row (allowed_token_ids over bad words over min_tokens), so the row never
+    turns all -inf (whose argmax is token 0, whose softmax is NaN)."""
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0]])
+    both = row(temperature=0.0, allowed_token_ids=[2], bad_words_token_ids=[[2]])
+    assert apply_penalties(logits, [both]).tolist() == [[-math.inf, -math.inf, 0.0, -math.inf]]
+    eos = row(temperature=1.0, allowed_token_ids=[2, 3], bad_words_token_ids=[[3]], min_tokens=2,
+              eos_token_ids=frozenset({2}))
+    assert apply_penalties(logits, [eos]).tolist() == [[-math.inf, -math.inf, 0.0, -math.inf]]
+    assert Sampler(seed=0)(logits, [eos]).token_ids == [2]
+
+
+def test_allowed_token_ids_and_bad_words_take_the_row_off_the_plain_greedy_path() -> None:
+    from resident.worker.layers.sampler import is_plain_greedy
+    from resident.worker.spec_decode.probs import greedy_tokens, needs_penalties
+
+    for params in (SamplingParams(temperature=0.0, allowed_token_ids=[2]),
+                   SamplingParams(temperature=0.0, bad_words_token_ids=[[0]])):
+        assert params.changes_logits(0) and not is_plain_greedy(params, 7) and needs_penalties(params, 7)
+    assert is_plain_greedy(SamplingParams(temperature=0.0, bad_words=["x"]), 0)   # not tokenized: nothing to ban
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[1, 0]], allowed_token_ids=[0, 1])
+    # speculative decoding's greedy choice, one row per drafted position: the drafts count as output
+    choice = greedy_tokens(logits.expand(3, -1), [SamplingRow(params, [], [1] * n) for n in range(3)])
+    assert choice.tolist() == [0, 1, 1]
+
+
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
     rows = [row(temperature=0.0), row(temperature=1.5), row(temperature=0.0, top_k=3), row(temperature=0.3, seed=1)]

@@ -56,6 +56,19 @@ def test_defaults_are_valid():
     ({"min_tokens": 17}, "min_tokens"),   # more than max_tokens (16, the default)
     ({"eos_token_ids": [-1]}, "eos_token_ids"),
     ({"eos_token_ids": 2}, "eos_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 3}, "allowed_token_ids"),
+    ({"bad_words": ["", "x"]}, "bad_words"),
+    ({"bad_words": "x"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+    ({"bad_words_token_ids": [[-1]]}, "bad_words_token_ids"),
+    ({"bad_words_token_ids": [3]}, "bad_words_token_ids"),
+    ({"bad_words_token_ids": [[1]] * 129}, "bad_words"),
+    ({"bad_words_token_ids": [list(range(600))] * 2}, "bad_words"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -70,6 +83,35 @@ def test_boundaries_and_normalisation():
     assert p.stop == ["END"] and p.stop_token_ids == [7, 8]
     assert isinstance(p.temperature, float)
     assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_allowed_token_ids_and_bad_words_normalised():
+    p = SamplingParams(allowed_token_ids=(9, 2, 9), bad_words=["a", "b", "a"], bad_words_token_ids=[(3,), [4, 5]])
+    assert p.allowed_token_ids == [2, 9] and p.bad_words == ["a", "b"] and p.bad_words_token_ids == [[3], [4, 5]]
+    assert p.bad_words_need_history and not SamplingParams(bad_words_token_ids=[[3]]).bad_words_need_history
+    assert SamplingParams().allowed_token_ids is None and SamplingParams().skip_special_tokens is True
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tmp_path):
+    """vLLM's update_from_tokenizer: each word (leading spaces stripped) as it stands, and after a
+    space when that gives as many tokens starting with another one; a word of no token is an error."""
+    from fixtures_tokenizer import write_tiny_tokenizer
+
+    from resident.worker.sampling_params import tokenize_bad_words
+    from resident.worker.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(write_tiny_tokenizer(tmp_path))
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    assert len(enc("t")) == len(enc(" t")) == 1 and enc("t") != enc(" t")   # "Ġt" is a token of its own
+    assert tokenize_bad_words(["t"], tok) == [enc("t"), enc(" t")]
+    assert tokenize_bad_words(["  t"], tok) == [enc("t"), enc(" t")]
+    assert len(enc(" hello")) == len(enc("hello")) + 1   # a lone "Ġ" before the word's tokens: covered by them
+    assert tokenize_bad_words(["hello"], tok) == [enc("hello")]
+    with pytest.raises(ValueError, match="^bad_words: .* tokenizes to no token"):
+        tokenize_bad_words(["\x01"], tok)   # a control byte the tiny vocabulary leaves out
 
 
 def test_min_tokens_bounds_and_what_it_masks():

@@ -164,6 +164,33 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(target) -> None:
     assert out["ctx"][-1].finish_reason == "length"
 
 
+def test_allowed_token_ids_and_bad_words_mask_every_drafted_position(target) -> None:
+    """allowed_token_ids and bad words under speculation: the verification rows mask each drafted
+    position (a bad word of two tokens counts the drafts before it as output), so greedy output
+    equals plain decoding's with the same params (prompt lookup, the target as its own draft, a
+    noisy draft) and a sampled request (rejection sampling) keeps to them too."""
+    prompt = [11, 42, 7, 99, 5, 23] * 4
+    free = tokens(run(make_engine(target), {"a": (prompt, GREEDY)})["a"])
+    allowed = sorted(set(free[:12]))[:4] + [3, 8]
+    pair = free[4:6]
+    reqs = {"allowed": (prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                               allowed_token_ids=allowed)),
+            "bad": (prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                           bad_words_token_ids=[[free[2]], pair])),
+            "sampled": (prompt, SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True,
+                                               allowed_token_ids=allowed, bad_words_token_ids=[[allowed[0]]]))}
+    plain = {rid: tokens(out) for rid, out in run(make_engine(target), reqs).items()}
+    assert set(plain["allowed"]) <= set(allowed) and free[2] not in plain["bad"]
+    assert all(plain["bad"][j:j + 2] != pair for j in range(len(plain["bad"]) - 1))
+    for spec, draft in ((SpecConfig(method="ngram", num_speculative_tokens=4), None), (draft_spec(3), target[1]),
+                        (draft_spec(3), perturbed(target[1], 0.05))):
+        engine = make_engine(target, spec, draft)
+        out = {rid: tokens(o) for rid, o in run(engine, reqs).items()}
+        assert (out["allowed"], out["bad"]) == (plain["allowed"], plain["bad"]), spec.method
+        assert len(out["sampled"]) == 20 and set(out["sampled"]) <= set(allowed) - {allowed[0]}, spec.method
+        assert engine.stats().spec_num_proposed > 0
+
+
 def test_min_tokens_masks_the_stop_token_at_every_drafted_position(target) -> None:
     """vLLM's min_tokens under speculation: the token greedy decoding picks at position i (inside
     a speculative step), made the stop token id with min_tokens = i + 1, cannot be committed

@@ -254,6 +254,24 @@ def test_the_sampler_masks_guided_rows_only_and_a_complete_grammar_beats_min_tok
     assert torch.isfinite(apply_penalties(logits, rows)[3]).nonzero().flatten().tolist() == [9]
 
 
+def test_allowed_token_ids_and_bad_words_narrow_a_grammar_and_yield_where_it_leaves_nothing_else():
+    """A grammar's mask comes first: allowed_token_ids and bad words narrow what it allows, and
+    yield on a row where they would leave no token (the output stays valid for the grammar)."""
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    spec = GuidedSpec("regex", "a")
+    rows = [SamplingRow(SamplingParams(temperature=0.0, allowed_token_ids=[9, 33, 50], guided=spec), [1], [],
+                        None, _bitmask([9, 33, 64], vocab)),
+            SamplingRow(SamplingParams(temperature=0.0, allowed_token_ids=[50], guided=spec), [1], [],
+                        None, _bitmask([9, 33], vocab)),
+            SamplingRow(SamplingParams(temperature=0.0, bad_words_token_ids=[[9], [33]], guided=spec), [1], [],
+                        None, _bitmask([9, 33, 64], vocab))]
+    masked = apply_penalties(logits, rows)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [9, 33]
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [9, 33]   # the grammar wins
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == [64]
+
+
 def test_the_runner_takes_the_bitmask_from_the_scheduler_output(tiny):
     config, weights, _, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=16, max_model_len=64)

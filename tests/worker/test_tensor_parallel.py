@@ -293,6 +293,13 @@ def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
             requests[f"m{seed}"] = ([21, 22, 23 + seed], SamplingParams(
                 temperature=1.0, top_k=3, seed=seed, max_tokens=12, min_tokens=2,
                 stop_token_ids=list(range(0, 256, 5))))
+        # allowed_token_ids and one-token bad words travel in the params (they overlap): every rank
+        # must mask alike for the placeholders each substitutes to agree.
+        requests["a"] = ([31, 32, 33], SamplingParams(temperature=1.0, top_k=3, seed=7, max_tokens=12,
+                                                      ignore_eos=True, allowed_token_ids=list(range(0, 256, 4))))
+        even = [[t] for t in range(0, 128, 2)]
+        requests["b"] = ([41, 42, 43], SamplingParams(temperature=1.0, top_k=3, seed=8, max_tokens=12,
+                                                      ignore_eos=True, bad_words_token_ids=even))
         got = {}
         for mode in (False, True):
             engine = LLMEngine(engine_config(), runner, async_scheduling=mode)
@@ -312,6 +319,7 @@ def test_tp2_async_scheduling_equals_synchronous_steps(tiny_model):
         group.close()
     assert {rid: got[True][rid] for rid in requests} == got[False]
     assert all(len(t) == 12 for rid, t in got[True].items() if not rid.startswith("m"))
+    assert set(got[True]["a"]) <= set(range(0, 256, 4)) and not set(got[True]["b"]) & set(range(0, 128, 2))
 
 
 def test_tp2_guided_requests_follow_their_grammar_beside_others(tiny_model):

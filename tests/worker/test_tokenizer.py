@@ -185,3 +185,17 @@ def test_folder_copied_from_smollm_without_side_files(default_model_dir: Path, t
     assert tok.eos_token_ids == set()
     with pytest.raises(NoChatTemplateError):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_encode_last_keeps_the_texts_last_tokens_and_the_bos_as_left_truncation_does(tiny_folder: Path):
+    """vLLM's truncate_prompt_tokens on a text: transformers' left truncation keeps the BOS the
+    post-processor adds and cuts the text's own tokens from the left."""
+    _update_json(tiny_folder / "tokenizer_config.json", add_bos_token=True, bos_token="<|endoftext|>")
+    tok = Tokenizer.from_folder(tiny_folder)
+    text = "the cat sat on the mat"
+    full = tok.encode(text)
+    plain = tok.encode(text, add_special_tokens=False)
+    assert full == [0, *plain] and len(plain) > 5
+    assert tok.encode_last(text, 5) == ([0, *plain[-4:]], len(plain))
+    assert tok.encode_last(text, 4, add_special_tokens=False) == (plain[-4:], len(plain))
+    assert tok.encode_last(text, 100) == (full, len(plain))

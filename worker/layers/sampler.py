@@ -1,16 +1,21 @@
-"""The sampler: logit bias, penalties, min_tokens, temperature, top-k/top-p/min-p, seeded
-sampling, logprobs.
+"""The sampler: logit bias, penalties, grammar, allowed_token_ids, bad words, min_tokens,
+temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
 Order per row (vLLM's: logit processors, then penalties; HF's logits-processor order for the
 rest): the request's logit_bias added to the logits (OpenAI semantics), repetition penalty
 (HF semantics: over prompt and output tokens, positive logits divided by the penalty, negative
 ones multiplied), presence/frequency penalties (OpenAI semantics: over output tokens,
-`logit -= frequency * count + presence * (count > 0)`), a guided request's grammar (the
-tokens its bitmask leaves out are -inf: xgrammar's apply_token_bitmask_inplace, a CUDA/Triton
-kernel on a GPU, C++ on the CPU), min_tokens (vLLM's: while a request has generated fewer, its
-stop tokens' logits are -inf; after the repetition penalty, whose clamp would make -inf finite;
-on a guided row only where the grammar leaves another token: a complete grammar allows only EOS,
-and the grammar wins), then temperature 0 = greedy argmax of the penalized logits;
+`logit -= frequency * count + presence * (count > 0)`), then the masks, each setting logits to
+-inf: a guided request's grammar (the tokens its bitmask leaves out: xgrammar's
+apply_token_bitmask_inplace, a CUDA/Triton kernel on a GPU, C++ on the CPU), allowed_token_ids
+(every other token), bad words (a one-token word's token; a longer word's last token when the
+output ends with its other tokens) and min_tokens (while a request has generated fewer, its stop
+tokens). vLLM applies allowed_token_ids, bad words and min_tokens before the penalties; a mask's
+-inf stays -inf through a bias and vLLM's penalties, so masking last gives its result, and keeps
+the -inf that our repetition penalty's clamp would make finite. Each mask yields on a row it would
+leave without any token (the earlier one wins: a grammar over allowed_token_ids over bad words over
+min_tokens), so a grammar's output stays valid (a complete grammar allows only EOS) and no row is
+all -inf. Then temperature 0 = greedy argmax of the processed logits;
 otherwise divide by the temperature, keep the top-k (ties with the k-th kept), the top-p
 nucleus (the smallest set of most likely tokens whose mass reaches top_p), drop tokens below
 min_p x the top probability, and sample.
@@ -51,7 +56,8 @@ class SamplingRow:
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when the next token (`num_output_tokens` generated so far) is just the argmax of the
-    raw logits: temperature 0, no penalty, logit bias or min_tokens mask, no logprobs. A batch of
+    raw logits: temperature 0, no penalty, logit bias or mask (min_tokens', a grammar's,
+    allowed_token_ids, bad words), no logprobs. A batch of
     only such rows needs no per-row tensors (`Sampler.greedy`)."""
     return (params.temperature == 0.0 and params.logprobs is None
             and not params.changes_logits(num_output_tokens))
@@ -115,15 +121,17 @@ PENALIZED_LOGIT_LIMIT = 1e30
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Logit bias, then repetition, presence and frequency penalties, then a grammar's mask, then
-    min_tokens' mask (returns a new tensor when any apply)."""
+    """Logit bias, then repetition, presence and frequency penalties, then the masks: a grammar's,
+    allowed_token_ids, bad words, min_tokens' (returns a new tensor when any apply; see the module doc)."""
     n, vocab = logits.shape
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     pf = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
     masked = [i for i, r in enumerate(rows) if r.params.masks_stop_tokens(len(r.output_token_ids))]
     guided = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
-    if not biased and not rep and not pf and not masked and not guided:
+    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    bad = [(i, ids) for i, r in enumerate(rows) if r.params.bad_words_token_ids and (ids := bad_word_bans(r))]
+    if not biased and not rep and not pf and not masked and not guided and not allowed and not bad:
         return logits
     logits = logits.clone()
     dev = logits.device
@@ -162,18 +170,26 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).to(logits.dtype)
     if guided:
         apply_token_bitmask(logits, guided, [rows[i].token_bitmask for i in guided])
+    if allowed:
+        _mask_tokens(logits, [(i, rows[i].params.allowed_token_ids) for i in allowed], keep=True)
+    if bad:
+        _mask_tokens(logits, bad)
     if masked:
-        # A guided row keeps its stop tokens where the grammar allows nothing else (it is complete).
-        both = [i for i in masked if rows[i].token_bitmask is not None]
-        if both:
-            idx = _to_device(both, torch.int64, dev)
-            before = logits.index_select(0, idx)
-        _mask_stop_tokens(logits, [(i, rows[i].params.min_tokens_stop_ids) for i in masked])
-        if both:
-            after = logits.index_select(0, idx)
-            nothing_left = torch.isneginf(after).all(dim=1, keepdim=True)
-            logits.index_copy_(0, idx, torch.where(nothing_left, before, after))
+        _mask_tokens(logits, [(i, rows[i].params.min_tokens_stop_ids) for i in masked])
     return logits
+
+
+def bad_word_bans(row: SamplingRow) -> list[int]:
+    """The tokens a row's bad words keep from being chosen next (vLLM's `apply_bad_words`): each
+    one-token word's token, and a longer word's last token when the output so far ends with the
+    word's other tokens."""
+    out = row.output_token_ids
+    bans = []
+    for ids in row.params.bad_words_token_ids:
+        prefix = len(ids) - 1
+        if prefix == 0 or (prefix <= len(out) and list(out[len(out) - prefix:]) == ids[:-1]):
+            bans.append(ids[-1])
+    return bans
 
 
 def apply_token_bitmask(logits: torch.Tensor, row_ids: list[int], bitmasks: Sequence[torch.Tensor]) -> None:
@@ -189,18 +205,34 @@ def apply_token_bitmask(logits: torch.Tensor, row_ids: list[int], bitmasks: Sequ
                                     vocab_size=logits.shape[1], indices=row_ids)
 
 
-def _mask_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, list[int]]]) -> None:
-    """min_tokens: -inf at each (row, its stop token ids). Ids beyond the vocabulary are skipped:
-    the model never samples them anyway (a tokenizer's EOS id may lie there)."""
+def _mask_tokens(logits: torch.Tensor, rows: list[tuple[int, Sequence[int]]], keep: bool = False) -> None:
+    """In place, -inf at each (row, its token ids), or with `keep` at every other token of the row;
+    a row the mask would leave without any finite logit is left as it was (see the module doc).
+    Ids beyond the vocabulary are skipped: the model never samples them anyway (a tokenizer's EOS
+    id may lie there)."""
     vocab = logits.shape[1]
-    row_ids, token_ids = [], []
+    row_ids, local_ids, token_ids = [], [], []
     for i, ids in rows:
         ids = [t for t in ids if t < vocab]
-        row_ids += [i] * len(ids)
-        token_ids += ids
-    if token_ids:
-        dev = logits.device
-        logits[_to_device(row_ids, torch.int64, dev), _to_device(token_ids, torch.int64, dev)] = float("-inf")
+        if ids or keep:
+            local_ids += [len(row_ids)] * len(ids)
+            row_ids.append(i)
+            token_ids += ids
+    if not row_ids:
+        return
+    dev = logits.device
+    idx = _to_device(row_ids, torch.int64, dev)
+    before = logits.index_select(0, idx)
+    where = (_to_device(local_ids, torch.int64, dev), _to_device(token_ids, torch.int64, dev))
+    if keep:
+        kept = torch.zeros_like(before, dtype=torch.bool)
+        kept[where] = True
+        after = before.masked_fill(~kept, float("-inf"))
+    else:
+        after = before.clone()
+        after[where] = float("-inf")
+    nothing_left = torch.isneginf(after).all(dim=1, keepdim=True)
+    logits.index_copy_(0, idx, torch.where(nothing_left, before, after))
 
 
 def truncation_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -1,7 +1,8 @@
 """The distributions speculative decoding compares: the sampler's, made explicit.
 
 `processed_probs` is exactly what `layers/sampler.py` samples from for a row with
-temperature > 0 (penalties, min_tokens' mask, temperature, top-k, top-p, min-p, softmax),
+temperature > 0 (penalties, the masks of min_tokens, allowed_token_ids and bad words, temperature,
+top-k, top-p, min-p, softmax),
 and `greedy_tokens` what it picks at temperature 0 (argmax of the penalized, masked
 logits). The rejection sampler works on these, so speculative output follows the
 sampler's distribution, not the raw model's.
@@ -67,7 +68,7 @@ def raw_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequen
 
 def needs_penalties(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether the sampler changes this request's logits before the argmax of its next token,
-    `num_output_tokens` generated so far (greedy rows without penalties, logit bias or a
-    min_tokens mask can take the raw logits' argmax, with no sampling rows built). Never true
+    `num_output_tokens` generated so far (greedy rows without penalties, logit bias or a mask
+    can take the raw logits' argmax, with no sampling rows built). Never true
     at a later position when false at an earlier one: callers ask for a run's first position."""
     return params.changes_logits(num_output_tokens)
