@@ -131,11 +131,12 @@ def test_async_scheduling_on_gpu_gives_the_synchronous_tokens(tiny_model) -> Non
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_logit_bias_and_min_tokens_on_gpu(tiny_model, async_scheduling) -> None:
+def test_logit_bias_min_tokens_allowed_ids_and_bad_words_on_gpu(tiny_model, async_scheduling) -> None:
     """The sampler's logit changes on CUDA tensors, beside plain greedy rows in graph-replayed
     steps: min_tokens keeps the stop token greedy decoding picks first out of the first 5 tokens
     (and out of the output's end until then), a +100 logit bias makes greedy pick its token, -100
-    keeps it out."""
+    keeps it out; allowed_token_ids keeps sampling within its ids; a bad word (that token) never
+    comes."""
     path = tiny_model("llama3")
     mc, weights = _config(path), {k: v.cuda() for k, v in fused_weights_from_hf_folder(path).items()}
     ec = EngineConfig(block_size=8, num_kv_blocks=96, max_model_len=128, max_num_seqs=8)
@@ -155,16 +156,22 @@ def test_logit_bias_and_min_tokens_on_gpu(tiny_model, async_scheduling) -> None:
     first = run({"plain": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)})["plain"]
     t0 = first[0]
     forced = (t0 + 1) % mc.vocab_size
+    allowed = [(t0 + k) % mc.vocab_size for k in (2, 5, 7)]
     got = run({"plain": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                "stop": SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[t0], ignore_eos=True),
                "min": SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, stop_token_ids=[t0],
                                      ignore_eos=True),
                "up": SamplingParams(temperature=0.0, max_tokens=4, logit_bias={forced: 100.0}, ignore_eos=True),
-               "down": SamplingParams(temperature=0.0, max_tokens=4, logit_bias={t0: -100.0}, ignore_eos=True)})
+               "down": SamplingParams(temperature=0.0, max_tokens=4, logit_bias={t0: -100.0}, ignore_eos=True),
+               "allowed": SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=allowed,
+                                         ignore_eos=True),
+               "bad": SamplingParams(temperature=0.0, max_tokens=8, bad_words_token_ids=[[t0]], ignore_eos=True)})
     assert runner.graphs.num_replays > 0
     assert got["plain"] == first and got["stop"] == [t0]
     assert len(got["min"]) >= 5 and t0 not in got["min"][:5], got["min"]
     assert got["up"] == [forced] * 4 and got["down"][0] != t0
+    assert len(got["allowed"]) == 6 and set(got["allowed"]) <= set(allowed), got["allowed"]
+    assert len(got["bad"]) == 8 and t0 not in got["bad"], got["bad"]
     runner.close()
 
 
