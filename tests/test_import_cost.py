@@ -12,7 +12,6 @@ off a GPU it must stay harmless, on a GPU it must leave torch on the same primar
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -111,20 +110,6 @@ def test_the_cli_itself_imports_neither_torch_nor_the_worker() -> None:
 
 
 # --- the CUDA context made while torch imports -------------------------------------------------
-def test_an_attaching_start_imports_the_daemon_client_beside_torch() -> None:
-    """The gRPC client the attach needs is imported in a thread while torch imports (process_prep),
-    only for a start that will attach; a cold start (--preload off) never imports it."""
-    code = ("import sys; from resident.worker.process_prep import start_client_import; "
-            "from resident.worker.serve_config import ServeConfig; "
-            "assert start_client_import(ServeConfig(model='m', preload='off')) is None; "
-            "assert 'resident.daemon.client' not in sys.modules and 'grpc' not in sys.modules; "
-            "t = start_client_import(ServeConfig(model='m', preload='auto', socket='/nowhere.sock')); "
-            "t.join(60); print('resident.daemon.client' in sys.modules, 'grpc' in sys.modules, 'torch' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPROFILEIMPORTTIME"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0 and out.stdout.split() == ["True", "True", "False"], out.stderr[-2000:]
-
-
 def test_preinit_targets_the_device_torch_will_use() -> None:
     assert device_index_for("cpu") is None and start_context_preinit("cpu") is None
     assert device_index_for("auto") == 0 and device_index_for("cuda") == 0 and device_index_for("cuda:3") == 3

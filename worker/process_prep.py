@@ -6,11 +6,9 @@ without importing the HTTP server (aiohttp), which its front-end process serves.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
-import threading
 import time
 
 from resident.worker.serve_config import ServeConfig
@@ -48,26 +46,6 @@ def prepare_process(config: ServeConfig, t0: float, who: str) -> tuple[ServeConf
     return prepared
 
 
-def start_client_import(config: ServeConfig) -> threading.Thread | None:
-    """Import the daemon client (grpc and the protos: ~0.1 s, the "client" part of the weights
-    phase) in a thread that overlaps `import torch`, for a start that will attach (--preload auto
-    or require). A failure is left for the attach's own import to raise and explain. Not while
-    CPython profiles imports (-X importtime, $PYTHONPROFILEIMPORTTIME: tests/test_import_cost.py
-    reads that profile, which two importing threads garble into each other's lines)."""
-    if config.preload == "off" or "importtime" in sys._xoptions or os.environ.get("PYTHONPROFILEIMPORTTIME"):
-        return None
-
-    def run() -> None:
-        try:
-            importlib.import_module("resident.daemon.client")
-        except Exception:  # noqa: BLE001 - open_store imports it again and reports what is missing
-            pass
-
-    thread = threading.Thread(target=run, name="resident-client-import", daemon=True)
-    thread.start()
-    return thread
-
-
 #: Modules whose bytecode cache the import-breakdown line checks (bytecode_check.py): this
 #: one (imported by the CLI) and those imported after torch (those present are checked).
 _BYTECODE_SAMPLE = (__name__, "resident.worker.engine", "resident.worker.model_runner", "resident.worker.tokenizer",
@@ -83,7 +61,6 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
     t_begin = time.time()
     spawn_early(config)   # TP: the other ranks import torch while this one does (tp_spawn.py)
     preinit = start_context_preinit(config.device)   # the CUDA context, created while torch imports
-    start_client_import(config)   # the attach's gRPC client, imported while torch imports
     import torch
 
     t_torch = time.time()
