@@ -1,7 +1,8 @@
-"""How much of the daemon client's import an attaching start hides behind `import torch`
-(worker/process_prep.start_client_import): fresh interpreters, alternating, each timing
-`import torch` then `import resident.daemon.client`, serially or with the client imported in a
-thread started first (as process_prep does). Prints one line per run and the medians.
+"""How much of the daemon client's import an attaching start could hide behind `import torch`
+(tried in session 18 as process_prep.start_client_import, reverted in 8085b55: docs/benchmarks.md):
+fresh interpreters, alternating, each timing `import torch` then `import resident.daemon.client`,
+serially or with the client imported in a thread started first. Prints one line per run and the
+medians.
     python3 tests/import_overlap_probe.py [RUNS]        (default 6 of each; ~4 s a run on the H200 hosts)
 """
 from __future__ import annotations
