@@ -1,5 +1,5 @@
 """How much of the daemon client's import an attaching start could hide behind `import torch`
-(tried in session 18 as process_prep.start_client_import, reverted in 8085b55: docs/benchmarks.md):
+(tried in session 18 as process_prep.start_client_import, reverted in 5897bfe: docs/benchmarks.md):
 fresh interpreters, alternating, each timing `import torch` then `import resident.daemon.client`,
 serially or with the client imported in a thread started first. Prints one line per run and the
 medians.
