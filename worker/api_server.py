@@ -26,8 +26,8 @@ from aiohttp.http import HttpProcessingError
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing, Prepared
-from resident.worker.protocol import (RequestError, error_body, parse_body, parse_chat_request,
-                                      parse_completion_request)
+from resident.worker.protocol import parse_body, parse_chat_request, parse_completion_request
+from resident.worker.request_error import RequestError, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """OpenAI-compatible request schemas: parse and validate request bodies into plain
-dataclasses, and build OpenAI-style error bodies.
+dataclasses (refusals are RequestErrors, which become OpenAI-style error bodies).
 
 Validation here covers types and the OpenAI-documented ranges; `SamplingParams` checks its
 own invariants again when the server builds it (its ValueError also becomes a 400). Fields
@@ -16,18 +16,25 @@ at most one per request, are
 parsed by structured_output.parse_guided into SamplingParams' `guided` (its shape errors are
 400s naming the field here; the serving layer compiles the schema, regex or grammar, and
 refuses one xgrammar cannot follow with a 400 naming the field).
+
+The pieces live beside this module: RequestError and the error body in request_error, the
+field readers and the sampling fields in sampling_fields, the chat messages' and tools' checks
+in chat_messages. This module holds the request types and the parsers that put them together.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from resident.worker.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS
-from resident.worker.structured_output import GUIDED_FIELDS, GuidedDecodingError, parse_guided
+from resident.worker.chat_messages import check_tool, parse_message
+# RequestError is imported from here too (openai_serving, test_structured_output): it stays a name of this module.
+from resident.worker.request_error import RequestError
+from resident.worker.sampling_fields import (parse_sampling, read_bool, read_int, read_truncate_prompt_tokens,
+                                             refuse_unsupported)
+from resident.worker.structured_output import GUIDED_FIELDS
 
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
@@ -59,33 +66,6 @@ UNSUPPORTED_CHAT_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, F
 UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
 MAX_N = 128
 MAX_LOGPROBS = 20
-# The engine thread checks every stop string (and every stop token id) of every running
-# request at each step: 200 k stop strings in one request made every other request 2.5x
-# slower; OpenAI allows 4 stop strings, vLLM has no limit.
-MAX_STOP_STRINGS = 256
-MAX_STOP_TOKEN_IDS = 1024
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-
-class RequestError(Exception):
-    """A request the server refuses; becomes an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -137,6 +117,7 @@ class ChatRequest(CommonRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
 
 
 # --- the body ---------------------------------------------------------------------------
@@ -191,149 +172,37 @@ def _check_text(text: str, path: str, key: bool = False) -> None:
             "surrogate pair (e.g. \\ud83d\\ude00)", param=path or None) from None
 
 
-# --- field readers ------------------------------------------------------------------------
-def _num(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"'{name}' must be a finite number, got {v!r}", param=name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f"'{name}' must be between {lo} and {hi}, got {v}", param=name)
-    return float(v)
-
-
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(f"'{name}' must be an integer, got {v!r}", param=name)
-    if lo is not None and v < lo:
-        raise RequestError(f"'{name}' must be at least {lo}, got {v}", param=name)
-    if hi is not None and v > hi:
-        raise RequestError(f"'{name}' must be at most {hi}, got {v}", param=name)
-    return v
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(f"'{name}' must be true or false, got {v!r}", param=name)
-    return v
-
-
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(v) > MAX_STOP_STRINGS:
-        raise RequestError(f"'stop' holds {len(v)} strings; this server takes at most {MAX_STOP_STRINGS}",
-                           param="stop")
-    return list(v)
-
-
-def _unsupported(body: dict, unsupported: dict[str, tuple[Any, ...]]) -> None:
-    for name, offs in unsupported.items():
-        v = body.get(name)
-        # `in` compares with ==: 0 == False, 1.0 == 1; a bool is no length_penalty, though.
-        if v not in offs or (isinstance(v, bool) and not any(isinstance(o, bool) for o in offs)):
-            hint = " or send " + " or ".join(json.dumps(o) for o in offs if o is not None) if len(offs) > 1 else ""
-            raise RequestError(f"'{name}' is not supported by this server; leave it out{hint}", param=name)
-
-
-def _logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's logit_bias: an object mapping token ids (as strings: JSON's keys) to biases in
-    [-100, 100], added to the logits before sampling. (Token ids beyond the vocabulary are
-    refused by the serving layer, which knows it.)"""
-    raw = body.get("logit_bias")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise RequestError(f"'logit_bias' must be an object mapping token ids to biases, got {json.dumps(raw)[:100]}",
-                           param="logit_bias")
-    out: dict[int, float] = {}
-    for key, value in raw.items():
-        if not (isinstance(key, str) and key.strip().isdigit()):
-            raise RequestError(f"'logit_bias' keys must be token ids (non-negative integers), got {key[:50]!r}",
-                               param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise RequestError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                               f"got {json.dumps(value)[:50]} for token {key.strip()}", param="logit_bias")
-        out[int(key)] = float(value)
-    return out
-
-
-def _min_tokens(body: dict, max_tokens: int | None, max_tokens_field: str, defaulted: bool,
-                opts: ServingOptions) -> int:
-    """vLLM's min_tokens: the first that many tokens never stop the request (EOS, stop ids and
-    strings are kept from ending it); at most max_tokens, sent or defaulted, as vLLM."""
-    value = _int(body, "min_tokens", 0, opts.max_model_len) or 0
-    if max_tokens is not None and value > max_tokens:
-        name = max_tokens_field if body.get(max_tokens_field) is not None else "max_tokens"
-        sent = (f"'{name}' ({max_tokens})" if not defaulted
-                else f"max_tokens ({max_tokens}: not sent, the default for completions)")
-        raise RequestError(f"'min_tokens' must be at most {sent}, got {value}", param="min_tokens")
-    return value
-
-
-def _allowed_token_ids(body: dict) -> list[int] | None:
-    """vLLM's allowed_token_ids: the only tokens that may be generated (ids beyond the vocabulary
-    are refused by the serving layer, which knows it)."""
-    ids = body.get("allowed_token_ids")
-    if ids is None:
-        return None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise RequestError("'allowed_token_ids' must be a list of token ids", param="allowed_token_ids")
-    if not ids:
-        raise RequestError("'allowed_token_ids' must hold at least one token id; leave it out to allow every token",
-                           param="allowed_token_ids")
-    return ids
-
-
-def _bad_words(body: dict) -> list[str]:
-    """vLLM's bad_words: words never to generate (the serving layer tokenizes them)."""
-    words = body.get("bad_words")
-    if words is None:
-        return []
-    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise RequestError("'bad_words' must be a list of words (strings that are not empty nor only spaces)",
-                           param="bad_words")
-    if len(words) > MAX_BAD_WORDS:
-        raise RequestError(f"'bad_words' holds {len(words)} words; this server takes at most {MAX_BAD_WORDS}",
-                           param="bad_words")
-    return list(words)
-
-
-def _truncate_prompt_tokens(body: dict, max_tokens: int | None, opts: ServingOptions) -> int | None:
-    """vLLM's truncate_prompt_tokens: k >= 1 keeps the prompt's last k tokens; -1 as many as fit
-    beside max_tokens (one token when max_tokens is not sent); more than fit is a 400, as in vLLM."""
-    value = _int(body, "truncate_prompt_tokens", -1)
-    if value is None:
-        return None
-    room = opts.max_model_len - (max_tokens or 1)
-    if value == 0:
-        raise RequestError("'truncate_prompt_tokens' must be -1 (as many prompt tokens as fit) or at least 1, got 0",
-                           param="truncate_prompt_tokens")
-    if value > room:
-        raise RequestError(f"'truncate_prompt_tokens' ({value}) must be at most the context ({opts.max_model_len}) "
-                           f"less the completion's {max_tokens or 1} tokens: {room}", param="truncate_prompt_tokens")
-    return room if value == -1 else value
-
-
+# --- fields every request shares ----------------------------------------------------------
 def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, max_tokens_field: str,
             default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    model = _model(body, opts)
+    n = read_int(body, "n", 1, MAX_N) or 1
+    best_of = read_int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise RequestError("'best_of' other than n is not supported", param="best_of")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):   # as OpenAI and vLLM: a string (an end-user id)
+        raise RequestError(f"'user' must be a string, got {type(user).__name__}", param="user")
+    stream = read_bool(body, "stream")
+    include_usage, continuous_usage = _stream_options(body, stream)
+    max_tokens = read_int(body, max_tokens_field, 1, opts.max_model_len)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = read_int(body, "max_tokens", 1, opts.max_model_len)
+    defaulted = max_tokens is None and default_max_tokens is not None
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    sampling = parse_sampling(body, max_tokens, max_tokens_field, defaulted, opts.max_model_len)
+    refuse_unsupported(body, unsupported)
+    ignored = sorted(k for k in body if k not in known and k not in unsupported)
+    return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+               max_tokens=max_tokens, max_tokens_defaulted=defaulted, sampling=sampling,
+               truncate_prompt_tokens=read_truncate_prompt_tokens(body, max_tokens, opts.max_model_len),
+               tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
+
+
+def _model(body: dict, opts: ServingOptions) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         names = ", ".join(opts.served_model_names)
@@ -343,14 +212,11 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
         raise RequestError(f"The model '{model}' does not exist; this server serves: "
                            + ", ".join(opts.served_model_names), param="model",
                            code="model_not_found")
-    n = _int(body, "n", 1, MAX_N) or 1
-    best_of = _int(body, "best_of", 1, MAX_N)
-    if best_of is not None and best_of != n:
-        raise RequestError("'best_of' other than n is not supported", param="best_of")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):   # as OpenAI and vLLM: a string (an end-user id)
-        raise RequestError(f"'user' must be a string, got {type(user).__name__}", param="user")
-    stream = _bool(body, "stream")
+    return model
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage) from stream_options, allowed only when streaming."""
     include_usage = continuous_usage = False
     so = body.get("stream_options")
     if so is not None:
@@ -369,63 +235,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
                                param="stream_options.continuous_usage_stats")
         # As vLLM: only together with include_usage.
         continuous_usage = include_usage and bool(continuous)
-    max_tokens = _int(body, max_tokens_field, 1, opts.max_model_len)
-    if max_tokens is None and max_tokens_field != "max_tokens":
-        max_tokens = _int(body, "max_tokens", 1, opts.max_model_len)
-    defaulted = max_tokens is None and default_max_tokens is not None
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    sampling: dict[str, Any] = {}
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
-                         ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0),
-                         ("repetition_penalty", None, None)):
-        v = _num(body, name, lo, hi)
-        if v is not None:
-            sampling[name] = v
-    top_k = _int(body, "top_k", -1)
-    if top_k is not None:
-        sampling["top_k"] = max(top_k, 0)  # -1 (vLLM's "off") and 0 both mean off
-    seed = _int(body, "seed")
-    if seed is not None:
-        sampling["seed"] = seed
-    sampling["stop"] = _stop(body)
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise RequestError("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise RequestError(f"'stop_token_ids' holds {len(ids)} ids; this server takes at most "
-                               f"{MAX_STOP_TOKEN_IDS}", param="stop_token_ids")
-        sampling["stop_token_ids"] = list(ids)
-    for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-        if flag in body:
-            sampling[flag] = _bool(body, flag, default=flag == "skip_special_tokens")
-    # vLLM's; its fast-tokenizer detokenizer ignores it, as ours (tokenizer.json only) does.
-    _bool(body, "spaces_between_special_tokens", True)
-    allowed = _allowed_token_ids(body)
-    if allowed is not None:
-        sampling["allowed_token_ids"] = allowed
-    bad_words = _bad_words(body)
-    if bad_words:
-        sampling["bad_words"] = bad_words
-    bias = _logit_bias(body)
-    if bias:
-        sampling["logit_bias"] = bias
-    min_tokens = _min_tokens(body, max_tokens, max_tokens_field, defaulted, opts)
-    if min_tokens:
-        sampling["min_tokens"] = min_tokens
-    try:
-        guided = parse_guided(body)
-    except GuidedDecodingError as e:
-        raise RequestError(e.message, param=e.param) from None
-    if guided is not None:
-        sampling["guided"] = guided
-    _unsupported(body, unsupported)
-    ignored = sorted(k for k in body if k not in known and k not in unsupported)
-    return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
-               max_tokens=max_tokens, max_tokens_defaulted=defaulted, sampling=sampling,
-               truncate_prompt_tokens=_truncate_prompt_tokens(body, max_tokens, opts),
-               tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
+    return include_usage, continuous_usage
 
 
 # --- completions --------------------------------------------------------------------------
@@ -449,107 +259,14 @@ def parse_completion_request(body: Any, opts: ServingOptions) -> CompletionReque
     if body.get("suffix"):
         raise RequestError("'suffix' is not supported by this server", param="suffix")
     req.prompts = prompts
-    req.echo = _bool(body, "echo")
-    req.logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    req.echo = read_bool(body, "echo")
+    req.logprobs = read_int(body, "logprobs", 0, MAX_LOGPROBS)
     if req.echo and req.logprobs is not None:
         raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
     return req
 
 
 # --- chat ---------------------------------------------------------------------------------
-def _message(m: Any, i: int) -> dict[str, Any]:
-    param = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise RequestError(f"{param} must be an object with 'role' and 'content'", param=param)
-    role = m.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or object: unhashable
-        raise RequestError(f"{param}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}",
-                           param=f"{param}.role")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: only text is supported
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                raise RequestError(f"{param}.content: only text parts are supported, got {kind!r}",
-                                   param=f"{param}.content")
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"{param}.content[{j}] must be {{\"type\": \"text\", \"text\": \"<string>\"}}, "
-                                   f"got 'text' {part.get('text')!r}", param=f"{param}.content[{j}].text")
-            texts.append(part["text"])
-        content = "".join(texts)
-    tool_calls = m.get("tool_calls") or None   # null or [] (some clients send it): none
-    if tool_calls is not None and role != "assistant":
-        raise RequestError(f"{param} has role {role}; only an assistant message carries tool_calls",
-                           param=f"{param}.tool_calls")
-    if content is None and tool_calls is None:
-        raise RequestError(f"{param}.content is required" + (" (or tool_calls)" if role == "assistant" else ""),
-                           param=f"{param}.content")
-    if content is not None and not isinstance(content, str):
-        raise RequestError(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
-    tool_call_id = m.get("tool_call_id")
-    if tool_call_id is not None and not isinstance(tool_call_id, str):
-        raise RequestError(f"{param}.tool_call_id must be a string (the id of the tool call it answers), "
-                           f"got {tool_call_id!r}", param=f"{param}.tool_call_id")
-    out = dict(m)
-    out["content"] = content
-    out["tool_calls"] = None if tool_calls is None else _tool_calls(tool_calls, f"{param}.tool_calls")
-    return out
-
-
-def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's tool calls, checked as OpenAI defines them. `function.arguments`
-    (a JSON string on the wire) reaches the template decoded, as vLLM hands it to templates
-    (they write it with `tojson`); missing or empty, it is {} as there."""
-    shape = ('{"id": "<id>", "type": "function", "function": {"name": "<name>", '
-             '"arguments": "<JSON object as a string>"}}')
-    if not isinstance(calls, list):
-        raise RequestError(f"{param} must be a list of tool calls {shape}, got {type(calls).__name__}", param=param)
-    out = []
-    for j, call in enumerate(calls):
-        where = f"{param}[{j}]"
-        if not isinstance(call, dict):
-            raise RequestError(f"{where} must be an object {shape}, got {type(call).__name__}", param=where)
-        if not isinstance(call.get("id"), str) or not call["id"]:
-            raise RequestError(f"{where}.id is required: the id a tool message's tool_call_id answers; "
-                               f"each tool call is {shape}", param=f"{where}.id")
-        if call.get("type", "function") != "function":
-            raise RequestError(f"{where}.type must be 'function', got {call.get('type')!r}", param=f"{where}.type")
-        fn = call.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise RequestError(f"{where}.function.name is required; each tool call is {shape}",
-                               param=f"{where}.function.name" if isinstance(fn, dict) else f"{where}.function")
-        out.append({**call, "type": "function",
-                    "function": {**fn, "arguments": _arguments(fn.get("arguments"), f"{where}.function.arguments")}})
-    return out
-
-
-def _arguments(args: Any, param: str) -> dict[str, Any]:
-    if args is None or args == "":
-        return {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError) as e:
-            raise RequestError(f"{param} must be a JSON object encoded as a string; it does not decode ({e})",
-                               param=param) from None
-    if not isinstance(args, dict):
-        raise RequestError(f"{param} must be a JSON object encoded as a string, got {json.dumps(args)[:100]}",
-                           param=param)
-    return args
-
-
-def _tool(tool: Any, i: int) -> None:
-    """A tool as OpenAI defines it; the chat template reads these fields."""
-    fn = tool.get("function") if isinstance(tool, dict) else None
-    if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
-            or not isinstance(fn.get("name"), str) or not fn["name"]
-            or not isinstance(fn.get("parameters", {}), dict)):
-        raise RequestError(
-            f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \"<name>\", "
-            f"\"parameters\": {{<JSON schema>}}}}}}, got {json.dumps(tool)[:200]}", param=f"tools[{i}]")
-
-
 def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     if isinstance(body, dict) and not opts.trust_request_chat_template:
         for name in UNTRUSTED_CHAT_FIELDS:
@@ -562,9 +279,9 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
-    req.messages = [_message(m, i) for i, m in enumerate(messages)]
-    req.logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    req.messages = [parse_message(m, i) for i, m in enumerate(messages)]
+    req.logprobs = read_bool(body, "logprobs")
+    top = read_int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not req.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     req.top_logprobs = top or 0
@@ -572,12 +289,12 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
     for i, tool in enumerate(tools or []):
-        _tool(tool, i)
+        check_tool(tool, i)
     req.tools = tools or None
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise RequestError("only 'tool_choice' none or auto is supported", param="tool_choice")
-    req.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    req.add_generation_prompt = read_bool(body, "add_generation_prompt", True)
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise RequestError("'chat_template' must be a string", param="chat_template")

@@ -12,7 +12,8 @@ import pytest
 from serve_helpers import MODEL_NAME, http, metric, serve_tiny
 from test_api_server import ScriptedEngine, _in_process, _ok_completion
 
-from resident.worker.protocol import RequestError, ServingOptions, parse_chat_request
+from resident.worker.protocol import ServingOptions, parse_chat_request
+from resident.worker.request_error import RequestError
 from resident.worker.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64

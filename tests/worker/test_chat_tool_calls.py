@@ -15,7 +15,8 @@ from test_api_server import _ok_completion
 from resident.worker.chat_template import ChatTemplate, ChatTemplateError
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing
-from resident.worker.protocol import RequestError, ServingOptions, parse_chat_request
+from resident.worker.protocol import ServingOptions, parse_chat_request
+from resident.worker.request_error import RequestError
 from resident.worker.tokenizer import Tokenizer
 
 # Qwen2.5's way of rendering tools, tool calls and tool results (shortened).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from resident.worker.protocol import (RequestError, ServingOptions, check_prompt_length, parse_chat_request,
-                                      parse_completion_request)
+from resident.worker.protocol import ServingOptions, check_prompt_length, parse_chat_request, parse_completion_request
+from resident.worker.request_error import RequestError
 
 OPTS = ServingOptions(served_model_names=("tiny",), max_model_len=128)
 TRUSTED = ServingOptions(served_model_names=("tiny",), max_model_len=128, trust_request_chat_template=True)
