@@ -16,8 +16,10 @@ GuidedSpec gets an `xgrammar.GrammarMatcher` when it is queued (its grammar comp
 compiled, by the engine's GrammarCache). Before each step the engine fills the bitmask of the
 tokens each sampling guided request may take next (SchedulerOutput.grammar_bitmask, applied by
 the sampler after the penalties); each sampled token is fed back to the matcher, and the request
-stops ("stop") once the matcher terminates (the grammar complete and EOS chosen). Not with
-speculative decoding (refused when the request is added).
+stops ("stop") once the matcher terminates (the grammar complete and EOS chosen). A request
+scheduled with room for drafts (speculative decoding) hands the runner its matcher instead
+(SchedulerOutput.grammar_matchers), which masks every position it verifies; the committed tokens
+are fed back the same way.
 
 Not thread-safe: one thread owns the engine (see async_engine.py).
 """
@@ -35,8 +37,7 @@ from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholde
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams, tokenize_bad_words
 from resident.worker.scheduler import Scheduler
-from resident.worker.structured_output import (SPECULATIVE_REFUSAL, GrammarCache, GuidedDecodingError,
-                                               GuidedSpec)
+from resident.worker.structured_output import GrammarCache, GuidedDecodingError, GuidedSpec
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +347,6 @@ class LLMEngine:
     def _matcher(self, spec: GuidedSpec) -> Any:
         """A new request's grammar matcher (GuidedDecodingError, a ValueError, when it cannot have one)."""
         param = spec.param or None
-        if self.num_speculative_tokens:
-            raise GuidedDecodingError(f"'{spec.param or 'guided'}': {SPECULATIVE_REFUSAL}", param=param)
         if self.grammars is None:
             if self.tokenizer is None:
                 raise GuidedDecodingError("structured outputs need the model's vocabulary, and this engine has no "
@@ -361,7 +360,13 @@ class LLMEngine:
 
     def _fill_grammar_bitmask(self, out: Any) -> None:
         """The tokens each guided request that samples this step may take next (see the module doc)."""
-        rids = [s.request_id for s in out.scheduled if s.sample and s.request_id in self._matchers]
+        rids = []
+        for s in out.scheduled:
+            if s.sample and s.request_id in self._matchers:
+                if s.num_spec_tokens:
+                    out.grammar_matchers[s.request_id] = self._matchers[s.request_id]
+                else:
+                    rids.append(s.request_id)
         if rids:
             bitmask = self.grammars.fill_bitmask([self._matchers[r] for r in rids])
             out.grammar_bitmask = {rid: bitmask[i] for i, rid in enumerate(rids)}

@@ -88,7 +88,6 @@ class EngineReady:
     vocab_size: int
     weights_source: str
     phases: dict[str, float] = field(default_factory=dict)
-    guided_refusal: str | None = None   # why the engine refuses structured outputs (ServingOptions'), or None
 
 
 def encode(message: tuple) -> bytes:

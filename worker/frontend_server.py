@@ -231,8 +231,7 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess, lifeline_f
     A supervisor's replica (replica.py) passes its lifeline (EOF: the supervisor died, drain)
     and `on_start_failed(reason)` (its failure note for the supervisor)."""
     from resident.worker.metrics import ServerMetrics
-    from resident.worker.startup import (build_worker, explains_itself, guided_refusal, in_thread, join_startup_threads,
-                                         start_kv_growth)
+    from resident.worker.startup import build_worker, explains_itself, in_thread, join_startup_threads, start_kv_growth
 
     metrics = ServerMetrics(config.model_name)
     state = EngineState()
@@ -283,7 +282,7 @@ async def serve(config: Any, startup: Any, frontend: FrontendProcess, lifeline_f
         metrics.set_startup_phases(startup.phases)
         state.ready = True
         link.send(("ready", EngineReady(worker.max_model_len, worker.vocab_size, worker.store.source,
-                                        dict(startup.phases), guided_refusal(config))))
+                                        dict(startup.phases))))
         logger.info("%s; weights from %s; tokenizer in the front-end process (%.2f s, loaded %.2f s after exec)",
                     startup.summary(), worker.store.source, hello.tokenizer_s, hello.started_s)
         logger.info("%s", startup.cpu_summary())

@@ -112,8 +112,6 @@ class OpenAIServing:
             self._check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
         if req.sampling.get("allowed_token_ids"):
             self._check_ids(sorted(set(req.sampling["allowed_token_ids"])), "allowed_token_ids")
-        if req.sampling.get("guided") is not None:
-            self._check_guided(req.sampling["guided"])
         sampling = dict(req.sampling)
         if sampling.get("bad_words"):
             # Here, where the tokenizer is (with --frontend process the engine has none).
@@ -142,11 +140,6 @@ class OpenAIServing:
                     param = name if name in {f.name for f in fields(SamplingParams)} else None
                     raise RequestError(str(e), param=param) from None
         return out
-
-    def _check_guided(self, spec: Any) -> None:
-        """A 400 naming the guided field when this server cannot guide (speculative decoding)."""
-        if self.opts.guided_refusal is not None:
-            raise RequestError(f"'{spec.param}': {self.opts.guided_refusal}", param=spec.param or None)
 
     async def compile_guided(self, prep: Prepared) -> None:
         """Compile a prepared request's grammar (kept in the cache the engine reads) in a worker

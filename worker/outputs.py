@@ -47,6 +47,11 @@ class SchedulerOutput:
     # row of an int32 CPU bitmask (bit t set = token t allowed), for the chunks that sample. Set by
     # the engine after scheduling; the runner's sampler sets the other tokens' logits to -inf.
     grammar_bitmask: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding of guided requests: request id -> its xgrammar.GrammarMatcher, for the
+    # chunks scheduled with room for drafts (not in grammar_bitmask). The runner masks every
+    # position it verifies with it (structured_output.draft_bitmask, which leaves the matcher as it
+    # was); the engine owns the matchers and advances them by the committed tokens.
+    grammar_matchers: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

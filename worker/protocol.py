@@ -75,8 +75,6 @@ class ServingOptions:
     served_model_names: tuple[str, ...]
     max_model_len: int
     trust_request_chat_template: bool = False
-    #: why this server refuses structured outputs (speculative decoding), or None: it serves them
-    guided_refusal: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

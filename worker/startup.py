@@ -399,8 +399,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
         from resident.worker.protocol import ServingOptions
 
         opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
-                              trust_request_chat_template=config.trust_request_chat_template,
-                              guided_refusal=guided_refusal(config))
+                              trust_request_chat_template=config.trust_request_chat_template)
         serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size,
                                 grammars=engine.grammars)
     worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
@@ -424,13 +423,6 @@ def _grammars(engine: Any, model_dir: str, vocab_size: int) -> Any:
         return GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, engine.eos_token_ids))
     return GrammarCache(lambda: tokenizer_info_from_file(str(Path(model_dir) / "tokenizer.json"), vocab_size,
                                                          engine.eos_token_ids))
-
-
-def guided_refusal(config: ServeConfig) -> str | None:
-    """Why this server refuses structured outputs (ServingOptions.guided_refusal), or None."""
-    from resident.worker.structured_output import SPECULATIVE_REFUSAL
-
-    return SPECULATIVE_REFUSAL if config.speculative is not None else None
 
 
 def log_kv_alloc(plan_s: dict[str, float], plan_total_s: float, runner_s: float, cache_s: dict[str, float],

@@ -13,7 +13,9 @@ compiled grammars in an LRU keyed by (kind, spec text): the HTTP layer compiles 
 bad schema, regex or grammar is a 400 naming its field), and the engine finds it compiled when
 it makes the request's `xgrammar.GrammarMatcher`. Each step the engine fills the matchers' next-
 token bitmasks (`fill_bitmask`); the sampler sets the logits of the tokens a row's bitmask leaves
-out to -inf; the engine feeds each sampled token back to its matcher.
+out to -inf; the engine feeds each sampled token back to its matcher. Under speculative decoding the
+runner masks each position it verifies the same way (`draft_bitmask`: the matcher advanced through
+the drafts and rolled back), so every committed token, accepted draft or not, is one the grammar allows.
 
 xgrammar (which imports torch) is imported only here and only when a guided request comes: never
 on the start-up path. Without it, guided requests are refused with what to install.
@@ -32,7 +34,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +56,6 @@ MAX_CACHED_GRAMMARS = 256
 #: A message from xgrammar is cut to this many characters.
 MAX_ERROR_CHARS = 500
 XGRAMMAR_REQUIREMENT = "xgrammar>=0.2.9"   # as pyproject.toml
-#: Why a server with speculative decoding refuses guided requests (a 400 naming the field).
-SPECULATIVE_REFUSAL = ("structured outputs are not supported together with --speculative-model (speculative "
-                       "decoding: the grammar would have to mask every drafted position); serve without "
-                       "--speculative-model for guided requests")
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -359,6 +357,30 @@ class GrammarCache:
         return bitmask
 
 
-__all__ = ["GUIDED_FIELDS", "GUIDED_KINDS", "SPECULATIVE_REFUSAL", "GrammarCache", "GuidedDecodingError", "GuidedSpec",
+def draft_bitmask(matcher: Any, vocab_size: int, drafts: Sequence[int]) -> tuple[int, Any]:
+    """Speculative decoding of a guided request: how many of `drafts` its grammar accepts in a row,
+    and the int32 CPU bitmask [that many + 1, ceil(vocab_size / 32)] of the tokens allowed at each
+    position the target verifies (row j: after the first j drafts). Drafts past the first one the
+    grammar refuses are never committed (the target's masked distribution gives that one no
+    chance), so the caller drops them before verifying. A draft that ends the grammar (a stop token
+    it accepts) is the last kept, and the row after it allows every token: what is drawn there is
+    dropped, the request stopping at the grammar's end. `matcher` is left as it was (rolled back)."""
+    xgr = import_xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab_size)   # every bit set: every token allowed
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    num_valid = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        num_valid += 1
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, num_valid)
+    if num_valid:
+        matcher.rollback(num_valid)
+    return num_valid, bitmask[:num_valid + 1]
+
+
+__all__ = ["GUIDED_FIELDS", "GUIDED_KINDS", "GrammarCache", "draft_bitmask", "GuidedDecodingError", "GuidedSpec",
            "import_xgrammar", "parse_guided", "short_error", "tokenizer_info", "tokenizer_info_from_file",
            "tokenizer_info_of"]

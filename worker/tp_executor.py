@@ -130,7 +130,7 @@ def compact(out: Any) -> Any:
     synchronously (engine.overlappable), so the other ranks' samples are discarded; so do requests
     with a bad word of several tokens (its mask reads the output's last tokens). allowed_token_ids
     and one-token bad words need no earlier token: they travel in the sampling params."""
-    return dataclasses.replace(out, grammar_bitmask={}, scheduled=[
+    return dataclasses.replace(out, grammar_bitmask={}, grammar_matchers={}, scheduled=[
         dataclasses.replace(s, prompt_token_ids=[],
                             output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])
         for s in out.scheduled])

@@ -1,8 +1,10 @@
 """`resident serve --speculative-model ...` end to end over HTTP on tiny models: greedy
 completions equal plain decoding computed in-process, stop strings cut the text, and the
-speculative counters appear in the response's usage and in /metrics."""
+speculative counters appear in the response's usage and in /metrics; structured outputs follow
+their grammar."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -78,12 +80,16 @@ def test_serve_with_speculation_matches_plain_greedy(model, method: str) -> None
         if method == "draft":
             assert proposed > 0
             assert metric(proc.base_url, "resident_worker_spec_acceptance_rate") >= 0.9
-        # Structured outputs are refused with speculative decoding: a 400 naming the field.
-        for field, value in (("guided_regex", "a+"), ("response_format", {"type": "json_object"})):
-            status, body = http(proc.base_url, "POST", "/v1/completions", {
-                "model": MODEL_NAME, "prompt": "x", "max_tokens": 4, field: value})
-            assert status == 400 and body["error"]["param"] == field, body
-            assert "not supported together with --speculative-model" in body["error"]["message"], body
+        # Structured outputs under speculation: every verified position masked by the grammar.
+        for field, value, check in (("guided_regex", "[ab]{3}-x", lambda t: re.fullmatch("[ab]{3}-x", t)),
+                                    ("guided_choice", ["yes", "no way"], lambda t: t in ("yes", "no way"))):
+            for temperature in (0, 1):
+                status, body = http(proc.base_url, "POST", "/v1/completions", {
+                    "model": MODEL_NAME, "prompt": "x", "max_tokens": 16, "temperature": temperature, "seed": 5,
+                    field: value})
+                assert status == 200, body
+                choice = body["choices"][0]
+                assert check(choice["text"]) and choice["finish_reason"] == "stop", (field, temperature, body)
     finally:
         stop_serve(proc)
 

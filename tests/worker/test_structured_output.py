@@ -10,7 +10,9 @@ import pickle
 import re
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,9 +141,8 @@ def test_without_xgrammar_guided_requests_are_refused_with_what_to_install(tiny,
         GrammarCache(lambda: None).compile(GuidedSpec("json_object", "", "response_format"))
 
 
-def test_the_serving_layer_refuses_bad_specs_and_guidance_under_speculative_decoding(tiny, grammars):
+def test_the_serving_layer_refuses_bad_specs_off_the_event_loop(tiny, grammars):
     from resident.worker.openai_serving import OpenAIServing
-    from resident.worker.structured_output import SPECULATIVE_REFUSAL
 
     config, _, tokenizer, _ = tiny
     opts = ServingOptions(served_model_names=("tiny",), max_model_len=128)
@@ -162,11 +163,6 @@ def test_the_serving_layer_refuses_bad_specs_and_guidance_under_speculative_deco
     finally:
         del grammars.compile
     assert threads and threads[0] is not threading.main_thread()   # never on the event loop's thread
-    spec_opts = ServingOptions(served_model_names=("tiny",), max_model_len=128, guided_refusal=SPECULATIVE_REFUSAL)
-    spec_serving = OpenAIServing(None, tokenizer, spec_opts, None, vocab_size=config.vocab_size, grammars=grammars)
-    with pytest.raises(RequestError) as e:
-        spec_serving.prepare_completion(parse_completion_request({**body, "guided_grammar": 'root ::= "x"'}, opts))
-    assert e.value.param == "guided_grammar" and "not supported together with --speculative-model" in e.value.message
 
 
 # --- the vocabulary -------------------------------------------------------------------------
@@ -297,12 +293,17 @@ def test_tp_ranks_get_no_bitmask(tiny):
 
 # --- the engine on the tiny model -----------------------------------------------------------
 def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = False, prompt: str = "hello",
-        device: str = "cpu", **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
+        device: str = "cpu", wrap: Callable[[ModelRunner], Any] | None = None,
+        **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
+    """Each request's text, finish reason and tokens; `wrap` makes the engine's runner of the
+    ModelRunner (a speculative one)."""
     config, weights, tokenizer, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
     if device != "cpu":
         weights = {k: v.to(device) for k, v in weights.items()}
     runner = ModelRunner(config, engine_config, weights, device=device)
+    if wrap is not None:
+        runner = wrap(runner)
     engine = LLMEngine(engine_config, runner, tokenizer, async_scheduling=async_scheduling, **engine_kwargs)
     for rid, params in requests.items():
         engine.add_request(rid, tokenizer.encode(prompt), params)
@@ -393,17 +394,13 @@ def test_max_tokens_stop_strings_and_min_tokens_keep_working_with_a_grammar(tiny
     assert (text["done"], reasons["done"], tokens["done"][-1]) == ("no", "stop", EOS)
 
 
-def test_a_bad_spec_is_refused_when_added_and_speculative_decoding_refuses_grammars(tiny):
+def test_a_bad_spec_is_refused_when_added(tiny):
     config, weights, tokenizer, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=64, max_model_len=64)
     engine = LLMEngine(engine_config, ModelRunner(config, engine_config, weights), tokenizer)
     with pytest.raises(ValueError, match="Regex parsing error") as e:
         engine.add_request("bad", [5, 6], SamplingParams(guided=GuidedSpec("regex", "(a", "guided_regex")))
     assert e.value.param == "guided_regex" and not engine.has_unfinished_requests()
-    spec = LLMEngine(engine_config, ModelRunner(config, engine_config, weights), tokenizer, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="not supported together with --speculative-model") as e:
-        spec.add_request("g", [5, 6], SamplingParams(guided=GuidedSpec("regex", "a", "guided_regex")))
-    assert e.value.param == "guided_regex" and not spec.has_unfinished_requests()
     no_vocab = LLMEngine(engine_config, ModelRunner(config, engine_config, weights))
     with pytest.raises(ValueError, match="no tokenizer nor grammar cache"):
         no_vocab.add_request("g", [5, 6], SamplingParams(guided=GuidedSpec("regex", "a")))

@@ -166,6 +166,7 @@ class SpecDecodeRunner:
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
         proposals = self._propose(out.scheduled)
+        masks = self._grammar_masks(out, proposals)
         drafts = [proposals[s.request_id].token_ids if s.num_spec_tokens else [] for s in out.scheduled]
         logits, starts = self._forward(out.scheduled, drafts)
         plain, plain_rows, spec, spec_rows = [], [], [], []
@@ -179,10 +180,30 @@ class SpecDecodeRunner:
         result = ModelRunnerOutput(sampled={})
         if plain:
             idx = torch.tensor(plain_rows, device=logits.device)
-            result = self.target.sample(logits.index_select(0, idx), plain)
+            result = self.target.sample(logits.index_select(0, idx), plain, out.grammar_bitmask)
         if spec:
-            result.spec = self._verify(logits, spec, spec_rows, proposals)
+            result.spec = self._verify(logits, spec, spec_rows, proposals, masks)
         return result
+
+    def _grammar_masks(self, out: SchedulerOutput, proposals: dict[str, Proposal]) -> dict[str, torch.Tensor]:
+        """Guided requests' masks at each position they verify (structured_output.draft_bitmask);
+        their proposals are cut, in place, before the first draft their grammar refuses."""
+        if not out.grammar_matchers:
+            return {}
+        from resident.worker.structured_output import draft_bitmask
+
+        masks = {}
+        vocab = self.target.model_config.vocab_size
+        for s in out.scheduled:
+            matcher = out.grammar_matchers.get(s.request_id)
+            if matcher is None or not s.num_spec_tokens:
+                continue
+            prop = proposals[s.request_id]
+            num_valid, masks[s.request_id] = draft_bitmask(matcher, vocab, prop.token_ids)
+            if num_valid < len(prop.token_ids):
+                proposals[s.request_id] = Proposal(prop.token_ids[:num_valid],
+                                                   None if prop.probs is None else prop.probs[:num_valid])
+        return masks
 
     def _forward(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """The target's pass over every chunk extended by its drafts: logits, and each
@@ -228,8 +249,9 @@ class SpecDecodeRunner:
                 for s in scheduled if s.num_spec_tokens}
 
     def _verify(self, logits: torch.Tensor, spec: list[ScheduledRequest], spec_rows: list[tuple[int, int]],
-                proposals: dict[str, Proposal]) -> dict[str, SpecResult]:
-        """Committed tokens (and their logprobs) of each request scheduled with drafts."""
+                proposals: dict[str, Proposal], masks: dict[str, torch.Tensor]) -> dict[str, SpecResult]:
+        """Committed tokens (and their logprobs) of each request scheduled with drafts; `masks`:
+        guided requests' grammar bitmasks, a row per position verified."""
         committed: dict[str, list[int]] = {}
         greedy = [i for i, s in enumerate(spec) if s.sampling_params.temperature <= 0.0]
         sampled = [i for i, s in enumerate(spec) if s.sampling_params.temperature > 0.0]
@@ -242,7 +264,7 @@ class SpecDecodeRunner:
             rows, idx = [], []
             for i in greedy:
                 s, (start, n) = spec[i], spec_rows[i]
-                rows.extend(self._rows(s, proposals[s.request_id].token_ids))
+                rows.extend(self._rows(s, proposals[s.request_id].token_ids, masks.get(s.request_id)))
                 idx.extend(range(start, start + n))
             argmax = greedy_tokens(logits[torch.tensor(idx, device=logits.device)], rows).tolist()
             at = 0
@@ -252,7 +274,7 @@ class SpecDecodeRunner:
                 at += n
         if sampled:
             committed.update(self._rejection_sample(logits, [spec[i] for i in sampled],
-                                                    [spec_rows[i] for i in sampled], proposals))
+                                                    [spec_rows[i] for i in sampled], proposals, masks))
         out = {}
         for s, (start, _) in zip(spec, spec_rows):
             rid = s.request_id
@@ -267,22 +289,24 @@ class SpecDecodeRunner:
             out[rid] = SpecResult(num_proposed=num_proposed, token_ids=tokens, logprobs=lps)
         return out
 
-    def _rows(self, s: ScheduledRequest, drafts: list[int]) -> list[SamplingRow]:
+    def _rows(self, s: ScheduledRequest, drafts: list[int], bitmask: torch.Tensor | None = None) -> list[SamplingRow]:
         """Sampling rows for the positions of s's drafts and the one after: penalties (and
-        min_tokens) count the drafts before each position as generated."""
+        min_tokens) count the drafts before each position as generated; `bitmask` (a guided
+        request's) holds each position's grammar mask."""
         g = self.target.generator(s)
         out = list(s.output_token_ids)
-        return [SamplingRow(s.sampling_params, s.prompt_token_ids, out + drafts[:j], g) for j in range(len(drafts) + 1)]
+        return [SamplingRow(s.sampling_params, s.prompt_token_ids, out + drafts[:j], g,
+                            None if bitmask is None else bitmask[j]) for j in range(len(drafts) + 1)]
 
     def _rejection_sample(self, logits: torch.Tensor, spec: list[ScheduledRequest], spec_rows: list[tuple[int, int]],
-                          proposals: dict[str, Proposal]) -> dict[str, list[int]]:
+                          proposals: dict[str, Proposal], masks: dict[str, torch.Tensor]) -> dict[str, list[int]]:
         dev = logits.device
         vocab = logits.shape[1]
         k = max(n for _, n in spec_rows) - 1
         b = len(spec)
         rows, idx = [], []
         for s, (start, n) in zip(spec, spec_rows):
-            rows.extend(self._rows(s, proposals[s.request_id].token_ids))
+            rows.extend(self._rows(s, proposals[s.request_id].token_ids, masks.get(s.request_id)))
             idx.extend(range(start, start + n))
         p_flat = processed_probs(logits[torch.tensor(idx, device=dev)], rows)
         target_probs = torch.zeros(b, k + 1, vocab, dtype=torch.float32, device=dev)
