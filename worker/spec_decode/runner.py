@@ -6,7 +6,9 @@ whole batch in one forward pass — each such request's chunk extended by its dr
 logits at every draft position and one after — and the rejection sampler (rejection.py)
 decides what is committed. Other chunks (prefill, and decodes without room for drafts)
 sample as the plain runner does. Requests scheduled with room for drafts are answered in
-`ModelRunnerOutput.spec`, even when the proposer found nothing to propose.
+`ModelRunnerOutput.spec`, even when the proposer found nothing to propose. A guided request's
+drafts are cut before the first its grammar refuses, and every position verified is masked by the
+grammar (`_grammar_masks`; structured_output.draft_bitmask).
 
 On a GPU with CUDA graphs the verification pass of an all-decode step replays a graph
 (verify_graphs.py; built when the runner knows K); any other step (prefill chunks in the
