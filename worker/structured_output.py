@@ -22,13 +22,15 @@ on the start-up path. Without it, guided requests are refused with what to insta
 
 JSON follows the schema in xgrammar's strict mode (no properties or items the schema does not
 list), with any whitespace between elements but at most MAX_JSON_WHITESPACE characters of it in
-a row: a model that keeps choosing whitespace (a real risk: vLLM's --disable-any-whitespace exists
-for it) runs out of it instead of out of max_tokens. `json_object` is the schema {"type":
+a row: a model that keeps choosing whitespace (a real risk: vLLM's disable_any_whitespace exists
+for it) runs out of it instead of out of max_tokens; `structured_outputs.disable_any_whitespace:
+true` allows none but xgrammar's separators (", " and ": ", as json.dumps writes them; as vLLM). `json_object` is the schema {"type":
 "object"} (any JSON object, as vLLM; xgrammar's builtin JSON grammar would allow an array too).
 `guided_choice` becomes the EBNF grammar `root ::= "a" | "b" | ...` (exact strings).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -72,21 +74,27 @@ class GuidedDecodingError(ValueError):
 class GuidedSpec:
     """One request's constraint: `kind` (GUIDED_KINDS) and its text — the JSON schema (compact
     JSON), the regex, the choices (a JSON list of strings), the EBNF grammar; "" for json_object.
+    `any_whitespace`: JSON may hold whitespace between its elements (at most MAX_JSON_WHITESPACE in
+    a row); False (vLLM's disable_any_whitespace) allows only the separators ", " and ": "; True
+    for the other kinds.
     `param` is the request field it came from (errors name it); it is not part of the identity."""
 
     kind: str
     spec: str = ""
     param: str = field(default="", compare=False)
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in GUIDED_KINDS:
             raise ValueError(f"guided kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}")
         if not isinstance(self.spec, str) or not isinstance(self.param, str):
             raise ValueError(f"a guided spec's text and param must be strings, got {self.spec!r}, {self.param!r}")
+        if not self.any_whitespace and self.kind not in ("json", "json_object"):
+            raise ValueError(f"any_whitespace=False is for JSON (kind json or json_object), not {self.kind!r}")
 
     @property
-    def key(self) -> tuple[str, str]:
-        return self.kind, self.spec
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.any_whitespace
 
 
 # --- the request's fields -----------------------------------------------------------------
@@ -150,13 +158,16 @@ def _guided_field(name: str, value: Any, param: str) -> GuidedSpec:
 
 def _structured_outputs(value: Any) -> GuidedSpec:
     """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar or
-    json_object: true; `disable_fallback` is accepted (xgrammar is the only backend here), the
-    other options only with their defaults."""
+    json_object: true. `disable_any_whitespace: true` leaves JSON no whitespace of its own choosing
+    (the other kinds ignore it, as vLLM's xgrammar backend); `disable_fallback` and
+    `disable_additional_properties` are accepted (xgrammar is the only backend here, and follows a
+    schema strictly: no properties it does not list, whatever that option says)."""
     keys = ", ".join([*STRUCTURED_OUTPUT_KEYS, "json_object"])
     if not isinstance(value, dict):
         raise GuidedDecodingError(f"'structured_outputs' must be an object with one of {keys}, got "
                                   f"{json.dumps(value)[:100]}", param="structured_outputs")
     found: list[GuidedSpec] = []
+    compact = False
     for key, v in value.items():
         param = f"structured_outputs.{key}"
         if v is None:
@@ -168,17 +179,17 @@ def _structured_outputs(value: Any) -> GuidedSpec:
                 raise GuidedDecodingError(f"'{param}' must be true or false, got {json.dumps(v)[:100]}", param=param)
             if key == "json_object" and v:
                 found.append(GuidedSpec("json_object", "", param))
-            elif key.startswith("disable_a") and v:
-                raise GuidedDecodingError(f"'{param}': true is not supported by this server (JSON may hold at most "
-                                          f"{MAX_JSON_WHITESPACE} whitespace characters in a row, and follows the "
-                                          "schema strictly); send false or leave it out", param=param)
+            compact = compact or (key == "disable_any_whitespace" and v)
         else:
             raise GuidedDecodingError(f"'{param}' is not supported by this server; structured_outputs takes one of "
-                                      f"{keys} (and disable_fallback)", param=param)
+                                      f"{keys} (and disable_any_whitespace, disable_fallback, "
+                                      "disable_additional_properties)", param=param)
     if len(found) != 1:
         given = " and ".join(f"'{f.param}'" for f in found)
         raise GuidedDecodingError(f"'structured_outputs' must set exactly one of {keys}, got "
                                   f"{given + ' together' if found else 'none'}", param="structured_outputs")
+    if compact and found[0].kind in ("json", "json_object"):
+        return dataclasses.replace(found[0], any_whitespace=False)
     return found[0]
 
 
@@ -324,8 +335,9 @@ class GrammarCache:
         compiler = self._get_compiler(spec.param or None)
         try:
             if spec.kind in ("json", "json_object"):
-                compiled = compiler.compile_json_schema(spec.spec or _JSON_OBJECT_SCHEMA, any_whitespace=True,
-                                                        max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                compiled = compiler.compile_json_schema(
+                    spec.spec or _JSON_OBJECT_SCHEMA, any_whitespace=spec.any_whitespace,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.spec)
             else:

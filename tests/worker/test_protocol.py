@@ -290,6 +290,14 @@ def test_structured_output_fields_become_one_guided_spec(fn):
          GuidedSpec("grammar", 'root ::= "a"'), "structured_outputs.grammar"),
         ({"structured_outputs": {"json_object": True}}, GuidedSpec("json_object", ""),
          "structured_outputs.json_object"),
+        # disable_any_whitespace: compact JSON; the other kinds ignore it (vLLM's xgrammar backend does)
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         GuidedSpec("json", compact, any_whitespace=False), "structured_outputs.json"),
+        ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True,
+                                 "disable_additional_properties": True}},
+         GuidedSpec("json_object", "", any_whitespace=False), "structured_outputs.json_object"),
+        ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, GuidedSpec("regex", "a"),
+         "structured_outputs.regex"),
     ]
     for extra, want, param in cases:
         req = fn({**base, **extra}, OPTS)
@@ -332,8 +340,8 @@ def test_structured_output_fields_become_one_guided_spec(fn):
     ({"structured_outputs": {"json": 5}}, "structured_outputs.json", "must be a JSON schema"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "must be a non-empty list of strings"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "must be true or false"),
-    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
-     "structured_outputs.disable_any_whitespace", "true is not supported by this server"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace", "must be true or false"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
      "is not supported by this server"),
 ])

@@ -372,6 +372,22 @@ def test_guided_outputs_on_gpu_are_the_cpu_ones(tiny, async_scheduling):
     assert reasons["plain"] == "length"
 
 
+def test_disable_any_whitespace_makes_json_compact(tiny):
+    """A greedy random model fills every gap it may with whitespace (see the fixture); without
+    any allowed, the JSON comes out as json.dumps writes it (xgrammar's separators ", " and ": ",
+    as vLLM's disable_any_whitespace gives), still following its schema."""
+    def params(**kw) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=1000, guided=GuidedSpec("json", json.dumps(SCHEMA), **kw))
+
+    text, reasons, _ = run(tiny, {"compact": params(any_whitespace=False), "spaced": params()})
+    value = check_schema(text["compact"])
+    assert text["compact"] == json.dumps(value, ensure_ascii=False), text["compact"]
+    assert check_schema(text["spaced"]) and re.search(r"\s", text["spaced"]), text["spaced"]
+    assert reasons == {"compact": "stop", "spaced": "stop"}
+    with pytest.raises(ValueError, match="any_whitespace=False is for JSON"):
+        GuidedSpec("regex", "a", any_whitespace=False)
+
+
 def test_max_tokens_stop_strings_and_min_tokens_keep_working_with_a_grammar(tiny):
     text, reasons, tokens = run(tiny, {
         # max_tokens cuts the JSON short, as vLLM: "length", a prefix of valid JSON
