@@ -5,7 +5,8 @@ Routes: `/v1/models` (and `/v1/models/{model}`, one card), `/v1/completions`,
 `/v1/chat/completions` (SSE when `stream`), `/health` (200 while the process and its engine
 thread live), `/ready` (200 only once the weights are attached and verified, the KV cache
 allocated and the warm-up pass done; 503 before that and while draining), `/metrics`
-(Prometheus). With an API key, `/v1/*` needs `Authorization: Bearer <key>`. Every error is an
+(Prometheus), vLLM's `/tokenize` and `/detokenize` (tokenize_api.py) and `/version`. With an
+API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>`. Every error is an
 OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB:
 refused from its Content-Length before it is read) and a handler's bug (a 500).
 """
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 32 * 2**20
+#: Paths outside /v1/ that need the API key too (they render templates and tokenize: CPU for anyone).
+AUTHENTICATED_PATHS = ("/tokenize", "/detokenize")
 #: Seconds a request body may stall (no bytes arriving) before the request is answered 408: a
 #: client that stops mid-body (or whose chunked body turns malformed in a later packet, which
 #: aiohttp's parser never reports to the reader) would otherwise hold its handler for ever.
@@ -248,7 +251,7 @@ def _auth_middleware(state: ServerState):
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is not None and request.path.startswith("/v1/"):
+        if expected is not None and (request.path.startswith("/v1/") or request.path in AUTHENTICATED_PATHS):
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected):
                 return _error(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -272,6 +275,9 @@ class ApiServer:
         app.router.add_get("/v1/models/{model:.+}", self.model)   # names may hold '/' (org/name)
         app.router.add_post("/v1/completions", self.completions, expect_handler=_expect_continue)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=_expect_continue)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         return app
 
     # --- probes --------------------------------------------------------------------------
@@ -312,6 +318,30 @@ class ApiServer:
             return _error(404, f"The model '{name}' does not exist; this server serves: "
                           + ", ".join(self.state.served_model_names), param="model", code="model_not_found")
         return web.json_response(self._model_card(name))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize (tokenize_api.py): the prompt's token ids, counted against the context."""
+        from resident.worker.tokenize_api import tokenize
+
+        return web.json_response(tokenize(self._tokenizing(), await self._body(request)))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        from resident.worker.tokenize_api import detokenize
+
+        return web.json_response(detokenize(self._tokenizing(), await self._body(request)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        import importlib.metadata
+
+        return web.json_response({"version": importlib.metadata.version("resident")})
+
+    def _tokenizing(self) -> OpenAIServing:
+        """The serving layer for /tokenize and /detokenize: once ready; they never reach the
+        engine, so a drain or a snapshot's pause does not stop them."""
+        if not self.state.ready or self.state.serving is None:
+            raise RequestError("the model is still loading; retry once /ready answers 200",
+                               status=503, type="service_unavailable")
+        return self.state.serving
 
     async def _body(self, request: web.Request) -> object:
         try:

@@ -199,6 +199,33 @@ def normalize_messages(messages: Any) -> list[dict]:
     return out
 
 
+def message_text(message: Any) -> str | None:
+    """A message's text: its string content, or its content parts' last text part (as transformers
+    reads the final message for continue_final_message); None when it has no text."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, (list, tuple)):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = texts[-1] if texts else None
+    return content if isinstance(content, str) else None
+
+
+def final_message_end(text: str, message: Any) -> int:
+    """Where the final message's content ends in the rendered `text` (its last occurrence; as
+    transformers, stripped when the template strips contents, as Llama 3's does), for
+    continue_final_message. A ChatTemplateError naming the field when it has no text or the
+    template does not render it as sent."""
+    content = message_text(message)
+    if not content or not content.strip():
+        raise ChatTemplateError("'continue_final_message' needs a final message with text to continue; this one "
+                                "has none", param="continue_final_message")
+    for needle in (content, content.strip()):
+        at = text.rfind(needle)
+        if at >= 0:
+            return at + len(needle)
+    raise ChatTemplateError("'continue_final_message': the chat template does not write the final message's text "
+                            "as sent, so the prompt cannot end inside it", param="continue_final_message")
+
+
 class ChatTemplate:
     """One compiled chat template. Compiling checks the syntax, so a broken template fails when
     it is loaded, not at the first request."""

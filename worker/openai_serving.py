@@ -25,7 +25,7 @@ from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequ
 logger = logging.getLogger(__name__)
 
 # A prompt text of more than max_model_len x this many characters is judged by prefixes
-# first (`_encode`); a cut inside a word (no space to cut at) may count a few more tokens.
+# first (`encode_prompt`); a cut inside a word (no space to cut at) may count a few more tokens.
 PRESCAN_CHARS_PER_TOKEN = 16
 PRESCAN_SLACK_TOKENS = 16
 # Unknown request fields are logged once each, for this many distinct names, so many at a time.
@@ -44,6 +44,7 @@ class Prepared:
     prompts: list[list[int]]                   # token ids per prompt
     prompt_texts: list[str]                    # for echo
     params: list[Any]                          # SamplingParams per choice
+    echo_text: str = ""                        # chat echo: the final (assistant) message the answer starts with
     arrival: float = field(default_factory=time.monotonic)
 
     @property
@@ -109,9 +110,9 @@ class OpenAIServing:
         from resident.worker.sampling_params import MAX_SEED, SamplingParams
 
         if req.sampling.get("logit_bias"):
-            self._check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
+            self.check_ids(sorted(req.sampling["logit_bias"]), "logit_bias")
         if req.sampling.get("allowed_token_ids"):
-            self._check_ids(sorted(set(req.sampling["allowed_token_ids"])), "allowed_token_ids")
+            self.check_ids(sorted(set(req.sampling["allowed_token_ids"])), "allowed_token_ids")
         sampling = dict(req.sampling)
         if sampling.get("bad_words"):
             # Here, where the tokenizer is (with --frontend process the engine has none).
@@ -121,7 +122,7 @@ class OpenAIServing:
                 sampling["bad_words_token_ids"] = tokenize_bad_words(sampling["bad_words"], self.tokenizer)
             except ValueError as e:
                 raise RequestError(str(e), param="bad_words") from None
-            self._check_ids(sorted({t for ids in sampling["bad_words_token_ids"] for t in ids}), "bad_words")
+            self.check_ids(sorted({t for ids in sampling["bad_words_token_ids"] for t in ids}), "bad_words")
         out = []
         for _ in range(num_prompts):
             for i in range(req.n):
@@ -160,7 +161,7 @@ class OpenAIServing:
         except GuidedDecodingError as e:
             raise RequestError(e.message, param=e.param) from None
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Tokenize, refusing early a text far longer than the context: tokenizing holds the
         event loop and the GIL (30 MiB of text took 24 s on a CPU core, and meanwhile no other
         request streamed a token nor /health answered). Such a text is judged by prefixes,
@@ -197,7 +198,7 @@ class OpenAIServing:
             num_chars *= 4
         return self.tokenizer.encode_last(text, keep, add_special_tokens)[0]
 
-    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param=param)
@@ -210,7 +211,8 @@ class OpenAIServing:
         for i, p in enumerate(req.prompts):
             param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"  # which one of a batch
             if isinstance(p, str):
-                ids = self._encode(p, True, param) if keep is None else self._encode_last(p, True, keep)
+                special = req.add_special_tokens
+                ids = self.encode_prompt(p, special, param) if keep is None else self._encode_last(p, special, keep)
                 check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param=param,
                                     max_tokens_defaulted=req.max_tokens_defaulted)
                 texts.append(p)
@@ -218,32 +220,42 @@ class OpenAIServing:
                 p = p if keep is None else p[-keep:]
                 check_prompt_length(len(p), req.max_tokens, self.opts.max_model_len, param=param,
                                     max_tokens_defaulted=req.max_tokens_defaulted)
-                ids = self._check_ids(list(p), param)
+                ids = self.check_ids(list(p), param)
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
             prompts.append(ids)
         return Prepared("completion", req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts,
                         self._params(req, req.logprobs, len(prompts)))
 
     def prepare_chat(self, req: ChatRequest) -> Prepared:
-        from jinja2 import TemplateError
-
         self._note_ignored(req.ignored_fields)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                req.messages, add_generation_prompt=req.add_generation_prompt,
-                chat_template=req.chat_template, tools=req.tools,
-                **req.chat_template_kwargs)
-        except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
-            if getattr(e, "kind", None) == "tool_calls":   # names the message and the fix itself
-                raise RequestError(str(e), param=e.param) from None
-            raise RequestError(f"the chat template failed to render these messages: {e}",
-                               param="messages") from None
+        text = self.render_chat(req)
         keep = req.truncate_prompt_tokens
-        ids = self._encode(text, False, "messages") if keep is None else self._encode_last(text, False, keep)
+        special = req.add_special_tokens
+        ids = self.encode_prompt(text, special, "messages") if keep is None else self._encode_last(text, special, keep)
         check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="messages")
         logprobs = req.top_logprobs if req.logprobs else None
-        return Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],
+        prep = Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],
                         self._params(req, logprobs, 1))
+        if req.echo and req.messages[-1].get("role") == "assistant":   # as vLLM: the answer's own role only
+            from resident.worker.chat_template import message_text
+
+            prep.echo_text = message_text(req.messages[-1]) or ""
+        return prep
+
+    def render_chat(self, req: ChatRequest) -> str:
+        """The chat request's prompt text; a 400 naming the field when the template cannot render it."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                req.messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template, tools=req.tools,
+                continue_final_message=req.continue_final_message, **req.chat_template_kwargs)
+        except (TemplateError, ValueError, TypeError, KeyError, AttributeError) as e:
+            if getattr(e, "kind", None) == "tool_calls" or getattr(e, "param", None) == "continue_final_message":
+                raise RequestError(str(e), param=e.param) from None   # names the field and the fix itself
+            raise RequestError(f"the chat template failed to render these messages: {e}",
+                               param="messages") from None
 
     # --- running ---------------------------------------------------------------------------
     async def _outputs(self, prep: Prepared) -> AsyncIterator[tuple[int, Any]]:
@@ -341,7 +353,7 @@ class OpenAIServing:
         if prep.kind == "chat":
             body["object"] = "chat.completion"
             body["choices"] = [{
-                "index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                "index": i, "message": {"role": "assistant", "content": prep.echo_text + "".join(c.text)},
                 "logprobs": self._chat_logprobs(c.logprobs, prep) if prep.request.logprobs else None,
                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
         else:
@@ -375,7 +387,7 @@ class OpenAIServing:
 
         if chat:
             for i in range(prep.num_choices):
-                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": prep.echo_text},
                              "logprobs": None, "finish_reason": None})
         else:
             req: CompletionRequest = prep.request  # type: ignore[assignment]

@@ -43,10 +43,11 @@ _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_t
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
            "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
            "return_tokens_as_token_ids", *GUIDED_FIELDS, *_EXTRA_SAMPLING}
-COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix"})
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"})
 CHAT_FIELDS = frozenset(_COMMON | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "add_generation_prompt", "chat_template",
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "add_special_tokens", "echo",
+    "chat_template",
     "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs", "metadata", "store",
     "service_tier", "reasoning_effort", "modalities",
 })
@@ -58,10 +59,8 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "logits_processors": (None, []),
 }
-# add_special_tokens defaults differ: a completion prompt gets them, a rendered chat template has them.
-UNSUPPORTED_COMPLETION_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, True)}
-UNSUPPORTED_CHAT_FIELDS = {**_UNSUPPORTED_COMMON, "add_special_tokens": (None, False), "echo": (None, False),
-                           "continue_final_message": (None, False)}
+UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
+UNSUPPORTED_CHAT_FIELDS = dict(_UNSUPPORTED_COMMON)
 # Request fields that change processing beyond sampling: refused unless trusted.
 UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
 MAX_N = 128
@@ -104,6 +103,7 @@ class CompletionRequest(CommonRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True   # the tokenizer's BOS (and the like) before a text prompt, as vLLM
 
 
 @dataclass
@@ -113,6 +113,10 @@ class ChatRequest(CommonRequest):
     top_logprobs: int = 0
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
+    #: vLLM's: the prompt ends inside the final (assistant) message, which the answer continues
+    continue_final_message: bool = False
+    add_special_tokens: bool = False   # on top of the template's own (which has them), as vLLM
+    echo: bool = False   # vLLM's: the answer starts with the final message when it is the assistant's
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -175,7 +179,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
             default_max_tokens: int | None, unsupported: dict[str, tuple[Any, ...]]) -> Any:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    model = _model(body, opts)
+    model = check_model(body, opts)
     n = read_int(body, "n", 1, MAX_N) or 1
     best_of = read_int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
@@ -200,7 +204,7 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
                tokens_as_ids=read_bool(body, "return_tokens_as_token_ids"), ignored_fields=ignored)
 
 
-def _model(body: dict, opts: ServingOptions) -> str:
+def check_model(body: dict, opts: ServingOptions) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         names = ", ".join(opts.served_model_names)
@@ -258,6 +262,7 @@ def parse_completion_request(body: Any, opts: ServingOptions) -> CompletionReque
         raise RequestError("'suffix' is not supported by this server", param="suffix")
     req.prompts = prompts
     req.echo = read_bool(body, "echo")
+    req.add_special_tokens = read_bool(body, "add_special_tokens", True)
     req.logprobs = read_int(body, "logprobs", 0, MAX_LOGPROBS)
     if req.echo and req.logprobs is not None:
         raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
@@ -293,6 +298,13 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     if choice not in (None, "none", "auto"):
         raise RequestError("only 'tool_choice' none or auto is supported", param="tool_choice")
     req.add_generation_prompt = read_bool(body, "add_generation_prompt", True)
+    req.continue_final_message = read_bool(body, "continue_final_message")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true (the prompt "
+                           "would both continue the final message and start a new one): send "
+                           "\"add_generation_prompt\": false with it", param="continue_final_message")
+    req.add_special_tokens = read_bool(body, "add_special_tokens")
+    req.echo = read_bool(body, "echo")
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise RequestError("'chat_template' must be a string", param="chat_template")

@@ -24,8 +24,9 @@ JSON follows the schema in xgrammar's strict mode (no properties or items the sc
 list), with any whitespace between elements but at most MAX_JSON_WHITESPACE characters of it in
 a row: a model that keeps choosing whitespace (a real risk: vLLM's disable_any_whitespace exists
 for it) runs out of it instead of out of max_tokens; `structured_outputs.disable_any_whitespace:
-true` allows none but xgrammar's separators (", " and ": ", as json.dumps writes them; as vLLM). `json_object` is the schema {"type":
-"object"} (any JSON object, as vLLM; xgrammar's builtin JSON grammar would allow an array too).
+true` allows none but xgrammar's separators (", " and ": ", as json.dumps writes them; as vLLM).
+`json_object` is the schema {"type": "object"} (any JSON object, as vLLM; xgrammar's builtin
+JSON grammar would allow an array too).
 `guided_choice` becomes the EBNF grammar `root ::= "a" | "b" | ...` (exact strings).
 """
 from __future__ import annotations

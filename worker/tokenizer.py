@@ -255,16 +255,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, tools: list | None = None,
-                            **template_kwargs: Any) -> str:
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
         """Render a conversation to the prompt text (encode it with add_special_tokens=False).
-        Raises ChatTemplateError (NoChatTemplateError when the model has no template)."""
-        from resident.worker.chat_template import ChatTemplateError
+        `continue_final_message` (transformers'): the text ends right after the final message's
+        content, whatever the template writes after it (its end-of-turn), so the model continues
+        that message. Raises ChatTemplateError (NoChatTemplateError when the model has no template)."""
+        from resident.worker.chat_template import ChatTemplateError, final_message_end
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ChatTemplateError("messages must be a non-empty list")
         template = self.get_chat_template(chat_template, tools)
-        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                special_tokens=self.special_tokens, **template_kwargs)
+        return text[:final_message_end(text, messages[-1])] if continue_final_message else text
 
 
 def compile_default_chat_template_in_background(tokenizer: Any) -> threading.Thread | None:

@@ -56,8 +56,6 @@ def test_unknown_fields_are_ignored_and_reported():
     (parse_completion_request, "prompt_logprobs", 0), (parse_chat_request, "logits_processors", ["x"]),
     (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
     (parse_completion_request, "length_penalty", True),
-    (parse_completion_request, "add_special_tokens", False), (parse_chat_request, "add_special_tokens", True),
-    (parse_chat_request, "echo", True), (parse_chat_request, "continue_final_message", True),
 ])
 def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(fn, field, value):
     """Ignored like unknown fields, they returned an answer that broke what was asked
@@ -79,6 +77,26 @@ def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(
 def test_those_fields_at_their_off_values_are_accepted_and_not_reported_as_unknown(fn, body):
     req = fn({"model": "tiny", **body}, OPTS)
     assert req.ignored_fields == []
+
+
+def test_add_special_tokens_continue_final_message_and_chat_echo():
+    """vLLM's prompt options: their defaults (a completion's text gets the tokenizer's special
+    tokens, a rendered chat template has its own), each value read, and continue_final_message
+    only without a generation prompt (a 400 naming it otherwise)."""
+    completion = parse_completion_request({"model": "tiny", "prompt": "a"}, OPTS)
+    assert completion.add_special_tokens is True
+    assert parse_completion_request({"model": "tiny", "prompt": "a", "add_special_tokens": False},
+                                    OPTS).add_special_tokens is False
+    chat = parse_chat_request({"model": "tiny", "messages": MSGS}, OPTS)
+    assert (chat.add_special_tokens, chat.continue_final_message, chat.echo) == (False, False, False)
+    chat = parse_chat_request({"model": "tiny", "messages": MSGS, "add_special_tokens": True, "echo": True,
+                               "continue_final_message": True, "add_generation_prompt": False}, OPTS)
+    assert (chat.add_special_tokens, chat.continue_final_message, chat.echo, chat.add_generation_prompt) == (
+        True, True, True, False)
+    err = bad(parse_chat_request, {"model": "tiny", "messages": MSGS, "continue_final_message": True})
+    assert err.param == "continue_final_message" and "\"add_generation_prompt\": false" in err.message
+    for field in ("add_special_tokens", "echo", "continue_final_message"):
+        assert bad(parse_chat_request, {"model": "tiny", "messages": MSGS, field: "yes"}).param == field
 
 
 @pytest.mark.parametrize("field,value", [
