@@ -182,7 +182,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
         from resident.worker.entrypoint import run_server
 
         sys.exit(run_server(config))
-    from resident.worker.supervisor import SupervisorConfig, run_supervisor
+    from resident.worker.supervisor import run_supervisor
+    from resident.worker.supervisor_config import SupervisorConfig
 
     try:
         sup = SupervisorConfig(

@@ -210,7 +210,7 @@ class AdminServer:
 
     async def _snapshot_call(self, request: web.Request, key: str, types: tuple[type, ...], default: Any,
                              call: Callable[[Any], Any]) -> web.Response:
-        from resident.worker.snapshot_control import SnapshotError
+        from resident.worker.snapshot_error import SnapshotError
 
         if self.snapshot_unavailable is not None:
             return web.json_response({"error": self.snapshot_unavailable, "state": self.control.state.value},
@@ -224,7 +224,8 @@ class AdminServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return web.json_response({"error": f"the request body is not valid JSON: {e}"}, status=400)
         value = body.get(key, default) if isinstance(body, dict) else None
-        if not isinstance(body, dict) or not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+        if (not isinstance(body, dict) or not isinstance(value, types)
+                or (bool not in types and isinstance(value, bool))):
             return web.json_response({"error": f"expected a JSON object with an optional {key!r} "
                                                f"({'/'.join(t.__name__ for t in types)}), got {raw[:200]!r}"},
                                      status=400)

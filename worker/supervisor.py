@@ -11,8 +11,9 @@ while replicas come and go.
   WATCHDOG=1 at half of WatchdogSec while its event loop runs; RELOADING=1 during a rollout
   then READY=1; STOPPING=1 on SIGTERM, when it drains every replica and exits 0.
 - A replica that dies unexpectedly is replaced (a warm standby is promoted first when there
-  is one); repeated crashes back off exponentially. A replica that cannot start before the
-  service was ever ready fails the supervisor (exit 1): that is a configuration error.
+  is one); repeated crashes back off exponentially (replica_recovery.py). A replica that cannot
+  start before the service was ever ready fails the supervisor (exit 1): that is a
+  configuration error (as are the option checks of supervisor_config.py).
 - Rolling restart (SIGHUP, `systemctl reload`, `resident rollout --port PORT`): see rollout.py.
 - KV headroom for the extra replica of a rollout or a standby: see kv_budget.py (each replica
   gets the pool size and its start share; on a GPU it sizes and grows its own KV cache).
@@ -38,30 +39,29 @@ interpreters paying the full imports, and a group is ready only when its slowest
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import glob
 import itertools
 import logging
-import math
 import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from resident.daemon import sd_notify
 from resident.worker.control import admin_socket_path
 from resident.worker.kv_budget import KvBudget, scaled_kv
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
+from resident.worker.replica_handle import Phase, ReplicaHandle, Role
 from resident.worker.replica_options import ENV_PAYLOAD, ReplicaOptions, encode_payload, failure_note_path
-from resident.worker.replica_handle import Phase, ReplicaFailed, ReplicaHandle, Role
-from resident.worker.serve_config import ServeConfig, usable_cpus
+from resident.worker.replica_recovery import CrashHistory, watch_replica
+from resident.worker.supervisor_config import SupervisorConfig, SupervisorStartError
+
+if TYPE_CHECKING:
+    from resident.worker.rollout import ControlServer
 
 logger = logging.getLogger(__name__)
 
@@ -69,69 +69,14 @@ logger = logging.getLogger(__name__)
 #: speaks for the service), its socket-activation fds and its watchdog.
 _SUPERVISOR_ONLY_ENV = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC",
                         "WATCHDOG_PID")
-_CRASH_WINDOW_S = 60.0
 _LISTEN_BACKLOG = 1024
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
-    serve: ServeConfig
-    num_replicas: int = 1
-    num_standby: int = 0
-    ready_timeout_s: float = 300.0
-    drain_grace_s: float = 2.0
-    kv_headroom: float = 1.0
-    use_launcher: bool = False
-    control_socket: str | None = None      # default: control.control_socket_path(port)
-    restart_backoff_s: float = 1.0
-    max_restart_backoff_s: float = 30.0
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"--data-parallel-size must be at least 1, got {self.num_replicas}")
-        num_cpus = usable_cpus()
-        if self.num_replicas > max(num_cpus, 2):
-            # Each serving replica's engine steps on a CPU of its own; beyond the CPUs they only contend
-            # (50 started on a 2-CPU box). Standbys idle until promoted: not counted. Two are always
-            # allowed: a rolling restart's pair.
-            raise ValueError(f"--data-parallel-size {self.num_replicas} is more than the {num_cpus} CPUs this process "
-                             f"may run on (each replica's engine steps on one); use {max(num_cpus, 2)} or fewer, "
-                             f"and --standby-replicas for spares")
-        if self.num_standby < 0:
-            raise ValueError(f"--standby-replicas must be >= 0, got {self.num_standby}")
-        # `not x > 0` rather than `x <= 0`: NaN compares false both ways and would slip through.
-        if not self.ready_timeout_s > 0:
-            raise ValueError(f"--ready-timeout must be a positive number of seconds, got {self.ready_timeout_s}")
-        if not 0 <= self.drain_grace_s < math.inf:
-            raise ValueError(f"--drain-grace must be a finite number of seconds >= 0, got {self.drain_grace_s}")
-        if self.restart_backoff_s < 0 or self.max_restart_backoff_s < self.restart_backoff_s:
-            raise ValueError("restart backoff must satisfy 0 <= initial <= maximum")
-        KvBudget(self.num_replicas, self.num_standby, self.kv_headroom)  # validates the headroom
-        if self.use_launcher and self.serve.frontend == "process":
-            raise ValueError("--launcher forks replicas that serve inline; with --frontend process every replica "
-                             "starts its own front-end at exec: drop one of them")
-        if self.serve.admin_socket is not None:
-            # Otherwise ignored without a word: the operator's curl --unix-socket then finds nothing there.
-            raise ValueError(f"--admin-socket {self.serve.admin_socket} names a single worker's admin socket; each "
-                             "replica of a supervisor has its own (<runtime dir>/engine-PORT/replica-ID.sock, listed "
-                             "by `resident rollout --port PORT --status`): drop --admin-socket")
-        if self.use_launcher and self.serve.tensor_parallel_size > 1:
-            raise ValueError("--launcher cannot start tensor-parallel replicas: a group's other ranks are fresh "
-                             "interpreters started by its rank 0, so forking rank 0 saves nothing; drop --launcher "
-                             "(or --tensor-parallel-size)")
-
-    @property
-    def replica_drain_timeout_s(self) -> float:
-        """How long a draining replica may take before it is killed."""
-        return self.serve.drain_timeout_s + self.drain_grace_s + 10.0
-
-
-class SupervisorStartError(RuntimeError):
-    """The supervisor cannot start (its socket, control socket or port file): one line, exit 1."""
-
-
 class Supervisor:
+    """N replicas on one shared listening socket (see the module doc): starts them, replaces
+    those that crash (replica_recovery.py), reports to systemd and drains them on SIGTERM.
+    Rolling restarts (rollout.py) go through its public methods."""
+
     def __init__(self, config: SupervisorConfig, env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self.env = dict(os.environ if env is None else env)
@@ -147,7 +92,7 @@ class Supervisor:
         self._ids = itertools.count(1)
         self._stop = asyncio.Event()
         self.stopping = False
-        self._crashes: collections.deque[float] = collections.deque()
+        self.crashes = CrashHistory(config.restart_backoff_s, config.max_restart_backoff_s)
         self._tasks: set[asyncio.Task] = set()
         self.started = False                   # every initial replica became ready once
         # Replicas hold the read end; only this process holds the write end (not inherited).
@@ -203,7 +148,7 @@ class Supervisor:
         handle = ReplicaHandle(replica_id, role, options.admin_socket, share, process)
         handle.exit_task = asyncio.ensure_future(process.wait())
         self.replicas[replica_id] = handle
-        self.background(self._watch(handle))
+        self.background(watch_replica(self, handle))
         logger.info("started %s replica %d (pid %d, KV %.0f%% of its share)", role.value, replica_id,
                     handle.pid, share * 100)
         self.report_status()
@@ -233,11 +178,9 @@ class Supervisor:
     def serving(self) -> list[ReplicaHandle]:
         return [h for h in self.replicas.values() if h.role is Role.SERVING and not h.leaving]
 
-    async def _watch(self, handle: ReplicaHandle) -> None:
-        assert handle.exit_task is not None
-        code = await handle.exit_task
-        was_ready = handle.phase is Phase.READY
-        handle.exit_code, handle.phase = code, Phase.EXITED
+    def forget(self, handle: ReplicaHandle) -> None:
+        """Drop a replica whose process exited: its KV share goes back to the pool (on a GPU the
+        others grow into it) and its admin socket is removed."""
         self.replicas.pop(handle.replica_id, None)
         self.budget.release(handle.replica_id)
         if self.kv_grows and (raised := self.budget.regrow()):
@@ -245,73 +188,11 @@ class Supervisor:
                         ", ".join(map(str, raised)), ", ".join(f"{self.budget.shares[r]:.0%}" for r in raised))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(handle.admin_socket)  # left behind when the replica was killed
-        if code == 0 and not handle.leaving and not self.stopping:
-            # A clean exit nobody here asked for: a signal to the whole process group (Ctrl-C,
-            # KillMode=control-group) reaches the supervisor a moment later. Give it that moment.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), 1.0)
-        if handle.leaving or self.stopping or not was_ready:
-            # Expected, or a start-up failure that whoever waits for its /ready reports.
-            logger.info("replica %d (pid %d) exited with code %s", handle.replica_id, handle.pid, code)
-            self.report_status()
-            return
-        logger.warning("replica %d (pid %d, %s) exited unexpectedly with code %s; replacing it",
-                       handle.replica_id, handle.pid, handle.role.value, code)
-        self._crashes.append(time.monotonic())
-        role = handle.role
-        if role is Role.SERVING and (standby := self.ready_standby()) is not None:
-            try:
-                seconds = await standby.promote()
-            except (ReplicaFailed, aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                logger.error("could not promote standby replica %d (%s); starting a serving replica instead",
-                             standby.replica_id, e)
-            else:
-                logger.info("promoted standby replica %d in %.1f ms", standby.replica_id, seconds * 1e3)
-                role = Role.STANDBY
-        self.report_status()
-        await self._replace(role)
 
-    def _restart_delay(self) -> float:
-        now = time.monotonic()
-        while self._crashes and now - self._crashes[0] > _CRASH_WINDOW_S:
-            self._crashes.popleft()
-        recent = len(self._crashes)
-        if recent <= 1:
-            return 0.0
-        return min(self.config.max_restart_backoff_s, self.config.restart_backoff_s * 2 ** (recent - 2))
-
-    async def _replace(self, role: Role) -> None:
-        while not self.stopping:
-            delay = self._restart_delay()
-            if delay:
-                logger.warning("%d crashes in the last %.0f s: waiting %.1f s before the next start",
-                               len(self._crashes), _CRASH_WINDOW_S, delay)
-                await asyncio.sleep(delay)
-            if self.stopping:
-                return
-            try:
-                handle = await self.spawn(role)
-            except (OSError, RuntimeError, asyncio.TimeoutError) as e:
-                # Counted as a crash (the next try backs off); the task must not die with it.
-                logger.error("could not start a replacement %s replica: %s", role.value, e)
-                self._crashes.append(time.monotonic())
-                continue
-            try:
-                await handle.wait_ready(self.config.ready_timeout_s)
-                logger.info("replacement replica %d ready in %.2f s", handle.replica_id, handle.ready_s)
-                self.report_status()
-                return
-            except ReplicaFailed as e:
-                if handle.leaving:
-                    # A rollout drained this replacement while it was starting (it was among the
-                    # replicas to roll) and started its own in its place: starting yet another one
-                    # would leave more replicas than --data-parallel-size.
-                    logger.info("replacement replica %d was drained by a rollout before it was ready; the "
-                                "rollout's new replica takes its place", handle.replica_id)
-                    return
-                logger.error("%s", e)
-                await handle.stop()
-                self._crashes.append(time.monotonic())
+    async def wait_for_stop(self, timeout_s: float) -> None:
+        """Return once a stop was asked for (SIGTERM, SIGINT), or after `timeout_s`."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout_s)
 
     # --- status and systemd --------------------------------------------------------------
     def describe(self) -> dict:
@@ -397,26 +278,9 @@ class Supervisor:
         self.sock = self._bind()
         self.port = self.sock.getsockname()[1]
         control = ControlServer(self)
+        await _start_control(control)
         try:
-            await control.start()
-        except RuntimeError as e:  # another supervisor answers there
-            raise SupervisorStartError(f"{e} (or give this one another --control-socket)") from None
-        except OSError as e:
-            folder = os.path.dirname(control.path)
-            why = f"{folder} is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else e.strerror or e
-            raise SupervisorStartError(f"cannot create the control socket {control.path}: {why}; "
-                                       "choose a writable path (at most 107 bytes) with --control-socket or "
-                                       "$RESIDENT_RUNTIME_DIR") from None
-        try:
-            if port_file := self.config.serve.port_file:
-                try:
-                    write_port_file(port_file, self.port)
-                except OSError as e:
-                    raise SupervisorStartError(cannot_write_port_file(port_file, e)) from None
-            host = self.config.serve.host
-            shown = host if ":" not in host else f"[{host}]"
-            sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")
-            sys.stdout.flush()
+            self._announce()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop.set)
@@ -441,14 +305,19 @@ class Supervisor:
                 task.cancel()
             if self.launcher is not None:
                 await self.launcher.stop()
-            folder = os.path.dirname(admin_socket_path(self.port, 0, self.env))
-            # Failure notes nobody read (a failed start reports the first replica's; the folder is
-            # this port's supervisor's alone).
-            for note in glob.glob(os.path.join(glob.escape(folder), failure_note_path("replica-*.sock"))):
-                with contextlib.suppress(OSError):
-                    os.unlink(note)
-            with contextlib.suppress(OSError):  # the admin sockets' folder, when nothing is left in it
-                os.rmdir(folder)
+            _remove_runtime_files(self.port, self.env)
+
+    def _announce(self) -> None:
+        """Write the port file (a SupervisorStartError if it cannot) and say where it listens."""
+        if port_file := self.config.serve.port_file:
+            try:
+                write_port_file(port_file, self.port)
+            except OSError as e:
+                raise SupervisorStartError(cannot_write_port_file(port_file, e)) from None
+        host = self.config.serve.host
+        shown = host if ":" not in host else f"[{host}]"
+        sys.stdout.write(f"resident serve listening on http://{shown}:{self.port}\n")
+        sys.stdout.flush()
 
     def _on_sighup(self) -> None:
         from resident.worker.rollout import rollout
@@ -478,6 +347,32 @@ class Supervisor:
         logger.info("stopped (replica exit codes: %s)", ", ".join(map(str, codes)) or "none")
 
 
+async def _start_control(control: ControlServer) -> None:
+    """Start the control socket, or a SupervisorStartError naming its path and the fix."""
+    try:
+        await control.start()
+    except RuntimeError as e:  # another supervisor answers there
+        raise SupervisorStartError(f"{e} (or give this one another --control-socket)") from None
+    except OSError as e:
+        folder = os.path.dirname(control.path)
+        why = f"{folder} is not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else e.strerror or e
+        raise SupervisorStartError(f"cannot create the control socket {control.path}: {why}; "
+                                   "choose a writable path (at most 107 bytes) with --control-socket or "
+                                   "$RESIDENT_RUNTIME_DIR") from None
+
+
+def _remove_runtime_files(port: int, env: Mapping[str, str]) -> None:
+    """Clean up this port's runtime folder once every replica is gone."""
+    folder = os.path.dirname(admin_socket_path(port, 0, env))
+    # Failure notes nobody read (a failed start reports the first replica's; the folder is
+    # this port's supervisor's alone).
+    for note in glob.glob(os.path.join(glob.escape(folder), failure_note_path("replica-*.sock"))):
+        with contextlib.suppress(OSError):
+            os.unlink(note)
+    with contextlib.suppress(OSError):  # the admin sockets' folder, when nothing is left in it
+        os.rmdir(folder)
+
+
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("supervisor task failed: %r", task.exception(), exc_info=task.exception())
@@ -488,4 +383,3 @@ def run_supervisor(config: SupervisorConfig, env: Mapping[str, str] | None = Non
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "SupervisorStartError", "run_supervisor"]
-

@@ -290,7 +290,8 @@ def test_a_worker_that_loaded_its_own_weights_refuses_to_detach(tmp_path):
 
 
 def test_canary_replay_tolerance_and_admin_socket_path(monkeypatch):
-    from resident.worker.snapshot_control import CANARY_TOLERANCE, Canary, admin_socket_for_pid
+    from resident.worker.snapshot_canary import CANARY_TOLERANCE, Canary
+    from resident.worker.snapshot_control import admin_socket_for_pid
 
     recorded = Canary("p", (1, 2), token_id=7, logprob=-1.25)
     assert recorded.mismatch(Canary("p", (1, 2), 7, -1.25 + 5e-5), CANARY_TOLERANCE["cpu"]) is None

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from resident.worker.snapshot_control import SnapshotControl, SnapshotError
+from resident.worker.snapshot_control import SnapshotControl
+from resident.worker.snapshot_error import SnapshotError
 
 
 @pytest.mark.parametrize("timeout_s", [math.nan, math.inf, -1.0])

@@ -22,7 +22,8 @@ from test_supervisor import _complete, _parent
 
 from resident.worker.control import admin_socket_path, control_socket_path, get_status
 from resident.worker.serve_config import ServeConfig
-from resident.worker.supervisor import Supervisor, SupervisorConfig
+from resident.worker.supervisor import Supervisor
+from resident.worker.supervisor_config import SupervisorConfig
 
 SERVE_ARGS = ("--preload", "off", "--max-model-len", "128", "--kv-cache-memory", "8MiB", "--cpu-threads", "1",
               "--drain-grace", "0.5")
@@ -169,6 +170,7 @@ class _DrainedWhileStarting:
 def test_a_replacement_drained_by_a_rollout_is_not_replaced_again(short_tmp):
     """Otherwise a rollout during a crash's replacement leaves N+1 serving replicas."""
     from resident.worker.replica_handle import Role
+    from resident.worker.replica_recovery import replace_replica
 
     config = SupervisorConfig(serve=ServeConfig(model="m", preload="off"), num_replicas=2, restart_backoff_s=0.0)
     sup = Supervisor(config, env={"RESIDENT_RUNTIME_DIR": str(short_tmp / "rt")})
@@ -181,9 +183,9 @@ def test_a_replacement_drained_by_a_rollout_is_not_replaced_again(short_tmp):
         return _DrainedWhileStarting()
 
     sup.spawn = spawn
-    asyncio.run(sup._replace(Role.SERVING))
+    asyncio.run(replace_replica(sup, Role.SERVING))
     assert spawned == [Role.SERVING], "the supervisor started another replica in place of the drained one"
-    assert not sup._crashes, "a replica the rollout drained was counted as a crash"
+    assert not sup.crashes, "a replica the rollout drained was counted as a crash"
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from serve_helpers import (
 from resident.cli.load_generator import LoadConfig, LoadGenerator
 from resident.worker.control import control_socket_path, get_status
 from resident.worker.serve_config import ServeConfig
-from resident.worker.supervisor import SupervisorConfig
+from resident.worker.supervisor_config import SupervisorConfig
 from resident.worker.tp_executor import RANK_DIED_EXIT
 
 PROMPT = "tensor parallel replicas"
