@@ -90,6 +90,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
+            return [], 0   # cached positions yield no logits: its prompt logprobs need every one
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
         for h in self._full_block_hashes(request, max_blocks * self.block_size):

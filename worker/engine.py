@@ -72,11 +72,11 @@ _NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
 
 def overlappable(params: SamplingParams) -> bool:
     """Whether a request's tokens can be sampled before the host knows its previous token:
-    no penalties (they count the earlier tokens), no logprobs (read back with the token), no
-    grammar (its next mask follows from the previous token) and no bad word of several tokens (its
+    no penalties (they count the earlier tokens), no logprobs nor prompt logprobs (read back with
+    the step), no grammar (its next mask follows from the previous token) and no bad word of several tokens (its
     mask compares the output's last tokens). min_tokens overlaps: its mask needs only how many
     tokens came before, placeholders included; so do allowed_token_ids and one-token bad words."""
-    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+    return (params.logprobs is None and params.prompt_logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and params.guided is None and not params.bad_words_need_history)
 
 
@@ -239,6 +239,10 @@ class LLMEngine:
         if self._matchers:
             self._fill_grammar_bitmask(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
+        for rid, (first, values) in runner_output.prompt_logprobs.items():
+            state = self._states.get(rid)
+            if state is not None:
+                state.add_prompt_logprobs(first, values)
         for spec in runner_output.spec.values():
             if spec.num_proposed:
                 self.spec_totals[0] += 1

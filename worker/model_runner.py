@@ -41,6 +41,7 @@ from resident.worker.layers.sampler import Sampler, SamplingRow, greedy_tokens, 
 from resident.worker.models import build_model
 from resident.worker.outputs import (ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput,
                                      placeholder_row)
+from resident.worker.prompt_logprobs import chunk_num_logits, num_prompt_rows, prompt_logprobs, sample_rows
 from resident.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -287,9 +288,24 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._last_sampled = None   # a synchronous step's tokens are on the host: no placeholders follow it
+        if any(num_prompt_rows(s) for s in out.scheduled):
+            return self._execute_with_prompt_logprobs(out)
         to_sample, logits = self._forward_step(out)
         return ModelRunnerOutput(sampled={}) if logits is None else self.sample(logits, to_sample,
                                                                                    out.grammar_bitmask)
+
+    def _execute_with_prompt_logprobs(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A step with prompt logprobs (prompt_logprobs.py): every row of their chunks' logits."""
+        self.drop_requests(out.finished_request_ids)
+        num_logits = [chunk_num_logits(s) for s in out.scheduled]
+        logits = self.forward_logits(out.scheduled, num_logits)
+        to_sample = [s for s in out.scheduled if s.sample]
+        result = ModelRunnerOutput(sampled={})
+        if to_sample:
+            rows = torch.tensor(sample_rows(out.scheduled, num_logits), device=logits.device)
+            result = self.sample(logits.index_select(0, rows), to_sample, out.grammar_bitmask)
+        result.prompt_logprobs = prompt_logprobs(logits, out.scheduled, num_logits)
+        return result
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """A step's forward pass after forgetting its finished requests: (the chunks that sample,
@@ -319,7 +335,7 @@ class ModelRunner:
             self._last_sampled = None
             if logits is None:
                 return PendingTokens([], list)
-            if any(s.sampling_params.logprobs is not None for s in to_sample):
+            if any(s.sampling_params.logprobs is not None or num_prompt_rows(s) for s in out.scheduled):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
             if _all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)

@@ -39,6 +39,9 @@ class OutputState:
         self.text = ""  # generated text so far (cut at the stop string once one matched)
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
+        # prompt_logprobs.py: position i's value (the first prompt token has none), until sent
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.pending_logprobs: list[TokenLogprob] = []
 
     def add_token(self, token_id: int, detokenize: bool = True, check_stop: bool = True) -> bool:
@@ -90,6 +93,28 @@ class OutputState:
                 return n
         return 0
 
+    def add_prompt_logprobs(self, first: int, values: list[TokenLogprob]) -> None:
+        """Prompt logprobs of positions first, first + 1, ...; a position already known (its chunk
+        recomputed after a preemption) keeps its first value; once sent, they are all known."""
+        known = self.prompt_logprobs
+        if known is None:
+            return
+        if first > len(known):
+            raise RuntimeError(f"request {self.request.request_id!r}: prompt logprobs from position {first} came "
+                               f"before those of position {len(known)}")
+        known.extend(values[len(known) - first:])
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """All the prompt logprobs, with the first output (once only)."""
+        known = self.prompt_logprobs
+        if known is None or not self.request.output_token_ids:
+            return None
+        if len(known) != len(self.request.prompt_token_ids):
+            raise RuntimeError(f"request {self.request.request_id!r}: {len(known)} prompt logprobs for a prompt of "
+                               f"{len(self.request.prompt_token_ids)} tokens")
+        self.prompt_logprobs = None
+        return known
+
     def make_output(self) -> RequestOutput:
         """Everything new since the last output (text held back while a stop string may be forming)."""
         request = self.request
@@ -115,4 +140,5 @@ class OutputState:
             num_output_tokens=num_output,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )

@@ -79,6 +79,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # when sampling_params.logprobs is not None
     # Requests scheduled with num_spec_tokens > 0: what the step committed (replaces sampled).
     spec: dict[str, SpecResult] = field(default_factory=dict)
+    # Chunks with prompt logprobs (prompt_logprobs.py): request id -> (the prompt position of the
+    # first value, the values).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class PendingTokens:

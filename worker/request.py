@@ -38,6 +38,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # top-n (token_id, logprob)
+    rank: int | None = None   # 1 = the most likely token (prompt logprobs give it)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids, when requested
     spec_decode: SpecDecodeStats | None = None  # cumulative, when the engine speculates
+    # With sampling_params.prompt_logprobs, in the first output: one per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Request:

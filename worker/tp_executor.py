@@ -129,9 +129,12 @@ def compact(out: Any) -> Any:
     sample alike. Guided requests' grammar bitmasks stay on rank 0: such requests step
     synchronously (engine.overlappable), so the other ranks' samples are discarded; so do requests
     with a bad word of several tokens (its mask reads the output's last tokens). allowed_token_ids
-    and one-token bad words need no earlier token: they travel in the sampling params."""
+    and one-token bad words need no earlier token: they travel in the sampling params. A request
+    with prompt logprobs keeps its prompt: every rank computes the same logits rows (the LM head's
+    all-gather), which the prompt's length decides."""
     return dataclasses.replace(out, grammar_bitmask={}, grammar_matchers={}, scheduled=[
-        dataclasses.replace(s, prompt_token_ids=[],
+        dataclasses.replace(s, prompt_token_ids=s.prompt_token_ids if s.sampling_params.prompt_logprobs is not None
+                            else [],
                             output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])
         for s in out.scheduled])
 

@@ -28,6 +28,7 @@ import torch
 from resident.worker.layers.sampler import SamplingRow
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, SpecResult
+from resident.worker.prompt_logprobs import chunk_num_logits, num_prompt_rows, prompt_logprobs
 from resident.worker.request import TokenLogprob
 from resident.worker.spec_decode.draft import DraftProposer, Proposal
 from resident.worker.spec_decode.ngram import NgramProposer
@@ -170,21 +171,23 @@ class SpecDecodeRunner:
         proposals = self._propose(out.scheduled)
         masks = self._grammar_masks(out, proposals)
         drafts = [proposals[s.request_id].token_ids if s.num_spec_tokens else [] for s in out.scheduled]
-        logits, starts = self._forward(out.scheduled, drafts)
+        logits, starts, num_logits = self._forward(out.scheduled, drafts)
         plain, plain_rows, spec, spec_rows = [], [], [], []
-        for s, d, start in zip(out.scheduled, drafts, starts):
+        for s, d, start, n in zip(out.scheduled, drafts, starts, num_logits):
             if s.num_spec_tokens:
                 spec.append(s)
                 spec_rows.append((start, 1 + len(d)))
             elif s.sample:
                 plain.append(s)
-                plain_rows.append(start)
+                plain_rows.append(start + n - 1)   # the last of its rows (prompt logprobs' come first)
         result = ModelRunnerOutput(sampled={})
         if plain:
             idx = torch.tensor(plain_rows, device=logits.device)
             result = self.target.sample(logits.index_select(0, idx), plain, out.grammar_bitmask)
         if spec:
             result.spec = self._verify(logits, spec, spec_rows, proposals, masks)
+        if any(num_prompt_rows(s) for s in out.scheduled):   # eager: rows laid out by num_logits
+            result.prompt_logprobs = prompt_logprobs(logits, out.scheduled, num_logits)
         return result
 
     def _grammar_masks(self, out: SchedulerOutput, proposals: dict[str, Proposal]) -> dict[str, torch.Tensor]:
@@ -207,10 +210,11 @@ class SpecDecodeRunner:
                                                    None if prop.probs is None else prop.probs[:num_valid])
         return masks
 
-    def _forward(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """The target's pass over every chunk extended by its drafts: logits, and each
-        request's first logits row (its rows: 1 + drafts for speculating requests, one for
-        other sampled ones, none otherwise)."""
+    def _forward(self, scheduled: list[ScheduledRequest],
+                 drafts: list[list[int]]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The target's pass over every chunk extended by its drafts: logits, each request's
+        first logits row and its number of rows (1 + drafts for speculating requests; for the
+        others `chunk_num_logits`: one when sampled, all with prompt logprobs, else none)."""
         vg = self.verify_graphs
         batch = vg.stage(scheduled, drafts) if vg is not None else None
         if batch is not None:
@@ -224,18 +228,18 @@ class SpecDecodeRunner:
                     vg = batch = None
         if batch is not None:
             self._count("graphed", f"speculative verification replays CUDA graphs ({vg.query_len} tokens per request)")
-            return vg.run(batch), batch.row_starts()
+            return vg.run(batch), batch.row_starts(), [1 + len(d) for d in drafts]
         chunks, num_logits, starts, row = [], [], [], 0
         for s, d in zip(scheduled, drafts):
             chunks.append(dataclasses.replace(s, token_ids=list(s.token_ids) + list(d)) if d else s)
-            n = 1 + len(d) if s.num_spec_tokens else int(s.sample)
+            n = 1 + len(d) if s.num_spec_tokens else chunk_num_logits(s)
             num_logits.append(n)
             starts.append(row)
             row += n
         if any(drafts):
             self._count("eager", "speculative verification runs eagerly" + (
                 "" if vg is not None else " (no verification graphs: CPU, --cuda-graphs off, or K unknown)"))
-        return self.target.forward_logits(chunks, num_logits), starts
+        return self.target.forward_logits(chunks, num_logits), starts, num_logits
 
     def _count(self, how: str, message: str) -> None:
         self.verify_counts[how] += 1
