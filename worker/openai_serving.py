@@ -19,6 +19,7 @@ from typing import Any
 
 from resident.worker.async_engine import AsyncEngine, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
+from resident.worker.openai_logprobs import LogprobFormat
 from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequest, RequestError,
                                       ServingOptions, check_prompt_length)
 
@@ -64,6 +65,7 @@ class _Choice:
     num_output_tokens: int = 0
     last_token_at: float | None = None
     spec_decode: Any = None  # request.SpecDecodeStats, when the engine speculates
+    prompt_logprobs: list[Any] | None = None   # one per prompt token (the first None), when computed
 
 
 def sse(payload: dict | str) -> bytes:
@@ -89,6 +91,7 @@ class OpenAIServing:
 
             grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, tokenizer.eos_token_ids))
         self.grammars = grammars
+        self.logprob_format = LogprobFormat(tokenizer)
         self._warned_fields: set[str] = set()
 
     # --- preparation -----------------------------------------------------------------------
@@ -344,6 +347,8 @@ class OpenAIServing:
                 c.text.append(out.new_text)
                 c.token_ids.extend(out.new_token_ids)
                 c.logprobs.extend(out.logprobs or [])
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
         except RequestError:
             raise                             # the engine refused it: it never ran
         except BaseException:
@@ -356,17 +361,29 @@ class OpenAIServing:
                 "index": i, "message": {"role": "assistant", "content": prep.echo_text + "".join(c.text)},
                 "logprobs": self._chat_logprobs(c.logprobs, prep) if prep.request.logprobs else None,
                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+            if choices[0].prompt_logprobs is not None:   # as vLLM: the response's, not a choice's
+                body["prompt_logprobs"] = self.logprob_format.prompt(choices[0].prompt_logprobs)
         else:
-            req: CompletionRequest = prep.request  # type: ignore[assignment]
             body["object"] = "text_completion"
-            body["choices"] = [{
-                "index": i,
-                "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
-                "logprobs": (self._completion_logprobs(c.logprobs, 0, req.tokens_as_ids)
-                             if req.logprobs is not None else None),
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+            body["choices"] = [self._completion_choice(prep, i, c) for i, c in enumerate(choices)]
         body["usage"] = self._usage(prep, choices)
         return body
+
+    def _completion_choice(self, prep: Prepared, i: int, c: _Choice) -> dict:
+        req: CompletionRequest = prep.request  # type: ignore[assignment]
+        entries = [(lp.token_id, lp) for lp in c.logprobs]
+        if req.echo and c.prompt_logprobs is not None:   # echo with logprobs: the prompt's first
+            entries = list(zip(prep.prompt_of(i), c.prompt_logprobs)) + entries
+        choice = {"index": i, "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
+                  "logprobs": (self.logprob_format.completion(entries, 0, req.tokens_as_ids)
+                               if req.logprobs is not None else None),
+                  "finish_reason": c.finish_reason}
+        if c.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.logprob_format.prompt(c.prompt_logprobs)
+        return choice
+
+    def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
+        return self.logprob_format.chat(lps, prep.request.top_logprobs, prep.request.tokens_as_ids)  # type: ignore
 
     async def stream(self, prep: Prepared) -> AsyncIterator[bytes]:
         """Streaming: SSE events, ending with `data: [DONE]`."""
@@ -430,35 +447,7 @@ class OpenAIServing:
             return {"index": i, "delta": {"content": out.new_text}, "logprobs": lp, "finish_reason": None}
         lp = None
         if prep.request.logprobs is not None:  # type: ignore[attr-defined]
-            lp = self._completion_logprobs(out.logprobs or [], offsets[i], prep.request.tokens_as_ids)
+            lp = self.logprob_format.completion([(x.token_id, x) for x in out.logprobs or []], offsets[i],
+                                                prep.request.tokens_as_ids)
         offsets[i] += len(out.new_text)
         return {"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": None}
-
-    # --- logprobs --------------------------------------------------------------------------
-    def _token_str(self, token_id: int, as_id: bool = False) -> str:
-        if as_id:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, lps: list[Any], offset: int, as_id: bool) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
-            s = self._token_str(lp.token_id, as_id)
-            tokens.append(s)
-            token_lps.append(lp.logprob)
-            top = {self._token_str(t, as_id): v for t, v in lp.top}
-            top.setdefault(s, lp.logprob)
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
-        content = []
-        as_id = prep.request.tokens_as_ids
-        for lp in lps:
-            s = self._token_str(lp.token_id, as_id)
-            top = [{"token": (ts := self._token_str(t, as_id)), "logprob": v, "bytes": list(ts.encode())}
-                   for t, v in lp.top[: prep.request.top_logprobs]]  # type: ignore[attr-defined]
-            content.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode()), "top_logprobs": top})
-        return {"content": content}

@@ -6,9 +6,10 @@ own invariants again when the server builds it (its ValueError also becomes a 40
 we do not know are ignored (the caller logs them once), as OpenAI-compatible servers do;
 fields that change processing beyond sampling (a request-supplied chat template, template
 or processor kwargs) are refused unless the server trusts them. Fields vLLM's server defines
-that change the output and that we do not implement (`prompt_logprobs`, beam search,
-`logits_processors`, ...) are refused unless sent with the value that means "off": ignored, they would silently break
-what the client asked for.
+that change the output and that we do not implement (beam search, `logits_processors`, ...)
+are refused unless sent with the value that means "off": ignored, they would silently break
+what the client asked for. `prompt_logprobs` (and a completion's `echo` with `logprobs`, which
+returns the prompt's logprobs before the answer's, as vLLM) is served without `stream`.
 
 Structured outputs: OpenAI's `response_format` (text, json_object, json_schema) and vLLM's
 `structured_outputs` and older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
@@ -41,7 +42,7 @@ _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_t
                    "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "bad_words",
                    "truncate_prompt_tokens", "skip_special_tokens", "spaces_between_special_tokens")
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
-           "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of",
+           "seed", "presence_penalty", "frequency_penalty", "user", "logit_bias", "best_of", "prompt_logprobs",
            "return_tokens_as_token_ids", *GUIDED_FIELDS, *_EXTRA_SAMPLING}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "logprobs", "suffix", "add_special_tokens"})
 CHAT_FIELDS = frozenset(_COMMON | {
@@ -53,10 +54,9 @@ CHAT_FIELDS = frozenset(_COMMON | {
 })
 # Fields of vLLM's OpenAI server that change the output and that this server does not
 # implement, each with the values that mean "off" (accepted: they change nothing). Any other
-# value is a 400: ignored like an unknown field, `guided_json` would return free text,
-# `prompt_logprobs` would be missing.
+# value is a 400: ignored like an unknown field, `use_beam_search` would sample instead.
 _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,), "use_beam_search": (None, False),
+    "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "logits_processors": (None, []),
 }
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
@@ -196,6 +196,12 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     if max_tokens is None:
         max_tokens = default_max_tokens
     sampling = parse_sampling(body, max_tokens, max_tokens_field, defaulted, opts.max_model_len)
+    prompt_logprobs = read_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None:
+        if stream:
+            raise RequestError("'prompt_logprobs' is not supported with 'stream': true; send stream false",
+                               param="prompt_logprobs")
+        sampling["prompt_logprobs"] = prompt_logprobs
     refuse_unsupported(body, unsupported)
     ignored = sorted(k for k in body if k not in known and k not in unsupported)
     return cls(model=model, n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
@@ -264,8 +270,11 @@ def parse_completion_request(body: Any, opts: ServingOptions) -> CompletionReque
     req.echo = read_bool(body, "echo")
     req.add_special_tokens = read_bool(body, "add_special_tokens", True)
     req.logprobs = read_int(body, "logprobs", 0, MAX_LOGPROBS)
-    if req.echo and req.logprobs is not None:
-        raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
+    if req.echo and req.logprobs is not None:   # as vLLM: the prompt's logprobs come first
+        if req.stream:
+            raise RequestError("'echo' with 'logprobs' (the prompt's logprobs first) is not supported with "
+                               "'stream': true; send stream false", param="echo")
+        req.sampling.setdefault("prompt_logprobs", req.logprobs)
     return req
 
 

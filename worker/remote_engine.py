@@ -39,6 +39,7 @@ class TextStream:
         self.request = Request(request_id, prompt_token_ids, params, 0, _NO_LIMIT)
         self.state = OutputState(self.request, IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                                       params.skip_special_tokens))
+        self.state.prompt_logprobs = None   # the engine computes them: its first output carries them
         self.eos_token_ids = eos_token_ids
         self.stopped_here = False     # a stop string ended it on this side: the engine must abort
 
@@ -76,6 +77,7 @@ class TextStream:
                 request.finish(status)
         result = state.make_output()
         result.spec_decode = out.spec_decode
+        result.prompt_logprobs = out.prompt_logprobs
         return result
 
 

@@ -180,6 +180,35 @@ def test_stop_strings_and_logprobs_are_the_inline_ones(workers, greedy_text):
     assert _choices(got) == _choices(post(inline, "/v1/completions", body))
 
 
+def test_prompt_logprobs_and_echo_with_logprobs_are_the_inline_ones(workers):
+    """The engine process computes the prompt's logprobs; the front-end passes them on: vLLM's
+    prompt_logprobs (completions: per choice; chat: the response's) and echo with logprobs (the
+    prompt's tokens first, the first with null logprob) equal the inline worker's."""
+    inline, proc = workers
+
+    def rounded(x):
+        if isinstance(x, float):
+            return round(x, 4)
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        return [rounded(v) for v in x] if isinstance(x, list) else x
+
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 1}
+    got = post(proc, "/v1/completions", body)
+    assert rounded(got["choices"]) == rounded(post(inline, "/v1/completions", body)["choices"])
+    choice = got["choices"][0]
+    num_prompt = got["usage"]["prompt_tokens"]
+    assert len(choice["prompt_logprobs"]) == num_prompt and choice["prompt_logprobs"][0] is None
+    assert all(len(e) in (1, 2) for e in choice["prompt_logprobs"][1:])   # the prompt's token and the top 1
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == num_prompt + 3 and lp["token_logprobs"][0] is None
+    assert choice["text"].startswith(PROMPT)
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    got = post(proc, "/v1/chat/completions", chat)
+    assert rounded(got["prompt_logprobs"]) == rounded(post(inline, "/v1/chat/completions", chat)["prompt_logprobs"])
+    assert len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
+
+
 def test_min_tokens_is_the_inline_one(workers, greedy_text):
     """vLLM's min_tokens across the two processes: the engine process masks EOS (its ids came in
     the front-end's hello) even against a logit_bias forcing it, and the front-end lets no stop

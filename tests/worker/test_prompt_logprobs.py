@@ -145,3 +145,23 @@ def test_bad_values_are_refused():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_openai_shapes():
+    """vLLM's prompt_logprobs entries ({token id: logprob, rank, decoded_token}, the prompt's token
+    and the top-n) and echo's completion logprobs (the first prompt token null)."""
+    from types import SimpleNamespace
+
+    from resident.worker.openai_logprobs import LogprobFormat
+    from resident.worker.request import TokenLogprob
+
+    fmt = LogprobFormat(SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(chr(96 + i) for i in ids)))
+    lps = [None, TokenLogprob(3, -2.0, [(1, -0.5), (3, -2.0)], rank=2), TokenLogprob(4, -0.1, [(4, -0.1)], rank=1)]
+    assert fmt.prompt(lps) == [
+        None,
+        {"3": {"logprob": -2.0, "rank": 2, "decoded_token": "c"},
+         "1": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}},
+        {"4": {"logprob": -0.1, "rank": 1, "decoded_token": "d"}}]
+    got = fmt.completion(list(zip([2, 3, 4], lps)), 0, as_id=False)
+    assert got == {"tokens": ["b", "c", "d"], "token_logprobs": [None, -2.0, -0.1],
+                   "top_logprobs": [None, {"a": -0.5, "c": -2.0}, {"d": -0.1}], "text_offset": [0, 1, 2]}

@@ -53,7 +53,7 @@ def test_unknown_fields_are_ignored_and_reported():
 
 
 @pytest.mark.parametrize("fn,field,value", [
-    (parse_completion_request, "prompt_logprobs", 0), (parse_chat_request, "logits_processors", ["x"]),
+    (parse_chat_request, "logits_processors", ["x"]),
     (parse_completion_request, "use_beam_search", True), (parse_completion_request, "length_penalty", 2.0),
     (parse_completion_request, "length_penalty", True),
 ])
@@ -77,6 +77,27 @@ def test_vllm_fields_that_change_the_output_and_are_not_implemented_are_refused(
 def test_those_fields_at_their_off_values_are_accepted_and_not_reported_as_unknown(fn, body):
     req = fn({"model": "tiny", **body}, OPTS)
     assert req.ignored_fields == []
+
+
+def test_prompt_logprobs_and_echo_with_logprobs():
+    """vLLM's prompt_logprobs reach the sampling params (0..20); a completion's echo with logprobs
+    asks for the prompt's too; neither streams (a 400 naming the field)."""
+    for fn, base in ((parse_completion_request, {"prompt": "a"}), (parse_chat_request, {"messages": MSGS})):
+        assert fn({"model": "tiny", **base, "prompt_logprobs": 3}, OPTS).sampling["prompt_logprobs"] == 3
+        assert "prompt_logprobs" not in fn({"model": "tiny", **base}, OPTS).sampling
+        for value in (-1, 21, "2", True):
+            assert bad(fn, {"model": "tiny", **base, "prompt_logprobs": value}).param == "prompt_logprobs"
+        err = bad(fn, {"model": "tiny", **base, "prompt_logprobs": 1, "stream": True})
+        assert err.param == "prompt_logprobs" and "send stream false" in err.message
+    echo = parse_completion_request({"model": "tiny", "prompt": "a", "echo": True, "logprobs": 2}, OPTS)
+    assert echo.sampling["prompt_logprobs"] == 2
+    both = parse_completion_request({"model": "tiny", "prompt": "a", "echo": True, "logprobs": 2,
+                                     "prompt_logprobs": 5}, OPTS)
+    assert both.sampling["prompt_logprobs"] == 5
+    assert "prompt_logprobs" not in parse_completion_request({"model": "tiny", "prompt": "a", "logprobs": 2},
+                                                             OPTS).sampling
+    err = bad(parse_completion_request, {"model": "tiny", "prompt": "a", "echo": True, "logprobs": 1, "stream": True})
+    assert err.param == "echo"
 
 
 def test_add_special_tokens_continue_final_message_and_chat_echo():
