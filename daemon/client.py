@@ -11,16 +11,18 @@ tensors after validating every tensor-table entry.
     client.close()                              # ends the lease
 
 Errors are DaemonError subclasses carrying the daemon's message, never raw grpc errors.
+
+The fd-socket side lives in fd_session.py, the gRPC side in rpc_channel.py, and the mapping
+of an Attach reply in attach_mapping.py; `Client` joins them into one session.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import select
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,60 +30,19 @@ from typing import Any
 
 import grpc
 
-from resident.daemon.errors import (
-    ERROR_KIND_METADATA,
-    DaemonError,
-    DaemonUnavailable,
-    FailedPrecondition,
-    ProtocolMismatch,
-    StaleModel,
-    Unauthenticated,
-    error_from,
-)
-from resident.daemon.fdsock import (
-    MAX_FDS_PER_MESSAGE,
-    PROTOCOL_MAJOR,
-    PROTOCOL_MINOR,
-    ErrorReply,
-    FrameError,
-    parse_reply,
-    recv_frame,
-    send_frame,
-)
+from resident.daemon.errors import DaemonError, FailedPrecondition, StaleModel, Unauthenticated
+from resident.daemon.fd_session import FdSession
+from resident.daemon.fdsock import MAX_FDS_PER_MESSAGE, PROTOCOL_MAJOR
 from resident.daemon.paths import absolute_model_path
-from resident.protos.resident.v1 import fdsock_pb2 as fpb
+from resident.daemon.rpc_channel import CALL_TIMEOUT_S, SESSION_METADATA, connected_channel, map_rpc_error
 from resident.protos.resident.v1 import weight_cache_pb2 as pb
 from resident.protos.resident.v1 import weight_cache_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-SESSION_METADATA = "x-resident-session"
-#: Deadline for calls that answer at once (everything but Load).
-CALL_TIMEOUT_S = 30.0
-#: Deadline for one exchange on the fd socket (hello, fds): a daemon that accepts connections
-#: but does not answer (stopped, hung) must not hang its clients.
-FD_CALL_TIMEOUT_S = 15.0
-
 
 class ClientClosed(FailedPrecondition):
     """A call on a `Client` after its `close()`."""
-
-
-def _no_daemon(path: str, why: object = "") -> DaemonUnavailable:
-    extra = f" ({why})" if why else ""
-    return DaemonUnavailable(f"no resident daemon at {path}; start one with `resident preload start`{extra}")
-
-
-def _map_rpc_error(e: grpc.RpcError, socket_path: str) -> DaemonError:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    message = e.details() if hasattr(e, "details") else str(e)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return _no_daemon(socket_path, message)
-    kind = ""
-    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-        if key == ERROR_KIND_METADATA:
-            kind = value
-    return error_from(code.name, message or code.name, kind)
 
 
 @dataclass
@@ -115,17 +76,16 @@ class Client:
         self.socket_path = os.path.abspath(socket_path)
         self.fd_socket_path = os.path.abspath(fd_socket_path or self.socket_path + ".fd")
         self.client_name = client_name or f"pid-{os.getpid()}"
-        self._fd_lock = threading.Lock()
         self._closed = False
-        self._sock = self._connect_fd_socket()
+        self._fd_session = FdSession(self.socket_path, self.fd_socket_path)
         try:
             # The gRPC connection is set up while the hello goes back and forth on the fd socket.
-            self._channel = _connected_channel(self.socket_path)
+            self._channel = connected_channel(self.socket_path)
             self._grpc_stub = pb_grpc.WeightCacheStub(self._channel)
-            self.hello = self._say_hello()
+            self.hello = self._fd.hello(self.client_name)
         except BaseException:
             self._closed = True
-            self._sock.close()
+            self._fd_session.close(shutdown=False)
             if hasattr(self, "_channel"):
                 self._channel.close()
             raise
@@ -134,7 +94,7 @@ class Client:
 
     # --- session --------------------------------------------------------------------
     def _check_open(self) -> None:
-        """Every call reaches the daemon through `_stub` or `_fd_call`, and both ask here
+        """Every call reaches the daemon through `_stub` or `_fd`, and both ask here
         first: a closed client says so instead of grpc's or the socket's ValueError/EBADF."""
         if self._closed:
             raise ClientClosed(f"this Client (session with the daemon at {self.socket_path}) is closed; open a "
@@ -145,50 +105,10 @@ class Client:
         self._check_open()
         return self._grpc_stub
 
-    def _connect_fd_socket(self) -> socket.socket:
-        if not os.path.exists(self.fd_socket_path):
-            raise _no_daemon(self.socket_path, f"{self.fd_socket_path} does not exist")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(FD_CALL_TIMEOUT_S)
-        try:
-            sock.connect(self.fd_socket_path)
-        except OSError as e:
-            sock.close()
-            raise _no_daemon(self.socket_path, e) from None
-        return sock
-
-    def _fd_call(self, request: fpb.FdRequest, want_fds: bool = False) -> tuple[fpb.FdReply, list[int]]:
+    @property
+    def _fd(self) -> FdSession:
         self._check_open()
-        with self._fd_lock:
-            try:
-                send_frame(self._sock, request)
-                frame = recv_frame(self._sock, want_fds=want_fds)
-            except TimeoutError:
-                raise DaemonUnavailable(
-                    f"the daemon at {self.socket_path} did not answer on its fd socket {self.fd_socket_path} within "
-                    f"{FD_CALL_TIMEOUT_S:.0f} s: it is stopped or hung; restart it (`resident preload stop --socket "
-                    f"{self.socket_path}` sends SIGTERM to a daemon that does not answer)") from None
-            except (OSError, FrameError) as e:
-                raise DaemonUnavailable(f"lost the daemon's fd socket {self.fd_socket_path}: {e}") from None
-        if frame is None:
-            raise DaemonUnavailable(f"the daemon closed the fd socket {self.fd_socket_path}")
-        try:
-            return parse_reply(frame)
-        except ErrorReply as e:
-            raise error_from(e.code, e.message) from None
-
-    def _say_hello(self) -> fpb.HelloReply:
-        from resident.daemon.version import daemon_version
-
-        hello = fpb.Hello(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
-                          client_name=self.client_name, client_version=daemon_version())
-        reply, _ = self._fd_call(fpb.FdRequest(hello=hello))
-        if reply.WhichOneof("kind") != "hello":
-            raise DaemonError("the daemon answered hello with something else; versions differ?")
-        if reply.hello.protocol_major != PROTOCOL_MAJOR:
-            raise ProtocolMismatch(f"the daemon speaks protocol {reply.hello.protocol_major}, this client "
-                                   f"{PROTOCOL_MAJOR}; use matching versions")
-        return reply.hello
+        return self._fd_session
 
     def _call(self, method: str, request: Any, timeout: float | None = CALL_TIMEOUT_S, *,
               meanwhile: Callable[[], None] | None = None) -> Any:
@@ -205,7 +125,7 @@ class Client:
                 raise
             return future.result()
         except grpc.RpcError as e:
-            error = _map_rpc_error(e, self.socket_path)
+            error = map_rpc_error(e, self.socket_path)
         if isinstance(error, Unauthenticated) and not self._leases:
             # The daemon was replaced between our hello and this call (a hand-over renames the
             # sockets): a session without leases is safe to open again.
@@ -213,7 +133,7 @@ class Client:
             try:
                 return getattr(self._stub, method)(request, metadata=self._metadata, timeout=timeout)
             except grpc.RpcError as e:
-                raise _map_rpc_error(e, self.socket_path) from None
+                raise map_rpc_error(e, self.socket_path) from None
         if isinstance(error, Unauthenticated):
             # Not the protocol advice meant for hand-written clients: this one did say hello.
             raise Unauthenticated(
@@ -224,10 +144,8 @@ class Client:
 
     def _renew_session(self) -> None:
         log.info("session token refused by the daemon at %s; saying hello again", self.socket_path)
-        with self._fd_lock:
-            old, self._sock = self._sock, self._connect_fd_socket()
-        old.close()
-        self.hello = self._say_hello()
+        self._fd_session.reconnect()
+        self.hello = self._fd.hello(self.client_name)
         self._metadata = ((SESSION_METADATA, self.hello.session_token),)
         self._channel.close()
         self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
@@ -239,7 +157,7 @@ class Client:
         this client was closed). Reads nothing, so it may run beside other calls."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closed:
-            fileno = self._sock.fileno()
+            fileno = self._fd_session.sock.fileno()
             if fileno < 0:
                 return True
             poller = select.poll()
@@ -280,7 +198,7 @@ class Client:
         try:
             yield from self._stub.Load(request, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise _map_rpc_error(e, self.socket_path) from None
+            raise map_rpc_error(e, self.socket_path) from None
 
     def attach(self, model: str, expected_key: str = "", *, verify_checksums: bool = False,
                into: Any = None, tp_rank: int = 0) -> AttachedModel:
@@ -294,41 +212,20 @@ class Client:
                                                       protocol_major=PROTOCOL_MAJOR, tp_rank=tp_rank),
                            meanwhile=None if imported else _import_attach_modules)
         # Imported here, not at module level, so `resident preload status` stays light.
-        from resident.daemon.memory import SlabDesc, backend_class
+        from resident.daemon.attach_mapping import map_slabs, tensor_views
         from resident.daemon.pairing import split_draft
-        from resident.daemon.tensor_table import TensorTable, crc32_of
 
         self._leases.add(reply.lease_id)
         try:
             if expected_key and reply.model.key != expected_key:
                 raise StaleModel(f"stale model key: daemon returned {reply.model.key}, expected {expected_key}")
             t_rpc = time.perf_counter()
-            fds = self._fetch_fds(reply.lease_id, len(reply.slabs))
+            fds = self._fd.fetch_fds(reply.lease_id, len(reply.slabs))
             t_fds = time.perf_counter()
-            descs = [SlabDesc(index=info.index, nbytes=info.nbytes, backend=info.backend, device=info.device,
-                              device_uuid=info.device_uuid, ipc_handle=bytes(info.ipc_handle))
-                     for info in sorted(reply.slabs, key=lambda s: s.index)]
-            try:
-                if len({d.backend for d in descs}) != 1:
-                    raise DaemonError(f"the daemon described slabs of backends {sorted({d.backend for d in descs})}")
-                if into is not None:
-                    into.remap(descs, [fds.get(d.index) for d in descs])
-                    mapping = into
-                else:
-                    mapping = backend_class(descs[0].backend).map_slabs(descs, [fds.get(d.index) for d in descs])
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
+            mapping = map_slabs(reply.slabs, fds, into)
             slabs = mapping.tensors
             t_map = time.perf_counter()
-            if [s.index for s in sorted(reply.slabs, key=lambda s: s.index)] != list(range(len(slabs))):
-                raise DaemonError("the daemon described slabs with non-contiguous indices")
-            table = TensorTable.from_proto(reply.tensors)
-            tensors = table.views(slabs)
-            if verify_checksums:
-                for entry in reply.tensors:
-                    if entry.crc32 and crc32_of(tensors[entry.name]) != entry.crc32:
-                        raise DaemonError(f"tensor {entry.name}: checksum mismatch (memory corrupted?)")
+            table, tensors = tensor_views(reply, slabs, verify_checksums)
         except BaseException:
             if into is not None and into.mapped:
                 into.unmap()   # nothing stays half-attached
@@ -349,22 +246,10 @@ class Client:
                              draft_tensors=draft_tensors, draft_config=draft_config, tp_rank=reply.tp_rank,
                              breakdown=breakdown)
 
-    def _fetch_fds(self, lease_id: str, num_slabs: int) -> dict[int, int]:
-        reply, fds = self._fd_call(fpb.FdRequest(fetch_fds=fpb.FetchFds(lease_id=lease_id)), want_fds=True)
-        if reply.WhichOneof("kind") != "fds" or len(reply.fds.fd_slabs) != len(fds):
-            for fd in fds:
-                os.close(fd)
-            raise DaemonError(f"the daemon sent {len(fds)} fds for {len(reply.fds.fd_slabs)} slabs")
-        if any(i >= num_slabs for i in reply.fds.fd_slabs):
-            for fd in fds:
-                os.close(fd)
-            raise DaemonError("the daemon sent fds for slabs it did not describe")
-        return dict(zip(reply.fds.fd_slabs, fds))
-
     def slab_fds(self, lease_id: str) -> dict[int, int]:
         """The raw slab fds of a lease this session holds (slab index -> fd; the caller closes
         them): for holders that park fds (an fd store, a successor) rather than map them."""
-        return self._fetch_fds(lease_id, MAX_FDS_PER_MESSAGE)
+        return self._fd.fetch_fds(lease_id, MAX_FDS_PER_MESSAGE)
 
     def release(self, lease_id: str) -> None:
         self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
@@ -388,28 +273,13 @@ class Client:
             return
         self._closed = True
         self._channel.close()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._fd_session.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _connected_channel(socket_path: str) -> grpc.Channel:
-    """A channel to the daemon's gRPC socket that starts connecting now, without waiting:
-    the first call then finds the connection (mostly) set up instead of paying for it."""
-    channel = grpc.insecure_channel(f"unix://{socket_path}")
-    try:
-        channel._channel.check_connectivity_state(True)  # grpc's "try to connect" (no public non-blocking API)
-    except Exception as e:  # noqa: BLE001 - only an optimisation; the first call connects anyway
-        log.debug("could not start connecting the gRPC channel early: %s", e)
-    return channel
 
 
 #: Modules every attach uses; until they are imported, the Attach RPC is sent asynchronously
@@ -422,18 +292,19 @@ def _import_attach_modules() -> None:
     the draft pairing, and (where a GPU is usable) cuda.bindings — while the Attach RPC is in
     flight (a no-op once imported). An import error is left for `attach` to raise."""
     try:
-        import resident.daemon.pairing  # noqa: F401
-        import resident.daemon.tensor_table  # noqa: F401
+        # By name: pyflakes reads a bare `import a.b.c` made only to load the module as unused.
+        importlib.import_module("resident.daemon.pairing")
+        importlib.import_module("resident.daemon.tensor_table")
         import torch
 
         if torch.cuda.is_available():   # the daemon's GPU backends, and the driver bindings
-            import resident.daemon.memory.cuda_ipc  # noqa: F401
+            importlib.import_module("resident.daemon.memory.cuda_ipc")
             from resident.daemon.memory.cuda_util import driver
-            import resident.daemon.memory.cuda_vmm  # noqa: F401
+            importlib.import_module("resident.daemon.memory.cuda_vmm")
 
             driver()
         else:
-            import resident.daemon.memory.host_shm  # noqa: F401
+            importlib.import_module("resident.daemon.memory.host_shm")
     except Exception as e:  # noqa: BLE001 - attach imports again and reports
         log.debug("prefetching the attach modules failed: %s", e)
 

@@ -94,3 +94,9 @@ def error_from(code: str, message: str, kind: str = "") -> DaemonError:
     """Rebuild an error on the client from its status code name (and class name, if sent)."""
     cls = _BY_NAME.get(kind) or _BY_CODE.get(code, DaemonError)
     return cls(message, code=code)
+
+
+def no_daemon(path: str, why: object = "") -> DaemonUnavailable:
+    """The client's error when nothing answers at the daemon's socket `path` (`why`: the cause)."""
+    extra = f" ({why})" if why else ""
+    return DaemonUnavailable(f"no resident daemon at {path}; start one with `resident preload start`{extra}")

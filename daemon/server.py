@@ -1,10 +1,11 @@
-"""The daemon process: lock file, sockets (gRPC, fd, HTTP), start, hand-over and graceful stop.
+"""The daemon process: lock file, start (fresh or by hand-over), hand-over hooks and graceful stop.
 
 The lock file (`<socket>.lock`, flock'ed, holding the pid) is taken before any socket path is
 touched: gRPC unlinks an existing Unix-socket path when it binds (grpc/grpc#17122), so
 without it a second daemon would silently steal the first one's socket. Sockets are bound on
-temporary paths and renamed onto the real ones (atomic), which is also how a successor takes
-them over (`--takeover`, handover.py) without the paths ever disappearing.
+temporary paths and renamed onto the real ones (atomic, listeners.py), which is also how a
+successor takes them over (`--takeover`, handover.py) without the paths ever disappearing;
+socket_paths.py checks that a fresh daemon may use its paths.
 
 Start-up order: lock; models (restored from systemd's fd store when it passed them back,
 fdstore.py, or handed over by the previous daemon); sockets; READY=1; then the fd store
@@ -12,104 +13,55 @@ is kept in sync with every change.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
-import socket
-import stat
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from resident.daemon import sd_notify
-from resident.daemon.config import MAX_UNIX_PATH, DaemonConfig
+from resident.daemon.config import DaemonConfig
 from resident.daemon.errors import AlreadyRunning
+from resident.daemon.listeners import Listeners
 from resident.daemon.lockfile import LockFile, running_daemon_pid
+from resident.daemon.socket_paths import check_path_free, check_socket_folder
 from resident.daemon.version import daemon_version  # noqa: F401 - also imported from here by older callers
+
+if TYPE_CHECKING:
+    from resident.daemon.cache import WeightCache
+    from resident.daemon.fdstore import FdStorePublisher
+    from resident.daemon.metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)
 
-GRPC_WORKERS = 32
-#: After a hand-over, how long to retry binding the HTTP port the old daemon is releasing.
-HTTP_BIND_RETRY_S = 5.0
 #: Starts the log line of a hand-over whose HTTP or TCP address failed after the point of no
 #: return (`preload start --takeover` repeats it as a warning).
 TOOK_OVER_WITHOUT = "took over, but"
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def check_path_free(path: str, option: str) -> None:
-    """Raise ValueError unless a fresh daemon may rename its socket onto `path`: it does not
-    exist, or it is a stale socket nothing listens on any more."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ValueError(f"{option} {path} exists and is not a socket; choose another {option} (the daemon "
-                         "replaces only stale sockets there)")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return  # stale: left behind by a process that is gone
-    except OSError as e:
-        raise ValueError(f"cannot tell whether {option} {path} is in use ({e.strerror or e}); choose another "
-                         f"{option}") from None
-    finally:
-        probe.close()
-    raise ValueError(f"{option} {path} is in use: a process listens on it (another resident daemon's socket?); "
-                     f"choose another {option}, or stop what listens there")
-
-
-def check_socket_folder(path: str, option: str) -> None:
-    """Make the folder of a socket the daemon binds (`--fd-socket`'s: the lock file makes
-    --socket's), and refuse one it cannot create or write with the option to change (the bind
-    failed with a bare errno)."""
-    folder = os.path.dirname(path)
-    try:
-        if os.path.lexists(folder) and not os.path.isdir(folder):
-            raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
-        os.makedirs(folder, mode=0o755, exist_ok=True)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, f"{folder} is not writable")
-    except OSError as e:
-        raise ValueError(f"cannot create the {option} {path} ({e.strerror}): the daemon needs a folder it can "
-                         f"write for it; choose an {option} in such a folder (e.g. leave it out: <socket>.fd) or "
-                         "make that one writable") from None
-
-
 class Daemon:
+    """One daemon: its lock, its weight cache and fd-store publisher, and its `Listeners`."""
+
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.version = daemon_version()
         self.started_at = time.time()
-        self.http_address = ""
         self._lock = LockFile(config.lock_file, config.socket)
         self._stop_requested = threading.Event()
         self._ready = False
-        self._grpc = None
-        self._grpc_tcp = None
-        self._fdsock = None
-        self._http = None
-        self._health = None
-        self._metrics = None
-        self.cache = None
-        self.publisher = None
-        self._grpc_tmp: str | None = None   # temporary bind paths, renamed onto the real ones
-        self._fd_tmp: str | None = None
+        self._metrics: DaemonMetrics | None = None
+        self._listeners: Listeners | None = None   # built with the cache (`_build`)
+        self.cache: WeightCache | None = None
+        self.publisher: FdStorePublisher | None = None
         self._owns_paths = False            # the socket paths are ours to delete at stop
-        self._grpc_ino: int | None = None   # inode of the gRPC socket we renamed into place
         self.handed_over = False
         self.successor_pid = 0
+
+    @property
+    def http_address(self) -> str:
+        """The HTTP address served ("" before it is bound, or without --http)."""
+        return self._listeners.http_address if self._listeners is not None else ""
 
     # --- start ----------------------------------------------------------------------
     def start(self) -> None:
@@ -183,7 +135,7 @@ class Daemon:
                 stored=set(store.get("slabs", ())) if same_store else None,
                 state_names=set(store.get("states", ())) if same_store else None)
             if cfg.http:
-                self._bind_http_early()
+                self._listeners.bind_http_early()
             self._serve()
             sd_notify.notify(f"MAINPID={os.getpid()}", f"STATUS=taking over from pid {inherited.old_pid}")
             self._publish_paths()  # the point of no return: new connections reach us from here on
@@ -204,19 +156,8 @@ class Daemon:
                  len(self.cache.registry.models()), len(doc.leases), inherited.old_pid, inherited.old_version)
         self._start_network(keep_going=True)   # the old daemon is gone: its models and leases are ours
 
-    def _bind_http_early(self) -> None:
-        """Bind --http before the hand-over's point of no return, so that an address that cannot
-        work fails the take-over and the old daemon keeps serving. One in use may be the old
-        daemon's own: that one waits until it lets go (_start_network)."""
-        from resident.daemon.http import HttpEndpoint
-
-        try:
-            self._http = HttpEndpoint(self.config.http, ready=lambda: self._ready, metrics=self._metrics.render)
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-
     def _build(self, backend) -> None:
+        """The weight cache on `backend`, its metrics, and the listeners that will serve them."""
         from resident.daemon.cache import WeightCache
         from resident.daemon.metrics import DaemonMetrics
 
@@ -225,6 +166,7 @@ class Daemon:
         if backend.uses_gpu:
             self._keep_staging_buffers(backend)
         self._metrics.watch(self.cache)
+        self._listeners = Listeners(self.config, ready=lambda: self._ready, metrics=self._metrics.render)
 
     @staticmethod
     def _keep_staging_buffers(backend) -> None:
@@ -245,59 +187,25 @@ class Daemon:
 
     def _serve(self) -> None:
         """Serve gRPC and the fd socket on temporary paths beside the real ones."""
-        import grpc
+        from resident.daemon.handover import HandoverSource
+        from resident.daemon.service import WeightCacheService
 
-        from resident.daemon.fdsock import FdSocketServer
-        from resident.daemon.handover import HandoverSource, temp_socket_path
-        from resident.daemon.service import HealthService, WeightCacheService, add_services
-
-        cfg = self.config
-        self._health = HealthService()
-        self._service = WeightCacheService(self.cache, self._metrics, version=self.version,
-                                           started_at=self.started_at, http_address=lambda: self.http_address,
-                                           request_stop=self.request_stop)
-        self._grpc = grpc.server(ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc"))
-        add_services(self._grpc, self._service, self._health)
-        self._fdsock = FdSocketServer(cfg.fd_socket, self.cache, daemon_version=self.version,
-                                      mode=cfg.socket_mode, gid=cfg.socket_gid)
-        self._fdsock.takeover = HandoverSource(self)
-        self._grpc_tmp, self._fd_tmp = temp_socket_path(cfg.socket), temp_socket_path(cfg.fd_socket)
-        if self._grpc_tmp is None or self._fd_tmp is None:
-            if cfg.takeover:
-                raise RuntimeError(f"no temporary socket path beside {cfg.socket} fits the {MAX_UNIX_PATH}-byte "
-                                   "limit, so the socket cannot be taken over atomically; use a shorter --socket")
-            log.warning("the socket path %s is too long for an atomic bind-and-rename; a later --takeover "
-                        "will not work", cfg.socket)
-        grpc_path = self._grpc_tmp or cfg.socket
-        old_umask = os.umask(0o177)  # no window in which the sockets are wider open than socket_mode
-        try:
-            self._grpc.add_insecure_port(f"unix:{grpc_path}")
-            self._fdsock.start(bind_path=self._fd_tmp)
-        finally:
-            os.umask(old_umask)
-        os.chmod(grpc_path, cfg.socket_mode)
-        if cfg.socket_gid is not None:
-            os.chown(grpc_path, -1, cfg.socket_gid)
-        self._grpc.start()
+        service = WeightCacheService(self.cache, self._metrics, version=self.version,
+                                     started_at=self.started_at, http_address=lambda: self.http_address,
+                                     request_stop=self.request_stop)
+        self._listeners.serve(service, self.cache, self.version, HandoverSource(self))
 
     def _publish_paths(self) -> None:
-        """rename(2) the sockets onto their paths: gRPC first, so a client that said hello to
-        this daemon also reaches it over gRPC. The paths never disappear."""
-        cfg = self.config
-        if self._grpc_tmp is not None:
-            os.rename(self._grpc_tmp, cfg.socket)
-            self._grpc_tmp = None
-        if self._fd_tmp is not None:
-            os.rename(self._fd_tmp, cfg.fd_socket)
-            self._fd_tmp = None
-        self._grpc_ino = os.stat(cfg.socket).st_ino
+        """rename(2) the sockets onto their paths (`Listeners.publish_paths`); from here on
+        they are ours to delete at stop."""
+        self._listeners.publish_paths()
         self._owns_paths = True
 
     def _start_network(self, keep_going: bool = False) -> None:
         """gRPC over TCP and HTTP (after a hand-over, once the old daemon let go of them), then
         ready. With `keep_going` (after a hand-over's point of no return) an address that fails
         is logged and the daemon serves without it: exiting would lose the models it took over."""
-        for start in (self._start_tcp, self._start_http):
+        for start in (self._listeners.start_tcp, self._listeners.start_http):
             try:
                 start()
             except (OSError, RuntimeError) as e:
@@ -307,49 +215,10 @@ class Daemon:
                           "add it", TOOK_OVER_WITHOUT, e, self.config.socket)
         self._mark_ready()
 
-    def _start_tcp(self) -> None:
-        import grpc
-
-        from resident.daemon.service import add_services
-
-        cfg = self.config
-        if cfg.tcp:
-            self._grpc_tcp = grpc.server(ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="grpc-tcp"))
-            add_services(self._grpc_tcp, self._service, self._health)
-            try:
-                port = self._grpc_tcp.add_insecure_port(cfg.tcp)
-            except RuntimeError:   # grpc says only "Failed to bind to address ...; set GRPC_VERBOSITY=debug"
-                raise OSError(errno.EADDRNOTAVAIL, f"cannot serve gRPC on --tcp {cfg.tcp}: the port is in use or "
-                                                   "the host is not an address of this machine; choose another "
-                                                   "--tcp HOST:PORT (port 0 picks a free one)") from None
-            self._grpc_tcp.start()
-            tcp = f"{cfg.tcp.rpartition(':')[0]}:{port}"   # the port bound, which differs with port 0
-            log.warning("gRPC also listens on TCP %s: calls there carry session tokens issued on the "
-                        "local fd socket only, and weights are only handed out over that local socket; "
-                        "do not expose this port beyond hosts you trust", tcp)
-
-    def _start_http(self) -> None:
-        from resident.daemon.http import HttpEndpoint
-
-        cfg = self.config
-        if cfg.http:
-            deadline = time.monotonic() + HTTP_BIND_RETRY_S
-            while self._http is None:   # bound already when a hand-over could bind it early
-                try:
-                    self._http = HttpEndpoint(cfg.http, ready=lambda: self._ready, metrics=self._metrics.render)
-                except OSError as e:
-                    if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            self.http_address = self._http.address
-            self._http.start()
-            with open(cfg.http_file, "w") as f:
-                f.write(self.http_address + "\n")
-
     def _mark_ready(self) -> None:
         cfg = self.config
         self._ready = True
-        self._health.set_serving(True)
+        self._listeners.set_serving(True)
         backend = self.cache.backend
         log.info("resident daemon %s (pid %d) serving on %s (fd socket %s, backend %s, http %s, max_bytes %s)",
                  self.version, os.getpid(), cfg.socket, cfg.fd_socket, backend.name, self.http_address or "off",
@@ -382,10 +251,7 @@ class Daemon:
 
     def paths_taken(self) -> bool:
         """Whether another daemon's socket now lives at our gRPC path."""
-        try:
-            return os.stat(self.config.socket).st_ino != self._grpc_ino
-        except FileNotFoundError:
-            return False
+        return self._listeners.paths_taken()
 
     def handed_over_to(self, pid: int) -> None:
         """A successor serves on our paths: stop publishing, free the HTTP and TCP ports now."""
@@ -394,14 +260,9 @@ class Daemon:
         self._ready = False
         self.publisher.close()
         self.cache.on_change = None
-        if self._health is not None:
-            self._health.set_serving(False)
-        if self._grpc_tcp is not None:
-            self._grpc_tcp.stop(self.config.stop_grace_s)
-            self._grpc_tcp = None
-        if self._http is not None:
-            self._http.stop()
-            self._http = None
+        if self._listeners is not None:
+            self._listeners.set_serving(False)
+            self._listeners.free_network()
 
     # --- run and stop -----------------------------------------------------------------
     def request_stop(self) -> None:
@@ -432,28 +293,8 @@ class Daemon:
             self.cache.abandon_loads()   # else the exit waits for a load in progress to finish
         if self.publisher is not None:
             self.publisher.close()
-        if self._health is not None:
-            self._health.set_serving(False, closed=True)
-        if self._grpc is not None:
-            # gRPC unlinks the path it bound (the temporary one, renamed away by now).
-            self._grpc.stop(self.config.stop_grace_s).wait()
-            self._grpc = None
-            if unlink:
-                _unlink(self.config.socket)
-        if self._grpc_tcp is not None:
-            self._grpc_tcp.stop(self.config.stop_grace_s).wait()
-            self._grpc_tcp = None
-        if self._fdsock is not None:
-            self._fdsock.stop(unlink=unlink)
-            self._fdsock = None
-        for tmp in (self._grpc_tmp, self._fd_tmp):
-            if tmp is not None:
-                _unlink(tmp)
-        if self._http is not None:
-            self._http.stop()
-            self._http = None
-            if unlink:
-                _unlink(self.config.http_file)
+        if self._listeners is not None:
+            self._listeners.stop(unlink)
         if self.cache is not None:
             pool = getattr(self.cache.backend, "staging_pool", None)
             if pool is not None:

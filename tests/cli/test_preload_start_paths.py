@@ -8,7 +8,7 @@ import os
 import pytest
 from test_preload_cli import run_cli
 
-from resident.daemon.server import check_socket_folder
+from resident.daemon.socket_paths import check_socket_folder
 
 
 def test_an_fd_socket_folder_that_is_a_file_is_named_with_the_fix(short_tmp):

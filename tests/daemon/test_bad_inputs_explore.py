@@ -124,9 +124,10 @@ def test_a_daemon_that_accepts_but_never_answers_does_not_hang_the_client(short_
     import threading
 
     from resident.daemon import client as client_module
+    from resident.daemon import fd_session
     from resident.daemon.errors import DaemonUnavailable
 
-    monkeypatch.setattr(client_module, "FD_CALL_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(fd_session, "FD_CALL_TIMEOUT_S", 0.5)
     listeners = []
     for name in ("d.sock", "d.sock.fd"):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
