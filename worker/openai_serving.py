@@ -20,6 +20,8 @@ from typing import Any
 from resident.worker.async_engine import AsyncEngine, EngineDraining, RequestAborted
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_logprobs import LogprobFormat
+from resident.worker.tool_choice import ToolCallStream
+from resident.worker.tool_choice import message as tool_message
 from resident.worker.protocol import (ChatRequest, CommonRequest, CompletionRequest, RequestError,
                                       ServingOptions, check_prompt_length)
 
@@ -357,10 +359,7 @@ class OpenAIServing:
         body = {"id": prep.request_id, "created": prep.created, "model": prep.request.model}
         if prep.kind == "chat":
             body["object"] = "chat.completion"
-            body["choices"] = [{
-                "index": i, "message": {"role": "assistant", "content": prep.echo_text + "".join(c.text)},
-                "logprobs": self._chat_logprobs(c.logprobs, prep) if prep.request.logprobs else None,
-                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+            body["choices"] = [self._chat_choice(prep, i, c) for i, c in enumerate(choices)]
             if choices[0].prompt_logprobs is not None:   # as vLLM: the response's, not a choice's
                 body["prompt_logprobs"] = self.logprob_format.prompt(choices[0].prompt_logprobs)
         else:
@@ -381,6 +380,14 @@ class OpenAIServing:
         if c.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.logprob_format.prompt(c.prompt_logprobs)
         return choice
+
+    def _chat_choice(self, prep: Prepared, i: int, c: _Choice) -> dict:
+        req: ChatRequest = prep.request  # type: ignore[assignment]
+        message, reason = {"role": "assistant", "content": prep.echo_text + "".join(c.text)}, c.finish_reason
+        if req.tool_choice.constrains:
+            message, reason = tool_message(req.tool_choice, "".join(c.text), reason)
+        return {"index": i, "message": message, "logprobs": self._chat_logprobs(c.logprobs, prep) if req.logprobs
+                else None, "finish_reason": reason}
 
     def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
         return self.logprob_format.chat(lps, prep.request.top_logprobs, prep.request.tokens_as_ids)  # type: ignore
@@ -413,6 +420,8 @@ class OpenAIServing:
                     yield chunk({"index": i, "text": prep.prompt_texts[i // req.n],
                                  "logprobs": None, "finish_reason": None})
         offsets = [0] * prep.num_choices
+        calls = ([ToolCallStream(prep.request.tool_choice) for _ in range(prep.num_choices)]  # type: ignore
+                 if chat and prep.request.tool_choice.constrains else None)  # type: ignore[attr-defined]
         try:
             async for i, out in self._outputs(prep):
                 c = choices[i]
@@ -420,10 +429,20 @@ class OpenAIServing:
                 # A token that only starts a UTF-8 character has no text yet: send it only
                 # when its logprobs were asked for.
                 if out.new_text or (out.new_token_ids and out.logprobs):
-                    yield chunk(self._delta(prep, i, out, offsets))
+                    d: dict | None = self._delta(prep, i, out, offsets)
+                    if calls is not None:   # a constraining tool_choice: the text is the calls'
+                        d["delta"] = calls[i].delta(out.new_text) or {}
+                        if not d["delta"] and not d["logprobs"]:
+                            d = None   # "required": the calls come whole at the end
+                    if d is not None:
+                        yield chunk(d)
                 if out.finished:
                     fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}
                     fin.update({"delta": {}} if chat else {"text": ""})
+                    if calls is not None:
+                        last, fin["finish_reason"] = calls[i].finish(out.finish_reason)
+                        if last:
+                            yield chunk({"index": i, "delta": last, "logprobs": None, "finish_reason": None})
                     yield chunk(fin)
         except RequestError as e:
             yield sse(e.body())

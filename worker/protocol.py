@@ -36,6 +36,7 @@ from resident.worker.request_error import RequestError
 from resident.worker.sampling_fields import (parse_sampling, read_bool, read_int, read_truncate_prompt_tokens,
                                              refuse_unsupported)
 from resident.worker.structured_output import GUIDED_FIELDS
+from resident.worker.tool_choice import ToolChoice, guided_spec, parse_tool_choice
 
 # Fields we accept on top of OpenAI's, as vLLM does.
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
@@ -112,6 +113,7 @@ class ChatRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int = 0
     tools: list[dict] | None = None
+    tool_choice: ToolChoice = ToolChoice("auto")
     add_generation_prompt: bool = True
     #: vLLM's: the prompt ends inside the final (assistant) message, which the answer continues
     continue_final_message: bool = False
@@ -303,9 +305,13 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     for i, tool in enumerate(tools or []):
         check_tool(tool, i)
     req.tools = tools or None
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise RequestError("only 'tool_choice' none or auto is supported", param="tool_choice")
+    req.tool_choice = parse_tool_choice(body.get("tool_choice"), req.tools)
+    if req.tool_choice.constrains:
+        other = req.sampling.get("guided")
+        if other is not None:
+            raise RequestError(f"'tool_choice' ({req.tool_choice.mode}) and '{other.param.split('.')[0]}' both "
+                               "constrain the output; send at most one of them", param="tool_choice")
+        req.sampling["guided"] = guided_spec(req.tool_choice, req.tools or [])
     req.add_generation_prompt = read_bool(body, "add_generation_prompt", True)
     req.continue_final_message = read_bool(body, "continue_final_message")
     if req.continue_final_message and req.add_generation_prompt:
