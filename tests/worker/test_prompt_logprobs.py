@@ -56,18 +56,19 @@ def reference(model, prompt: list[int]) -> torch.Tensor:
     """log_softmax of a whole-prompt forward pass, [len(prompt), V] (row i predicts prompt[i + 1])."""
     cfg, weights = model
     ec = EngineConfig(block_size=4, num_kv_blocks=64, max_model_len=96, enable_prefix_caching=False)
-    runner = ModelRunner(ModelConfig.from_hf(cfg), ec, weights)
+    device = next(iter(weights.values())).device.type
+    runner = ModelRunner(ModelConfig.from_hf(cfg), ec, weights, device=device)
     chunk = ScheduledRequest("ref", prompt, 0, list(range(-(-len(prompt) // 4))), True, SamplingParams(), prompt, [])
     return torch.log_softmax(runner.logits(SchedulerOutput([chunk], len(prompt))), dim=-1)
 
 
-def check(model, prompt: list[int], got, num_top: int = TOP) -> None:
+def check(model, prompt: list[int], got, num_top: int = TOP, tolerance: float = 1e-4) -> None:
     want = reference(model, prompt)
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for i, lp in enumerate(got[1:], start=1):
         row = want[i - 1]
         assert lp.token_id == prompt[i]
-        assert lp.logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert lp.logprob == pytest.approx(row[prompt[i]].item(), abs=tolerance)
         assert lp.rank == int((row > row[prompt[i]]).sum()) + 1
         assert [t for t, _ in lp.top] == row.topk(num_top).indices.tolist()
 
@@ -165,3 +166,17 @@ def test_openai_shapes():
     got = fmt.completion(list(zip([2, 3, 4], lps)), 0, as_id=False)
     assert got == {"tokens": ["b", "c", "d"], "token_logprobs": [None, -2.0, -0.1],
                    "top_logprobs": [None, {"a": -0.5, "c": -2.0}, {"d": -0.1}], "text_offset": [0, 1, 2]}
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_gpu(model):
+    """On CUDA (decode steps replaying graphs beside the prefill chunks that compute every row):
+    the values equal a whole-prompt pass on the same device."""
+    cfg, weights = model
+    weights = {k: v.cuda() for k, v in weights.items()}
+    ec = EngineConfig(block_size=4, num_kv_blocks=128, max_model_len=96, max_num_batched_tokens=8)
+    runner = ModelRunner(ModelConfig.from_hf(cfg), ec, weights, device="cuda")
+    runner.capture_graphs()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=TOP)
+    outs = run(LLMEngine(ec, runner), {"a": (PROMPT, params), "b": (PROMPT[5:], SamplingParams(max_tokens=9))})
+    check((cfg, weights), PROMPT, prompt_lps(outs["a"]), tolerance=1e-3)
