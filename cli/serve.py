@@ -73,6 +73,12 @@ logger = logging.getLogger(__name__)
 @click.option("--trust-request-chat-template", is_flag=True,
               help="Allow requests to supply chat_template / chat_template_kwargs / processor kwargs "
                    "(they change how prompts are built; refused by default).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Chat requests with tools and tool_choice auto get the tool calls the answer writes as "
+                   "tool_calls (needs --tool-call-parser), as vLLM.")
+@click.option("--tool-call-parser", type=click.Choice(("hermes", "llama3_json")), default=None,
+              help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3) or "
+                   "llama3_json (JSON objects: Llama 3.1-3.3); with --enable-auto-tool-choice.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
                    "models on a busy machine.")
@@ -132,7 +138,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None,
           block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
-          chat_template_file: str | None, trust_request_chat_template: bool, cpu_threads: int | None,
+          chat_template_file: str | None, trust_request_chat_template: bool, enable_auto_tool_choice: bool,
+          tool_call_parser: str | None, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
@@ -150,6 +157,10 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
                                f"({', '.join(map(repr, served_model_name))}); a worker serves one name: pass it once")
     if chat_template_file is not None:
         _check_chat_template(chat_template_file)
+    if enable_auto_tool_choice != (tool_call_parser is not None):
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+                               if enable_auto_tool_choice else
+                               "--tool-call-parser parses tool calls only with --enable-auto-tool-choice; add it")
     try:
         sock = None if preload == "off" else resolve_socket(socket)
     except ValueError as e:
@@ -164,6 +175,7 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
+            tool_call_parser=tool_call_parser,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,

@@ -94,6 +94,11 @@ class OpenAIServing:
             grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab_size, tokenizer.eos_token_ids))
         self.grammars = grammars
         self.logprob_format = LogprobFormat(tokenizer)
+        self.tool_parser = None
+        if opts.tool_call_parser is not None:
+            from resident.worker.tool_parsers import get_tool_parser
+
+            self.tool_parser = get_tool_parser(opts.tool_call_parser)
         self._warned_fields: set[str] = set()
 
     # --- preparation -----------------------------------------------------------------------
@@ -386,8 +391,29 @@ class OpenAIServing:
         message, reason = {"role": "assistant", "content": prep.echo_text + "".join(c.text)}, c.finish_reason
         if req.tool_choice.constrains:
             message, reason = tool_message(req.tool_choice, "".join(c.text), reason)
+        elif self._parses_tool_calls(req):
+            from resident.worker.tool_parsers import auto_message
+
+            message, reason = auto_message(self.tool_parser, "".join(c.text), reason)
         return {"index": i, "message": message, "logprobs": self._chat_logprobs(c.logprobs, prep) if req.logprobs
                 else None, "finish_reason": reason}
+
+    def _parses_tool_calls(self, req: Any) -> bool:
+        """Whether a chat answer's text is searched for tool calls (tool_parsers.py)."""
+        return self.tool_parser is not None and bool(req.tools) and req.tool_choice.mode == "auto"
+
+    def _tool_streams(self, prep: Prepared) -> list[Any] | None:
+        """Per choice, what turns a streamed chat answer into tool-call deltas, or None."""
+        req = prep.request
+        if prep.kind != "chat":
+            return None
+        if req.tool_choice.constrains:  # type: ignore[attr-defined]
+            return [ToolCallStream(req.tool_choice) for _ in range(prep.num_choices)]  # type: ignore[attr-defined]
+        if self._parses_tool_calls(req):
+            from resident.worker.tool_parsers import AutoToolStream
+
+            return [AutoToolStream(self.tool_parser) for _ in range(prep.num_choices)]
+        return None
 
     def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
         return self.logprob_format.chat(lps, prep.request.top_logprobs, prep.request.tokens_as_ids)  # type: ignore
@@ -420,8 +446,7 @@ class OpenAIServing:
                     yield chunk({"index": i, "text": prep.prompt_texts[i // req.n],
                                  "logprobs": None, "finish_reason": None})
         offsets = [0] * prep.num_choices
-        calls = ([ToolCallStream(prep.request.tool_choice) for _ in range(prep.num_choices)]  # type: ignore
-                 if chat and prep.request.tool_choice.constrains else None)  # type: ignore[attr-defined]
+        calls = self._tool_streams(prep)
         try:
             async for i, out in self._outputs(prep):
                 c = choices[i]
@@ -430,10 +455,10 @@ class OpenAIServing:
                 # when its logprobs were asked for.
                 if out.new_text or (out.new_token_ids and out.logprobs):
                     d: dict | None = self._delta(prep, i, out, offsets)
-                    if calls is not None:   # a constraining tool_choice: the text is the calls'
+                    if calls is not None:   # tool calls: what of the text is sent now, and how
                         d["delta"] = calls[i].delta(out.new_text) or {}
                         if not d["delta"] and not d["logprobs"]:
-                            d = None   # "required": the calls come whole at the end
+                            d = None   # held: the calls come whole at the end
                     if d is not None:
                         yield chunk(d)
                 if out.finished:

@@ -75,6 +75,7 @@ class ServingOptions:
     served_model_names: tuple[str, ...]
     max_model_len: int
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None   # tool_parsers.py: chat answers' tool calls under tool_choice auto
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -1,0 +1,155 @@
+"""Tool calls in a model's free text (`--tool-call-parser`, with `--enable-auto-tool-choice`, as
+vLLM): a chat request that sends `tools` with tool_choice auto gets the calls the answer writes
+in its model family's format as `tool_calls`, and the text before them as `content`.
+
+- `hermes` (Hermes 2 Pro, Qwen 2.5 / 3, and others): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`, one or more (the last may lack its closing tag when the answer ends there).
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3): the answer is one or more JSON objects `{"name": ...,
+  "parameters": {...}}` (or "arguments"), separated by ";", optionally after `<|python_tag|>`.
+
+An answer whose calls do not parse as such (a JSON error, no "name") is content, whole, as it came
+(vLLM does the same). Streamed, the text before the first call streams as content; from the call's
+opening marker (or what may be its beginning) the text is held, and the calls come in one delta
+when the answer ends (or the held text as content, when they do not parse).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from resident.worker.tool_choice import new_call_id
+
+
+class ToolParser:
+    """Finds an answer's tool calls: `parse(text)` -> (content or None, [{"name", "arguments"
+    (JSON text)}]); `start(text)` -> where the calls may begin (len(text) when they cannot yet)."""
+
+    name = ""
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        raise NotImplementedError
+
+    def start(self, text: str) -> int:
+        raise NotImplementedError
+
+
+def _call(obj: Any, args_keys: tuple[str, ...]) -> dict[str, str] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Where a prefix of `marker` ends `text` (len(text) when none does)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return text, []
+        calls = []
+        for body in self._CALL.findall(text[at:]):
+            try:
+                call = _call(json.loads(body), ("arguments", "parameters"))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:at].strip()
+        return content or None, calls
+
+    def start(self, text: str) -> int:
+        at = text.find(self.OPEN)
+        return at if at >= 0 else _partial_suffix(text, self.OPEN)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        if not body.startswith("{"):
+            return text, []
+        decoder = json.JSONDecoder()
+        calls, at = [], 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except ValueError:
+                return text, []
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = end
+            while at < len(body) and (body[at].isspace() or body[at] == ";"):
+                at += 1
+        return None, calls
+
+    def start(self, text: str) -> int:
+        stripped = text.lstrip()
+        lead = len(text) - len(stripped)
+        if not stripped or stripped.startswith("{") or self.TAG.startswith(stripped[:len(self.TAG)]):
+            return lead   # the answer is (or may be) the calls themselves
+        return len(text)
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser named `name`; a ValueError listing the valid names."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+def tool_calls_json(calls: list[dict[str, str]]) -> list[dict]:
+    return [{"id": new_call_id(), "type": "function", "function": call} for call in calls]
+
+
+def auto_message(parser: ToolParser, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    """The chat answer's message and finish reason: tool_calls when the text holds calls."""
+    content, calls = parser.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls_json(calls)}, "tool_calls"
+
+
+class AutoToolStream:
+    """One streamed choice under a tool-call parser: content deltas before the calls, the calls
+    (or the held text) at the end — the interface of tool_choice.ToolCallStream."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0   # characters of text sent as content (never where a call may begin)
+
+    def delta(self, new_text: str) -> dict | None:
+        self.text += new_text
+        start = self.parser.start(self.text)
+        if start <= self.sent:
+            return None
+        out, self.sent = self.text[self.sent:start], start
+        return {"content": out}
+
+    def finish(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
+        content, calls = self.parser.parse(self.text)
+        if not calls:
+            rest = self.text[self.sent:]
+            return ({"content": rest} if rest else None), finish_reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_json(calls))]}, "tool_calls"
