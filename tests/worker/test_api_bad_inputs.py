@@ -420,7 +420,7 @@ def test_unknown_fields_are_logged_within_bounds(caplog):
     serving, prepare = _serving(WordTokenizer())
     prepare({"prompt": "x", "max_tokens": 1, "frobnicate": 1})
     caplog.clear()
-    with caplog.at_level("WARNING", logger="resident.worker.openai_serving"):
+    with caplog.at_level("WARNING", logger="resident.worker.openai_prepare"):
         prepare({"prompt": "x", "max_tokens": 1, **{f"junk{i}": 1 for i in range(100_000)}})
     assert len(serving._warned_fields) <= 256
     assert len(caplog.records) == 1 and len(caplog.records[0].getMessage()) < 1000
