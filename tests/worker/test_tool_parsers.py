@@ -25,28 +25,21 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
          {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}]
 
 
-@pytest.mark.parametrize("text,content,calls", [
-    (HERMES, "Let me check.", [("weather", '{"city": "Paris"}'), ("time", "{}")]),
-    (f"<tool_call>{CALL}</tool_call>", None, [("weather", '{"city": "Paris"}')]),
-    ("no calls here", "no calls here", []),
-    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
-    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-])
-def test_hermes(text, content, calls):
-    got_content, got = get_tool_parser("hermes").parse(text)
-    assert got_content == content and [(c["name"], c["arguments"]) for c in got] == calls
-
-
-@pytest.mark.parametrize("text,content,calls", [
-    ('{"name": "weather", "parameters": {"city": "Oslo"}}', None, [("weather", '{"city": "Oslo"}')]),
-    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', None,
+@pytest.mark.parametrize("parser,text,content,calls", [
+    ("hermes", HERMES, "Let me check.", [("weather", '{"city": "Paris"}'), ("time", "{}")]),
+    ("hermes", f"<tool_call>{CALL}</tool_call>", None, [("weather", '{"city": "Paris"}')]),
+    ("hermes", "no calls here", "no calls here", []),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ("llama3_json", '{"name": "weather", "parameters": {"city": "Oslo"}}', None, [("weather", '{"city": "Oslo"}')]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', None,
      [("a", "{}"), ("b", '{"x": 1}')]),
-    ("Paris is sunny.", "Paris is sunny.", []),
-    ('{"name": "a", "parameters": {}', '{"name": "a", "parameters": {}', []),
-    ('{"city": "Oslo"}', '{"city": "Oslo"}', []),
+    ("llama3_json", "Paris is sunny.", "Paris is sunny.", []),
+    ("llama3_json", '{"name": "a", "parameters": {}', '{"name": "a", "parameters": {}', []),
+    ("llama3_json", '{"city": "Oslo"}', '{"city": "Oslo"}', []),
 ])
-def test_llama3_json(text, content, calls):
-    got_content, got = get_tool_parser("llama3_json").parse(text)
+def test_parsers(parser, text, content, calls):
+    got_content, got = get_tool_parser(parser).parse(text)
     assert got_content == content and [(c["name"], c["arguments"]) for c in got] == calls
 
 
