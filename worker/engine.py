@@ -335,6 +335,8 @@ class LLMEngine:
                                                    or token in params.stop_token_ids))
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
+            if not grammar_end and not (token in self.eos_token_ids and not params.ignore_eos):
+                state.stop_reason = token   # a stop_token_ids entry (EOS has none, as in vLLM)
         # A stop token's own text is shown only with include_stop_str_in_output.
         stop_string = state.detokenizer is not None and state.add_token(
             token, detokenize=not stop_token or params.include_stop_str_in_output, check_stop=may_stop)

@@ -38,6 +38,7 @@ class _Choice:
     last_token_at: float | None = None
     spec_decode: Any = None  # request.SpecDecodeStats, when the engine speculates
     prompt_logprobs: list[Any] | None = None   # one per prompt token (the first None), when computed
+    stop_reason: int | str | None = None       # vLLM's: the stop string or stop token that ended it
 
 
 def sse(payload: dict | str) -> bytes:
@@ -110,6 +111,7 @@ class OpenAIServing(OpenAIPreparer):
             choice.spec_decode = out.spec_decode
         if out.finished:
             choice.finish_reason = out.finish_reason
+            choice.stop_reason = getattr(out, "stop_reason", None)
             self.metrics.e2e.observe(now - prep.arrival)
             self.metrics.success.labels(finish_reason=out.finish_reason or "unknown").inc()
 
@@ -173,7 +175,7 @@ class OpenAIServing(OpenAIPreparer):
         choice = {"index": i, "text": (prep.prompt_texts[i // req.n] if req.echo else "") + "".join(c.text),
                   "logprobs": (self.logprob_format.completion(entries, 0, req.tokens_as_ids)
                                if req.logprobs is not None else None),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if c.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.logprob_format.prompt(c.prompt_logprobs)
         return choice
@@ -188,7 +190,7 @@ class OpenAIServing(OpenAIPreparer):
 
             message, reason = auto_message(self.tool_parser, "".join(c.text), reason)
         return {"index": i, "message": message, "logprobs": self._chat_logprobs(c.logprobs, prep) if req.logprobs
-                else None, "finish_reason": reason}
+                else None, "finish_reason": reason, "stop_reason": c.stop_reason}
 
     def _parses_tool_calls(self, req: Any) -> bool:
         """Whether a chat answer's text is searched for tool calls (tool_parsers.py)."""
@@ -246,7 +248,8 @@ class OpenAIServing(OpenAIPreparer):
                     if d is not None:
                         yield chunk(d)
                 if out.finished:
-                    fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason}
+                    fin = {"index": i, "logprobs": None, "finish_reason": out.finish_reason,
+                           "stop_reason": getattr(out, "stop_reason", None)}
                     fin.update({"delta": {}} if chat else {"text": ""})
                     if calls is not None:
                         last, fin["finish_reason"] = calls[i].finish(out.finish_reason)

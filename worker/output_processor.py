@@ -39,6 +39,9 @@ class OutputState:
         self.text = ""  # generated text so far (cut at the stop string once one matched)
         self.num_sent_chars = 0
         self.num_sent_tokens = 0
+        #: vLLM's stop_reason: the stop string or stop_token_ids entry that ended the request (None: EOS,
+        #: the length limit, a grammar's end, or not yet)
+        self.stop_reason: int | str | None = None
         # prompt_logprobs.py: position i's value (the first prompt token has none), until sent
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
@@ -75,6 +78,7 @@ class OutputState:
             return False
         i, s = best
         self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        self.stop_reason = s
         return True
 
     def _num_held_chars(self) -> int:
@@ -141,4 +145,5 @@ class OutputState:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             logprobs=logprobs,
             prompt_logprobs=self._take_prompt_logprobs(),
+            stop_reason=self.stop_reason if finished else None,
         )

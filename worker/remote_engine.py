@@ -59,8 +59,10 @@ class TextStream:
                 state.pending_logprobs.append(logprobs[i])
             # As the engine: the first min_tokens tokens stop nothing.
             may_stop = request.num_output_tokens > params.min_tokens
-            stop_token = may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
-                                       or token in params.stop_token_ids)
+            eos = token in self.eos_token_ids and not params.ignore_eos
+            stop_token = may_stop and (eos or token in params.stop_token_ids)
+            if stop_token and not eos:
+                state.stop_reason = token
             if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output,
                                check_stop=may_stop):
                 request.finish(RequestStatus.FINISHED_STOPPED)
@@ -78,6 +80,8 @@ class TextStream:
         result = state.make_output()
         result.spec_decode = out.spec_decode
         result.prompt_logprobs = out.prompt_logprobs
+        if result.finished and result.stop_reason is None:
+            result.stop_reason = out.stop_reason   # a stop token the engine saw (stop strings are matched here)
         return result
 
 

@@ -91,6 +91,7 @@ class RequestOutput:
     spec_decode: SpecDecodeStats | None = None  # cumulative, when the engine speculates
     # With sampling_params.prompt_logprobs, in the first output: one per prompt token (the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: int | str | None = None   # finished by a stop string (it) or a stop_token_ids entry (it)
 
 
 class Request:

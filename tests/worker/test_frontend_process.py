@@ -174,6 +174,7 @@ def test_stop_strings_and_logprobs_are_the_inline_ones(workers, greedy_text):
     assert _choices(got) == _choices(post(inline, "/v1/completions", body))
     assert got["choices"][0]["text"] == greedy_text[:greedy_text.index(stop)]
     assert got["choices"][0]["finish_reason"] == "stop" and got["choices"][0]["logprobs"]["tokens"]
+    assert got["choices"][0]["stop_reason"] == stop   # vLLM's: the stop string that ended it
     body["include_stop_str_in_output"] = True
     got = post(proc, "/v1/completions", body)
     assert got["choices"][0]["text"] == greedy_text[:greedy_text.index(stop) + 2]
@@ -207,6 +208,23 @@ def test_prompt_logprobs_and_echo_with_logprobs_are_the_inline_ones(workers):
     got = post(proc, "/v1/chat/completions", chat)
     assert rounded(got["prompt_logprobs"]) == rounded(post(inline, "/v1/chat/completions", chat)["prompt_logprobs"])
     assert len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
+
+
+def test_stop_reason_is_the_inline_one(workers):
+    """vLLM's stop_reason: the stop_token_ids entry that ended the answer (seen by the engine
+    process), None at the length limit; the same in both processes, whole and streamed."""
+    inline, proc = workers
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    ids = [int(t.split(":")[1]) for t in post(inline, "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]]
+    assert post(proc, "/v1/completions", body)["choices"][0]["stop_reason"] is None   # the length limit
+    stop_id = ids[5]
+    body = {**body, "stop_token_ids": [stop_id]}
+    for w in workers:
+        choice = post(w, "/v1/completions", body)["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_id), (w.log_path, choice)
+        events = stream(w.base_url, "/v1/completions", body)
+        assert events[-1]["choices"][0]["stop_reason"] == stop_id
 
 
 def test_min_tokens_is_the_inline_one(workers, greedy_text):

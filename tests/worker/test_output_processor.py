@@ -69,3 +69,10 @@ def test_a_long_stop_string_costs_no_search_over_the_whole_text_each_step():
         sent += state.make_output().new_text
     assert CountingStr.num_startswith < 10 * num_tokens
     assert state.text.startswith(sent) and len(state.text) - len(sent) <= 2
+
+
+def test_stop_reason_is_the_stop_string_that_matched_first():
+    state = _state(["a", "b", "cd"], stop=["d", "bc"])
+    assert state.stop_reason is None
+    assert not state.add_token(0) and not state.add_token(1) and state.add_token(2)
+    assert state.stop_reason == "bc" and state.text == "a"
