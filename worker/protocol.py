@@ -63,7 +63,11 @@ _UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
 UNSUPPORTED_COMPLETION_FIELDS = dict(_UNSUPPORTED_COMMON)
 UNSUPPORTED_CHAT_FIELDS = dict(_UNSUPPORTED_COMMON)
 # Request fields that change processing beyond sampling: refused unless trusted.
-UNTRUSTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "processor_kwargs")
+UNTRUSTED_CHAT_FIELDS = ("chat_template", "mm_processor_kwargs", "processor_kwargs")
+# chat_template_kwargs are served (as vLLM: Qwen3's enable_thinking, ...) except those that would
+# replace what the template is given (the conversation, the special tokens): those need trust.
+RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "special_tokens"})
 MAX_N = 128
 MAX_LOGPROBS = 20
 
@@ -328,6 +332,13 @@ def parse_chat_request(body: Any, opts: ServingOptions) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    for key in kwargs or {}:
+        reserved = key in RESERVED_TEMPLATE_KWARGS or key.endswith(("_token", "_tokens"))
+        if reserved and not opts.trust_request_chat_template:
+            raise RequestError(f"'chat_template_kwargs.{key}' would replace what the chat template is given (the "
+                               "conversation or a special token) and is refused; the operator can allow it by "
+                               "starting the server with --trust-request-chat-template",
+                               param=f"chat_template_kwargs.{key}")
     req.chat_template_kwargs = dict(kwargs or {})
     return req
 

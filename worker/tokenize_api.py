@@ -4,8 +4,8 @@ that count a prompt's tokens (or read them) before sending it, or turn ids back 
 POST /tokenize takes a completion's `prompt` (a string; `add_special_tokens`, default true) or a
 chat's `messages` with the chat fields that shape the prompt (`add_generation_prompt`,
 `continue_final_message`, `add_special_tokens` default false, `tools`, `chat_template`,
-`chat_template_kwargs` — the last two only under --trust-request-chat-template, as for chat
-completions), and `return_token_strs`; it answers {"count", "max_model_len", "tokens",
+`chat_template_kwargs` — checked as for chat completions: a request's own template only under
+--trust-request-chat-template), and `return_token_strs`; it answers {"count", "max_model_len", "tokens",
 "token_strs"}. A prompt longer than the context is counted, not refused (that is what the endpoint
 is for), except a text so long that it is judged by its prefixes (OpenAIServing.encode_prompt).
 POST /detokenize takes `tokens` (ids of the vocabulary) and answers {"prompt": text}. `model` is

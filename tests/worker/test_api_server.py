@@ -52,8 +52,9 @@ BAD = {
     "token id outside the vocabulary": ("/v1/completions", {"model": MODEL_NAME, "prompt": [5, 99999]}, "prompt"),
     "request-supplied chat template": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
         {"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template"),
-    "request-supplied template kwargs": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
-        {"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    "request-supplied special token": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
+        {"role": "user", "content": "x"}], "chat_template_kwargs": {"eos_token": "x"}},
+        "chat_template_kwargs.eos_token"),
     "tool call without its function": ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]},
         "messages[0].tool_calls[0].function"),

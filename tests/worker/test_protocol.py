@@ -260,13 +260,24 @@ def test_text_content_parts_are_joined():
     assert req.messages[0]["content"] == "ab"
 
 
-@pytest.mark.parametrize("field,value", [("chat_template", "{{ 'x' }}"), ("chat_template_kwargs", {"a": 1}),
-                                         ("mm_processor_kwargs", {"a": 1}), ("processor_kwargs", {"a": 1})])
-def test_request_supplied_template_needs_trust(field, value):
+@pytest.mark.parametrize("field,value,param", [
+    ("chat_template", "{{ 'x' }}", "chat_template"), ("mm_processor_kwargs", {"a": 1}, "mm_processor_kwargs"),
+    ("processor_kwargs", {"a": 1}, "processor_kwargs"),
+    ("chat_template_kwargs", {"enable_thinking": False, "bos_token": "<x>"}, "chat_template_kwargs.bos_token"),
+    ("chat_template_kwargs", {"messages": []}, "chat_template_kwargs.messages"),
+    ("chat_template_kwargs", {"additional_special_tokens": []}, "chat_template_kwargs.additional_special_tokens"),
+])
+def test_request_supplied_template_needs_trust(field, value, param):
     body = {"model": "tiny", "messages": MSGS, field: value}
     err = bad(parse_chat_request, body)
-    assert err.param == field and "--trust-request-chat-template" in err.message
+    assert err.param == param and "--trust-request-chat-template" in err.message
     parse_chat_request(body, TRUSTED)  # allowed when the operator trusts requests
+
+
+def test_chat_template_kwargs_reach_the_template_as_vllm():
+    req = parse_chat_request({"model": "tiny", "messages": MSGS,
+                              "chat_template_kwargs": {"enable_thinking": False, "reasoning": {"effort": 1}}}, OPTS)
+    assert req.chat_template_kwargs == {"enable_thinking": False, "reasoning": {"effort": 1}}
 
 
 def test_top_logprobs_needs_logprobs():
