@@ -79,6 +79,9 @@ logger = logging.getLogger(__name__)
 @click.option("--tool-call-parser", type=click.Choice(("hermes", "llama3_json")), default=None,
               help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3) or "
                    "llama3_json (JSON objects: Llama 3.1-3.3); with --enable-auto-tool-choice.")
+@click.option("--reasoning-parser", type=click.Choice(("deepseek_r1", "qwen3")), default=None,
+              help="Chat answers' <think>...</think> reasoning as reasoning_content, the rest as content, as vLLM: "
+                   "deepseek_r1 (reasoning until </think>) or qwen3 (reasoning only after a leading <think>).")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
                    "models on a busy machine.")
@@ -139,7 +142,7 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, enable_auto_tool_choice: bool,
-          tool_call_parser: str | None, cpu_threads: int | None,
+          tool_call_parser: str | None, reasoning_parser: str | None, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
@@ -175,7 +178,7 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=not no_prefix_caching,
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
-            tool_call_parser=tool_call_parser,
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,

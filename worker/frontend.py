@@ -167,7 +167,8 @@ class Frontend:
         # process never imports.
         opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
                               trust_request_chat_template=self.start.trust_request_chat_template,
-                              tool_call_parser=self.start.tool_call_parser)
+                              tool_call_parser=self.start.tool_call_parser,
+                              reasoning_parser=self.start.reasoning_parser)
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size,
                                            compile_guided=False)
         self.metrics.set_weights_source(ready.weights_source)

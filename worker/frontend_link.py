@@ -60,6 +60,7 @@ class FrontendStart:
     trust_request_chat_template: bool
     drain_timeout_s: float
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     log_level: str = "INFO"
     admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
     admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start

@@ -60,6 +60,11 @@ class OpenAIServing(OpenAIPreparer):
             from resident.worker.tool_parsers import get_tool_parser
 
             self.tool_parser = get_tool_parser(opts.tool_call_parser)
+        self.reasoning_parser = None
+        if opts.reasoning_parser is not None:
+            from resident.worker.reasoning_parsers import get_reasoning_parser
+
+            self.reasoning_parser = get_reasoning_parser(opts.reasoning_parser)
 
     async def _outputs(self, prep: Prepared) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, RequestOutput) from all choices as they arrive."""
@@ -182,13 +187,20 @@ class OpenAIServing(OpenAIPreparer):
 
     def _chat_choice(self, prep: Prepared, i: int, c: _Choice) -> dict:
         req: ChatRequest = prep.request  # type: ignore[assignment]
-        message, reason = {"role": "assistant", "content": prep.echo_text + "".join(c.text)}, c.finish_reason
+        text: str | None = "".join(c.text)
+        reasoning = None
+        if self.reasoning_parser is not None:   # reasoning first: tools and content are what follows it
+            reasoning, text = self.reasoning_parser.split(text)
+        content = prep.echo_text + text if text is not None else (prep.echo_text or None)
+        message, reason = {"role": "assistant", "content": content}, c.finish_reason
         if req.tool_choice.constrains:
-            message, reason = tool_message(req.tool_choice, "".join(c.text), reason)
-        elif self._parses_tool_calls(req):
+            message, reason = tool_message(req.tool_choice, text or "", reason)
+        elif self._parses_tool_calls(req) and text:
             from resident.worker.tool_parsers import auto_message
 
-            message, reason = auto_message(self.tool_parser, "".join(c.text), reason)
+            message, reason = auto_message(self.tool_parser, text, reason)
+        if self.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
         return {"index": i, "message": message, "logprobs": self._chat_logprobs(c.logprobs, prep) if req.logprobs
                 else None, "finish_reason": reason, "stop_reason": c.stop_reason}
 
@@ -196,18 +208,26 @@ class OpenAIServing(OpenAIPreparer):
         """Whether a chat answer's text is searched for tool calls (tool_parsers.py)."""
         return self.tool_parser is not None and bool(req.tools) and req.tool_choice.mode == "auto"
 
-    def _tool_streams(self, prep: Prepared) -> list[Any] | None:
-        """Per choice, what turns a streamed chat answer into tool-call deltas, or None."""
+    def _choice_streams(self, prep: Prepared) -> list[Any] | None:
+        """Per choice, what turns a streamed chat answer into reasoning, tool-call and content
+        deltas (chat_stream.py), or None (the text is the content, as it comes)."""
         req = prep.request
         if prep.kind != "chat":
             return None
-        if req.tool_choice.constrains:  # type: ignore[attr-defined]
-            return [ToolCallStream(req.tool_choice) for _ in range(prep.num_choices)]  # type: ignore[attr-defined]
-        if self._parses_tool_calls(req):
-            from resident.worker.tool_parsers import AutoToolStream
+        constrains, parses = req.tool_choice.constrains, self._parses_tool_calls(req)  # type: ignore[attr-defined]
+        if not (constrains or parses or self.reasoning_parser is not None):
+            return None
+        from resident.worker.chat_stream import ChatChoiceStream
+        from resident.worker.reasoning_parsers import ReasoningStream
+        from resident.worker.tool_parsers import AutoToolStream
 
-            return [AutoToolStream(self.tool_parser) for _ in range(prep.num_choices)]
-        return None
+        def calls() -> Any:
+            if constrains:
+                return ToolCallStream(req.tool_choice)  # type: ignore[attr-defined]
+            return AutoToolStream(self.tool_parser) if parses else None
+
+        return [ChatChoiceStream(ReasoningStream(self.reasoning_parser) if self.reasoning_parser is not None
+                                 else None, calls()) for _ in range(prep.num_choices)]
 
     def _chat_logprobs(self, lps: list[Any], prep: Prepared) -> dict:
         return self.logprob_format.chat(lps, prep.request.top_logprobs, prep.request.tokens_as_ids)  # type: ignore
@@ -232,7 +252,7 @@ class OpenAIServing(OpenAIPreparer):
         for opening in self._openings(prep):
             yield chunk(opening)
         offsets = [0] * prep.num_choices
-        calls = self._tool_streams(prep)
+        calls = self._choice_streams(prep)
         try:
             async for i, out in self._outputs(prep):
                 c = choices[i]
@@ -241,8 +261,8 @@ class OpenAIServing(OpenAIPreparer):
                 # when its logprobs were asked for.
                 if out.new_text or (out.new_token_ids and out.logprobs):
                     d: dict | None = self._delta(prep, i, out, offsets)
-                    if calls is not None:   # tool calls: what of the text is sent now, and how
-                        d["delta"] = calls[i].delta(out.new_text) or {}
+                    if calls is not None:   # reasoning and tool calls: what of the text is sent now, and how
+                        d["delta"] = calls[i].delta(out.new_text)
                         if not d["delta"] and not d["logprobs"]:
                             d = None   # held: the calls come whole at the end
                     if d is not None:

@@ -80,6 +80,7 @@ class ServingOptions:
     max_model_len: int
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None   # tool_parsers.py: chat answers' tool calls under tool_choice auto
+    reasoning_parser: str | None = None   # reasoning_parsers.py: chat answers' reasoning_content
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -74,12 +74,17 @@ class ServeConfig:
     admin_socket: str | None = None           # admin Unix socket (snapshot); None: admin_socket_for_pid(pid)
     frontend: str = "inline"                  # inline | process (FRONTEND_MODES)
     tool_call_parser: str | None = None       # --tool-call-parser with --enable-auto-tool-choice (tool_parsers.py)
+    reasoning_parser: str | None = None       # --reasoning-parser (reasoning_parsers.py)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
             from resident.worker.tool_parsers import get_tool_parser
 
             get_tool_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            from resident.worker.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)
         if not self.kv_profile_cache.strip() or (self.kv_profile_cache not in ("auto", "off")
                                                  and os.path.isdir(self.kv_profile_cache)):
             raise ValueError(f"--kv-profile-cache {self.kv_profile_cache!r} must be auto, off or a file path "

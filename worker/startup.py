@@ -400,7 +400,7 @@ def _build_worker(config: ServeConfig, startup: StartupTimer, metrics: ServerMet
 
         opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=max_model_len,
                               trust_request_chat_template=config.trust_request_chat_template,
-                              tool_call_parser=config.tool_call_parser)
+                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
         serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=model_config.vocab_size,
                                 grammars=engine.grammars)
     worker = Worker(store, async_engine, serving, runner, tp, kv_target_blocks, block_bytes,
