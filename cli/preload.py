@@ -406,15 +406,20 @@ def stop(daemon: DaemonAddress, timeout_s: float) -> None:
             client.shutdown()
         stopped = wait_exit(pid, socket, timeout_s)
     except (DaemonUnavailable, click.ClickException):
+        # DaemonStopping among them: its gRPC server cancelled our call because it is stopping.
         pid = _running_pid(socket)
         stopping = pid is None or (pid == pid_before and not health_serving(socket, timeout_s=0.5))
         if pid_before and stopping and wait_exit(pid_before, socket, min(timeout_s, _STOPPING_S)):
-            # It was stopping already (another `stop`, a signal): it closed its sockets under our hello.
+            # It was stopping already (another `stop`, a signal): it closed its sockets under our hello
+            # or cancelled our call. Reported only once its pid is gone.
             click.echo(f"resident daemon (pid {pid_before}) stopped (it was already stopping)")
             return
         if not pid:  # None: no daemon at all; 0: its pid is unknown
             raise
-        click.echo(f"the daemon (pid {pid}) holds {socket}.lock but does not answer", err=True)
+        if stopping:
+            click.echo(f"the daemon (pid {pid}) is stopping but did not exit within {_STOPPING_S:g} s", err=True)
+        else:
+            click.echo(f"the daemon (pid {pid}) holds {socket}.lock but does not answer", err=True)
         stopped = False
     if not stopped and pid:
         click.echo(f"sending SIGTERM to daemon pid {pid}", err=True)

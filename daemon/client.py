@@ -125,6 +125,7 @@ class Client:
                 raise
             return future.result()
         except grpc.RpcError as e:
+            self._check_open()   # closed meanwhile (another thread): grpc says CANCELLED, "Channel closed!"
             error = map_rpc_error(e, self.socket_path)
         if isinstance(error, Unauthenticated) and not self._leases:
             # The daemon was replaced between our hello and this call (a hand-over renames the
@@ -198,6 +199,7 @@ class Client:
         try:
             yield from self._stub.Load(request, metadata=self._metadata)
         except grpc.RpcError as e:
+            self._check_open()
             raise map_rpc_error(e, self.socket_path) from None
 
     def attach(self, model: str, expected_key: str = "", *, verify_checksums: bool = False,

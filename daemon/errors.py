@@ -34,6 +34,14 @@ class DaemonUnavailable(DaemonError):
     code = "UNAVAILABLE"
 
 
+class DaemonStopping(DaemonUnavailable):
+    """The daemon cancelled the call: its gRPC server is stopping (the daemon stops, or hands
+    over to a successor). gRPC cancels a call that reaches a server shutting down before any
+    handler sees it, so a call racing a stop (a second `resident preload stop`) ends so."""
+
+    code = "CANCELLED"
+
+
 class NotFound(DaemonError):
     code = "NOT_FOUND"
 
@@ -100,3 +108,10 @@ def no_daemon(path: str, why: object = "") -> DaemonUnavailable:
     """The client's error when nothing answers at the daemon's socket `path` (`why`: the cause)."""
     extra = f" ({why})" if why else ""
     return DaemonUnavailable(f"no resident daemon at {path}; start one with `resident preload start`{extra}")
+
+
+def daemon_stopping(path: str) -> DaemonStopping:
+    """The client's error when the daemon at `path` cancelled a call because it is stopping."""
+    return DaemonStopping(f"the resident daemon at {path} cancelled the call: it is stopping (or handing over to "
+                          "a new daemon); see `resident preload status`, and start one with `resident preload "
+                          "start` if none serves there")

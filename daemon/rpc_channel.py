@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-from resident.daemon.errors import ERROR_KIND_METADATA, DaemonError, error_from, no_daemon
+from resident.daemon.errors import ERROR_KIND_METADATA, DaemonError, daemon_stopping, error_from, no_daemon
 
 log = logging.getLogger("resident.daemon.client")   # its lines kept their logger name
 
@@ -19,8 +19,11 @@ CALL_TIMEOUT_S = 30.0
 
 
 def map_rpc_error(e: grpc.RpcError, socket_path: str) -> DaemonError:
-    """The DaemonError subclass the daemon raised (named in the trailing metadata), or
-    DaemonUnavailable when nothing answers at `socket_path`."""
+    """The DaemonError subclass the daemon raised (named in the trailing metadata),
+    DaemonUnavailable when nothing answers at `socket_path`, or DaemonStopping when the
+    daemon's gRPC server cancelled the call (it only does while it stops: the caller must not
+    take the bare CANCELLED for a refusal). A call this process cancelled is the caller's to
+    tell apart (the Client checks that it is still open first)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     message = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -29,6 +32,8 @@ def map_rpc_error(e: grpc.RpcError, socket_path: str) -> DaemonError:
     for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
         if key == ERROR_KIND_METADATA:
             kind = value
+    if code == grpc.StatusCode.CANCELLED and not kind:   # the daemon's own errors name their kind
+        return daemon_stopping(socket_path)
     return error_from(code.name, message or code.name, kind)
 
 
