@@ -5,7 +5,8 @@ Routes: `/v1/models` (and `/v1/models/{model}`, one card), `/v1/completions`,
 `/v1/chat/completions` (SSE when `stream`), `/health` (200 while the process and its engine
 thread live), `/ready` (200 only once the weights are attached and verified, the KV cache
 allocated and the warm-up pass done; 503 before that and while draining), `/metrics`
-(Prometheus), vLLM's `/tokenize` and `/detokenize` (tokenize_api.py) and `/version`. With an
+(Prometheus), vLLM's `/tokenize` and `/detokenize` (tokenize_api.py) and `/version`, OpenAI's
+`/v1/responses` (responses_protocol.py, responses_api.py: a chat completion underneath). With an
 API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>`. Every error is an
 OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB:
 refused from its Content-Length before it is read) and a handler's bug (a 500).
@@ -20,6 +21,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import HttpVersion11, web
 from aiohttp.http import HttpProcessingError
@@ -275,6 +277,7 @@ class ApiServer:
         app.router.add_get("/v1/models/{model:.+}", self.model)   # names may hold '/' (org/name)
         app.router.add_post("/v1/completions", self.completions, expect_handler=_expect_continue)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=_expect_continue)
+        app.router.add_post("/v1/responses", self.responses, expect_handler=_expect_continue)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
@@ -377,20 +380,37 @@ class ApiServer:
         await serving.compile_guided(prep)
         return await self._respond(request, serving, prep)
 
-    async def _respond(self, request: web.Request, serving: OpenAIServing, prep: Prepared) -> web.StreamResponse:
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (responses_protocol.py, responses_api.py): run as a chat completion."""
+        from resident.worker.responses_api import response_from_chat, stream_response
+        from resident.worker.responses_protocol import parse_responses_request
+
+        serving = self._serving()
+        body = await self._body(request)
+        prep = serving.prepare_chat(parse_responses_request(body, serving.opts))
+        await serving.compile_guided(prep)
+
+        async def run() -> dict:
+            return response_from_chat(await serving.run(prep), body)   # type: ignore[arg-type]
+        return await self._respond(request, serving, prep, run, lambda: stream_response(serving, prep, body))
+
+    async def _respond(self, request: web.Request, serving: OpenAIServing, prep: Prepared,
+                       run: Callable[[], Awaitable[dict]] | None = None,
+                       stream: Callable[[], Any] | None = None) -> web.StreamResponse:
+        """Run `prep`: its whole answer (`run`, by default the serving's) or its SSE stream (`stream`)."""
         self.state.num_http_in_flight += 1
         try:
             # Checked again in the same loop step as the count: a request that read its body
             # while a snapshot began never reaches the engine (the snapshot waits for the count).
             self._check_paused()
             if not prep.request.stream:
-                return web.json_response(await serving.run(prep))
+                return web.json_response(await (run() if run is not None else serving.run(prep)))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             try:
                 # Leaving this block early (client gone: write raises, or the handler is
                 # cancelled) closes the generator, which aborts the engine requests.
-                async with contextlib.aclosing(serving.stream(prep)) as chunks:
+                async with contextlib.aclosing(stream() if stream is not None else serving.stream(prep)) as chunks:
                     async for chunk in chunks:
                         await resp.write(chunk)
                 await resp.write_eof()

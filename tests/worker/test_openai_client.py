@@ -164,3 +164,25 @@ def test_batched_equals_unbatched(client):
             assert t == bt, f"{p!r}: position {i}: unbatched {t}, batched {bt} (margin {m:.4f})"
             compared += 1
     assert compared >= len(prompts) * 8
+
+
+def test_responses_api(client):
+    """The client's Responses API (it parses our objects and events into its own types): text,
+    a named function call constrained to its schema, and the event stream."""
+    r = client.responses.create(model=MODEL_NAME, input="Tell me about the weather", instructions="Be brief.",
+                                max_output_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text and r.usage.output_tokens == 6 and r.usage.input_tokens > 0
+    tool = {"type": "function", "name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 5}}, "required": ["city"]}}
+    r = client.responses.create(model=MODEL_NAME, input=[{"role": "user", "content": "weather?"}], tools=[tool],
+                                tool_choice={"type": "function", "name": "weather"}, max_output_tokens=200,
+                                temperature=0, extra_body={"logit_bias": {str(t): -100 for t in range(9, 14)}})
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "weather" and isinstance(__import__("json").loads(call.arguments)["city"], str)
+    events = list(client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=5, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text
