@@ -13,12 +13,10 @@ refused from its Content-Length before it is read) and a handler's bug (a 500).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +25,7 @@ from aiohttp import HttpVersion11, web
 from aiohttp.http import HttpProcessingError
 
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+from resident.worker.http_body import MAX_BODY_BYTES, decode_body, read_body
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing, Prepared
 from resident.worker.protocol import parse_body, parse_chat_request, parse_completion_request
@@ -35,14 +34,10 @@ from resident.worker.request_error import RequestError, error_body
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY_BYTES = 32 * 2**20
 #: Paths outside /v1/ that need the API key too (they render templates and tokenize: CPU for anyone).
 AUTHENTICATED_PATHS = ("/tokenize", "/detokenize")
-#: Seconds a request body may stall (no bytes arriving) before the request is answered 408: a
-#: client that stops mid-body (or whose chunked body turns malformed in a later packet, which
-#: aiohttp's parser never reports to the reader) would otherwise hold its handler for ever.
-BODY_IDLE_TIMEOUT_S = 30.0
-ROUTES = "/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /health, /ready, /metrics"
+ROUTES = ("/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, "
+          "/detokenize, /version, /health, /ready, /metrics")
 
 
 @dataclass
@@ -135,30 +130,6 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return refused
 
 
-async def _read_body(request: web.Request) -> bytes:
-    """The whole body, as `request.read()` reads it (at most MAX_BODY_BYTES: a 413 past that),
-    but answered 408 once no byte arrived for BODY_IDLE_TIMEOUT_S."""
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        try:
-            chunk = await asyncio.wait_for(request.content.readany(), BODY_IDLE_TIMEOUT_S)
-        except ConnectionResetError:
-            # The client went away mid-body, and its handler is being cancelled: Python 3.11's
-            # wait_for turns that cancellation into the read's own error (3.12's does not).
-            raise asyncio.CancelledError() from None
-        except asyncio.TimeoutError:
-            raise RequestError(f"the request body stalled: no byte of it arrived for {BODY_IDLE_TIMEOUT_S:g} s "
-                               f"after {size} bytes; send the whole body without pausing (with chunked encoding, "
-                               "check the chunk sizes)", status=408) from None
-        if not chunk:
-            return b"".join(parts)
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=size)
-        parts.append(chunk)
-
-
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     """aiohttp's plain-text errors as OpenAI-style JSON bodies."""
     if isinstance(e, web.HTTPNotFound):
@@ -204,48 +175,6 @@ def app_runner(app: web.Application) -> web.AppRunner:
     (br, zstd without their packages) or passed the bytes on undecoded (an unknown coding)."""
     return web.AppRunner(app, handler_cancellation=True, access_log=None, auto_decompress=False,
                          logger=_ServerLog(logging.getLogger("aiohttp.server"), {}))
-
-
-#: Content-Encoding codings a request body may use (identity aside): zlib's. br and zstd, which
-#: aiohttp decodes only with extra packages (and then without a size cap), are refused by name.
-DECODED_CODINGS = ("gzip", "x-gzip", "deflate")
-
-
-def decode_body(raw: bytes, content_encoding: str | None, limit: int = MAX_BODY_BYTES) -> bytes:
-    """A request body undone of its Content-Encoding (codings listed in the order applied, so
-    undone last first; identity is none). RequestError: 415 for a coding this server does not
-    decode (naming the ones it does), 400 for a body that does not decode as its header says
-    (truncated, or with data after its end: nothing is silently dropped), 413 for one that
-    decodes past `limit` bytes (checked as it inflates: a zip bomb never fills memory)."""
-    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
-    for coding in reversed(codings):
-        if coding == "identity":
-            continue
-        if coding not in DECODED_CODINGS:
-            raise RequestError(f"this server does not decode a request body with Content-Encoding {coding}; "
-                               f"send it uncompressed or with one of: {', '.join(DECODED_CODINGS)}", status=415)
-        try:
-            raw = _inflate(raw, coding, limit)
-        except zlib.error as e:
-            raise RequestError(f"the request body does not decode as its Content-Encoding ({content_encoding}) "
-                               f"says ({e}); send it encoded so, or with no Content-Encoding") from None
-    return raw
-
-
-def _inflate(raw: bytes, coding: str, limit: int) -> bytes:
-    # gzip: its header; deflate: a zlib stream, or raw deflate as some clients send it.
-    wbits = (16 + zlib.MAX_WBITS if coding != "deflate"
-             else zlib.MAX_WBITS if raw[:1] == b"\x78" else -zlib.MAX_WBITS)
-    inflater = zlib.decompressobj(wbits)
-    out = inflater.decompress(raw, limit + 1)
-    if len(out) > limit:
-        raise RequestError(f"the request body decodes to more than this server's limit of {limit // 2**20} MiB; "
-                           "send a shorter prompt or fewer prompts per request", status=413)
-    if not inflater.eof:
-        raise zlib.error("the compressed stream is truncated")
-    if inflater.unused_data:
-        raise zlib.error(f"{len(inflater.unused_data)} bytes follow the end of the compressed stream")
-    return out
 
 
 def _auth_middleware(state: ServerState):
@@ -348,7 +277,7 @@ class ApiServer:
 
     async def _body(self, request: web.Request) -> object:
         try:
-            raw = await _read_body(request)
+            raw = await read_body(request)
         except web.RequestPayloadError as e:  # e.g. a body cut short
             raise RequestError(f"the request body could not be read ({e.__cause__ or e})") from None
         return parse_body(decode_body(raw, request.headers.get("Content-Encoding")))

@@ -292,7 +292,7 @@ def test_bodies_in_the_codings_it_decodes_are_served(server, coding):
 
 
 def test_a_body_that_inflates_past_the_limit_is_a_413_without_inflating_it_all(server):
-    from resident.worker.api_server import MAX_BODY_BYTES
+    from resident.worker.http_body import MAX_BODY_BYTES
 
     bomb = gzip.compress(b"{" + b" " * (MAX_BODY_BYTES + 1024) + b"}")      # ~32 KiB on the wire
     assert len(bomb) < 2**20
@@ -302,7 +302,7 @@ def test_a_body_that_inflates_past_the_limit_is_a_413_without_inflating_it_all(s
 
 
 def test_decode_body_raw_deflate_truncated_streams_and_order():
-    from resident.worker.api_server import decode_body
+    from resident.worker.http_body import decode_body
 
     body = _completion_body()
     squeezer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
@@ -478,9 +478,9 @@ def test_a_stalled_body_is_a_408_and_frees_its_handler(monkeypatch, stall):
     """A client that stops mid-body held its handler for ever; so did a chunked body whose later
     packet has a bad chunk-size line (aiohttp's parser never tells the reader). After
     BODY_IDLE_TIMEOUT_S without a byte: a JSON 408, and the server goes on serving."""
-    from resident.worker import api_server
+    from resident.worker import http_body
 
-    monkeypatch.setattr(api_server, "BODY_IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_body, "BODY_IDLE_TIMEOUT_S", 0.5)
 
     async def test(s, state, engine):
         host, port = s._base_url.host, s._base_url.port
