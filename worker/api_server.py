@@ -312,12 +312,16 @@ class ApiServer:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API (responses_protocol.py, responses_api.py): run as a chat completion."""
         from resident.worker.responses_api import response_from_chat, stream_response
-        from resident.worker.responses_protocol import parse_responses_request
+        from resident.worker.responses_protocol import parse_responses_request, responses_error
 
         serving = self._serving()
         body = await self._body(request)
-        prep = serving.prepare_chat(parse_responses_request(body, serving.opts))
-        await serving.compile_guided(prep)
+        req, sources = parse_responses_request(body, serving.opts)
+        try:
+            prep = serving.prepare_chat(req)
+            await serving.compile_guided(prep)
+        except RequestError as e:
+            raise responses_error(e, sources) from None
 
         async def run() -> dict:
             return response_from_chat(await serving.run(prep), body)   # type: ignore[arg-type]

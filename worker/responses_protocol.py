@@ -15,6 +15,7 @@ the whole conversation in `input`; `store` is accepted and the answer says `"sto
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from resident.worker.protocol import ChatRequest, ServingOptions, parse_chat_request
@@ -32,7 +33,7 @@ KNOWN_FIELDS = frozenset({*SAME_FIELDS, *ACCEPTED_FIELDS, "input", "instructions
 #: Chat error params -> the Responses field they came from.
 _RENAMED = (("max_completion_tokens", "max_output_tokens"),
             ("response_format.json_schema.schema", "text.format.schema"),
-            ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+            ("response_format.json_schema", "text.format"), ("response_format", "text.format"), ("messages", "input"))
 _ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -51,16 +52,19 @@ def _text(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict) -> tuple[list[dict], list[str]]:
+    """The chat messages, and for each the Responses field it came from."""
     messages: list[dict] = []
+    sources: list[str] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise RequestError("'instructions' must be a string (the system message)", param="instructions")
         messages.append({"role": "system", "content": instructions})
+        sources.append("instructions")
     items = body.get("input")
     if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
+        return messages + [{"role": "user", "content": items}], sources + ["input"]
     if not isinstance(items, list) or not items:
         raise RequestError("'input' is required: a string, or a non-empty list of input items", param="input")
     for j, item in enumerate(items):
@@ -72,6 +76,7 @@ def _messages(body: dict) -> list[dict]:
                 raise RequestError(f"'{param}.role' must be one of {', '.join(_ROLES)}, got {role!r}",
                                    param=f"{param}.role")
             messages.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
+            sources.append(param)
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise RequestError(f"'{param}' (a function_call) needs string call_id, name and arguments",
@@ -83,6 +88,7 @@ def _messages(body: dict) -> list[dict]:
                 last["tool_calls"].append(call)   # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(param)
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
@@ -90,10 +96,11 @@ def _messages(body: dict) -> list[dict]:
                                    param=param)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": output if isinstance(output, str) else _text(output, f"{param}.output")})
+            sources.append(param)
         elif kind != "reasoning":
             raise RequestError(f"'{param}.type' must be message, function_call, function_call_output or reasoning, "
                                f"got {kind!r}", param=f"{param}.type")
-    return messages
+    return messages, sources
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, Any]:
@@ -127,8 +134,28 @@ def _format(body: dict) -> dict | None:
     return fmt
 
 
-def parse_responses_request(body: Any, opts: ServingOptions) -> ChatRequest:
-    """The chat request a Responses API body asks for (a RequestError naming the Responses field)."""
+def responses_error(e: RequestError, sources: list[str]) -> RequestError:
+    """A chat request's error named by the Responses fields (`messages[k]` -> the input item or
+    the instructions it came from; the renamed sampling fields)."""
+    if e.param is None:
+        return e
+    m = re.match(r"messages\[(\d+)\]", e.param)
+    if m is not None and int(m.group(1)) < len(sources):
+        new = sources[int(m.group(1))]
+        e.message = e.message.replace(m.group(0), new)
+        e.param = new + e.param[m.end():]
+        return e
+    for old, new in _RENAMED:
+        if e.param.startswith(old):
+            e.param = new + e.param[len(old):]
+            e.message = e.message.replace(f"'{old}", f"'{new}")
+            break
+    return e
+
+
+def parse_responses_request(body: Any, opts: ServingOptions) -> tuple[ChatRequest, list[str]]:
+    """The chat request a Responses API body asks for (a RequestError naming the Responses field),
+    and for each of its messages the field it came from (`responses_error` names later errors)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     for name, why in (("previous_response_id", "this server keeps no responses"),
@@ -143,7 +170,7 @@ def parse_responses_request(body: Any, opts: ServingOptions) -> ChatRequest:
         raise RequestError("'top_logprobs' is not supported on /v1/responses; use /v1/chat/completions with logprobs",
                            param="top_logprobs")
     chat: dict[str, Any] = {k: body[k] for k in SAME_FIELDS if k in body}
-    chat["messages"] = _messages(body)
+    chat["messages"], sources = _messages(body)
     chat["tools"], chat["tool_choice"] = _tools(body)
     chat["response_format"] = _format(body)
     chat["max_completion_tokens"] = body.get("max_output_tokens")
@@ -153,11 +180,6 @@ def parse_responses_request(body: Any, opts: ServingOptions) -> ChatRequest:
     try:
         req = parse_chat_request({k: v for k, v in chat.items() if v is not None}, opts)
     except RequestError as e:
-        for old, new in _RENAMED:
-            if e.param is not None and e.param.startswith(old):
-                e.param = new + e.param[len(old):]
-                e.message = e.message.replace(f"'{old}", f"'{new}")
-                break
-        raise
+        raise responses_error(e, sources) from None
     req.ignored_fields = sorted(k for k in body if k not in KNOWN_FIELDS)
-    return req
+    return req, sources

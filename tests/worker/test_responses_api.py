@@ -26,7 +26,7 @@ TOOL = {"type": "function", "name": "weather", "parameters": {"type": "object", 
 
 
 def parse(**body):
-    return parse_responses_request({"model": "m", **body}, OPTS)
+    return parse_responses_request({"model": "m", **body}, OPTS)[0]
 
 
 def test_a_request_becomes_the_chat_request_it_asks_for():
@@ -76,6 +76,17 @@ def test_bad_requests_are_400s_naming_the_responses_field(body, param, text):
     with pytest.raises(RequestError) as e:
         parse_responses_request({"model": "m", **body}, OPTS)
     assert e.value.param == param and text in e.value.message, e.value.message
+
+
+def test_later_errors_name_the_input_item():
+    from resident.worker.responses_protocol import responses_error
+
+    sources = ["instructions", "input[0]", "input[2]"]
+    e = responses_error(RequestError("messages[2] (role assistant) holds tool_calls, but ...", param="messages[2]"),
+                        sources)
+    assert e.param == "input[2]" and e.message.startswith("input[2] (role assistant)")
+    assert responses_error(RequestError("x", param="messages[0].content"), sources).param == "instructions.content"
+    assert responses_error(RequestError("too long", param="messages"), sources).param == "input"
 
 
 def _serve(engine, test, **opts) -> None:
@@ -160,5 +171,11 @@ def test_max_output_tokens_makes_an_incomplete_response():
         async with s.post("/v1/responses", json={**body, "previous_response_id": "resp_x"}) as r:
             err = await r.json()
         assert r.status == 400 and err["error"]["param"] == "previous_response_id"
+        # an error found later (rendering the template) names the input item, not a chat message
+        bad = {"model": "m", "instructions": "x", "input": [
+            {"role": "user", "content": "hi"}, {"role": "user", "content": "y" * 5000}]}
+        async with s.post("/v1/responses", json=bad) as r:
+            err = await r.json()
+        assert r.status == 400 and err["error"]["param"] == "input", err
 
     _serve(ScriptedEngine(), test)
