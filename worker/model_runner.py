@@ -13,6 +13,13 @@ extra block, the padding sink of CUDA graphs; decode batches replay captured CUD
 `profile_peak_bytes` measures the activation, sampler and graph memory a worker needs
 beside its KV cache, for `--gpu-memory-utilization`.
 
+This file holds the runner's state, its construction and the step itself (forward pass,
+logits). The rest lives by concern in functions that take the runner, behind its methods:
+`step_batch.py` (checking the chunks, a step's device inputs: `StepBatch`, `BatchError`),
+`step_sampling.py` (sampling rows, seeded generators, the async read-back of tokens),
+`runner_kv.py` (the KV cache's allocation and growth) and `runner_warmup.py` (warm-up, the
+memory profile, graph capture, the work left for after ready).
+
 Weights are used as given (zero-copy views of daemon memory): never copied or converted.
 Everything lives on the instance, so runners can be built, torn down and rebuilt in one
 process.
@@ -23,70 +30,51 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from resident.worker import runner_kv, runner_warmup, step_batch, step_sampling
 from resident.worker.config import ModelConfig
 from resident.worker.cuda_graphs import DecodeGraphs, check_mode
 from resident.worker.engine_config import EngineConfig
-from resident.worker.gemm_prefetch import warmup_prefill_tokens, warmup_sampling_params
 from resident.worker.input_batch import HostToDevice
 from resident.worker.kernels.dispatch import get_kernels
 from resident.worker.kv_cache import KVCache, bytes_per_block
 from resident.worker.layers.attention import AttentionMetadata
-from resident.worker.layers.sampler import Sampler, SamplingRow, greedy_tokens, is_plain_greedy
+from resident.worker.layers.sampler import Sampler, SamplingRow, greedy_tokens
 from resident.worker.models import build_model
-from resident.worker.outputs import (ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput,
-                                     placeholder_row)
+from resident.worker.outputs import ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput
 from resident.worker.prompt_logprobs import chunk_num_logits, num_prompt_rows, prompt_logprobs, sample_rows
-from resident.worker.sampling_params import SamplingParams
+from resident.worker.step_batch import BatchError, StepBatch  # BatchError: importers take it from here
+from resident.worker.step_sampling import all_plain_greedy
 
 logger = logging.getLogger(__name__)
 
 
-#: Added to the measured headroom: allocations outside torch's allocator (graph
-#: executables, cuBLAS/Triton module loads) and fragmentation.
-PROFILE_MARGIN_BYTES = 256 * 2**20
-#: The CPU warm-up's one prefill (ModelRunner.warmup): more than one token, so it takes the
-#: multi-token attention path.
-CPU_WARMUP_TOKENS = 2
-
-
-class BatchError(ValueError):
-    """A SchedulerOutput the runner cannot execute (a scheduler bug, named precisely)."""
-
-
-@dataclass
-class StepBatch:
-    """One step's device inputs; `graph_size` set when a captured decode graph runs it."""
-
-    input_ids: torch.Tensor | None
-    positions: torch.Tensor | None
-    meta: AttentionMetadata | None
-    sample_idx: torch.Tensor
-    graph_size: int | None = None
-    graph_vec: torch.Tensor | None = None      # [4 * graph_size]: ids, positions, slots, seq lens
-    graph_tables: torch.Tensor | None = None   # [graph_size * width]
-    #: [batch]: the previous step's row each token id stands for, when every one is a placeholder
-    placeholder_rows: torch.Tensor | None = None
-
-
-def _placeholder_rows(ids: list[int]) -> list[int]:
-    """The previous step's rows that `ids` stand for when every one is a placeholder, else []."""
-    rows = [placeholder_row(t) for t in ids]
-    return rows if rows and min(rows) >= 0 else []
-
-
-def _all_plain_greedy(to_sample: list[ScheduledRequest]) -> bool:
-    """Whether every chunk's next token is the raw logits' argmax (`is_plain_greedy`; a
-    min_tokens mask depends on how many tokens the request has generated)."""
-    return all(is_plain_greedy(s.sampling_params, len(s.output_token_ids)) for s in to_sample)
+def _check_weights(model_config: ModelConfig, engine_config: EngineConfig, weights: Mapping[str, torch.Tensor],
+                   device: torch.device, dtype: torch.dtype | None) -> None:
+    """Refuse weights the runner cannot use as given (never converted); warn of a context
+    longer than the model was trained for."""
+    if engine_config.max_model_len > model_config.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
+                       engine_config.max_model_len, model_config.max_position_embeddings)
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None:
+        raise KeyError("weights lack model.embed_tokens.weight; is this a Llama-family checkpoint in layout llama/1?")
+    if embed.device.type != device.type:
+        raise ValueError(f"weights live on {embed.device} but the runner was asked for {device}")
+    if dtype is not None and dtype != embed.dtype:
+        raise ValueError(
+            f"weights are {embed.dtype} but dtype {dtype} was requested; weights are used as stored "
+            f"(never converted): load the model with dtype={str(dtype).removeprefix('torch.')}"
+        )
 
 
 class ModelRunner:
+    """The model over one set of weights, its KV cache, and the steps run on them (see the module)."""
+
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  weights: Mapping[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype | None = None,
                  *, cuda_graphs: str = "lazy", max_num_kv_blocks: int | None = None,
@@ -105,19 +93,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         check_mode(cuda_graphs)
-        if engine_config.max_model_len > model_config.max_position_embeddings:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d",
-                           engine_config.max_model_len, model_config.max_position_embeddings)
-        embed = weights.get("model.embed_tokens.weight")
-        if embed is None:
-            raise KeyError("weights lack model.embed_tokens.weight; is this a Llama-family checkpoint in layout llama/1?")
-        if embed.device.type != self.device.type:
-            raise ValueError(f"weights live on {embed.device} but the runner was asked for {self.device}")
-        if dtype is not None and dtype != embed.dtype:
-            raise ValueError(
-                f"weights are {embed.dtype} but dtype {dtype} was requested; weights are used as stored "
-                f"(never converted): load the model with dtype={str(dtype).removeprefix('torch.')}"
-            )
+        _check_weights(model_config, engine_config, weights, self.device, dtype)
         t_kernels = time.monotonic()
         self.kernels = get_kernels(self.device, kernel_backend)
         t_model = time.monotonic()
@@ -130,13 +106,19 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_kv_blocks
         self.max_blocks_per_seq = engine_config.max_num_blocks_per_seq
-        on_gpu = self.device.type == "cuda"
-        # On a GPU one block more than the engine's: the padding sink of decode graphs.
-        self.pad_block = self.num_blocks if on_gpu else None
-        num_alloc = self.num_blocks + (1 if on_gpu else 0)
-        reserve = max(num_alloc, (max_num_kv_blocks or 0) + (1 if on_gpu else 0))
-        self.kv_cache = KVCache.allocate(model_config, num_alloc, self.block_size, self.dtype, self.device,
-                                         max_num_blocks=reserve)
+        # pad_block: on a GPU, one block past the engine's, the padding sink of decode graphs.
+        self.kv_cache, self.pad_block = runner_kv.allocate(model_config, engine_config, self.dtype, self.device,
+                                                           max_num_kv_blocks)
+        self._init_step_state(sampler_seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and cuda_graphs != "off":
+            self.graphs = DecodeGraphs(self._forward_raw_logits, max_num_seqs=engine_config.max_num_seqs,
+                                       max_blocks_per_seq=self.max_blocks_per_seq,
+                                       pad_slot=self.pad_block * self.block_size, pad_block=self.pad_block,
+                                       device=self.device, mode=cuda_graphs)
+
+    def _init_step_state(self, sampler_seed: int | None) -> None:
+        """The sampler and the state steps carry from one to the next."""
         self.sampler = Sampler(self.device, seed=sampler_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._h2d = HostToDevice(self.device)
@@ -148,12 +130,6 @@ class ModelRunner:
         self._readback_turn = 0
         self._sampler_warm_pending = False   # set by a GPU warm-up: idle_work loads the sampler's kernels
         self._sampler_thread: threading.Thread | None = None
-        self.graphs: DecodeGraphs | None = None
-        if on_gpu and cuda_graphs != "off":
-            self.graphs = DecodeGraphs(self._forward_raw_logits, max_num_seqs=engine_config.max_num_seqs,
-                                       max_blocks_per_seq=self.max_blocks_per_seq,
-                                       pad_slot=self.pad_block * self.block_size, pad_block=self.pad_block,
-                                       device=self.device, mode=cuda_graphs)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -163,62 +139,6 @@ class ModelRunner:
                             meta: AttentionMetadata) -> torch.Tensor:
         """`_forward_logits` without the float32 conversion (what decode graphs capture)."""
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_cache.tensors), float32=False)
-
-    def capture_graphs(self) -> float:
-        """Capture the decode graphs wanted at start (see --cuda-graphs); returns seconds (0 without graphs)."""
-        if self.graphs is None:
-            return 0.0
-        with torch.inference_mode(), self._device_guard():
-            spent = self.graphs.capture_startup()
-        times = ", ".join(f"{b}: {s * 1e3:.0f} ms" for b, s in sorted(self.graphs.capture_s.items()))
-        logger.info("CUDA graphs (%s): captured %d of %d batch sizes in %.2f s (%s)", self.graphs.mode,
-                    len(self.graphs.capture_s), len(self.graphs.sizes), spent, times)
-        return spent
-
-    def idle_work(self) -> bool:
-        """One unit of start-up work left for after ready: a decode graph of a small batch size
-        (cuda_graphs.DecodeGraphs.capture_idle). After the last one it starts the sampler's
-        first launches in a thread (`_warm_sampler`: the GPU warm-up decodes greedily). The
-        engine thread calls it between steps while no request runs; returns whether more
-        remains."""
-        if self.graphs is not None and self.graphs.idle_pending:
-            with torch.inference_mode(), self._device_guard():
-                if self.graphs.capture_idle():
-                    return True
-        if self._sampler_warm_pending:
-            self._sampler_warm_pending = False
-            self._sampler_thread = threading.Thread(target=self._warm_sampler, name="resident-sampler-warmup",
-                                                    daemon=True)
-            self._sampler_thread.start()
-        return False
-
-    @property
-    def background_busy(self) -> bool:
-        """Whether the sampler's after-ready warm-up (`_warm_sampler`) still runs."""
-        return self._sampler_thread is not None and self._sampler_thread.is_alive()
-
-    def _warm_sampler(self) -> None:
-        """The kernels of a sampled row (sort, top-k/top-p, penalties, the draws: op_prefetch.
-        warm_sampler, its own sampler and tensors) loaded after ready: 0.26-0.93 s of first
-        launches on the H200 that a greedy request never needs. A thread, not the engine's:
-        a request arriving meanwhile is served beside it. Under CAPTURE_LOCK: its allocations
-        would invalidate a graph captured meanwhile (a first use of a larger batch size)."""
-        from resident.worker.cuda_graphs import CAPTURE_LOCK
-        from resident.worker.gemm_prefetch import free_bytes_of
-        from resident.worker.op_prefetch import warm_sampler
-
-        t0 = time.monotonic()
-        try:
-            with CAPTURE_LOCK, torch.inference_mode(), self._device_guard():
-                warm_sampler(self.device, self.model_config.vocab_size, (1,), self._warmup_tokens(),
-                             free_bytes_of(self.device))
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - the first sampled request loads what is missing
-            logger.warning("loading the sampler's kernels after ready failed; a sampled request loads them on "
-                           "first use", exc_info=True)
-            return
-        logger.info("the sampler's kernels loaded in the background after ready in %.2f s", time.monotonic() - t0)
 
     def close(self) -> None:
         """Free the GPU KV cache and graphs now (the runner must not be used afterwards)."""
@@ -246,17 +166,7 @@ class ModelRunner:
         if num_blocks <= self.num_blocks:
             raise ValueError(f"grow_kv_cache({num_blocks}): the runner already has {self.num_blocks} blocks")
         with self._device_guard():
-            if self.pad_block is None:
-                self.kv_cache.grow(num_blocks)
-            else:
-                old_pad = self.pad_block
-                self.kv_cache.grow(num_blocks + 1)
-                self.kv_cache.zero_blocks([old_pad])
-                self.pad_block = num_blocks
-                if self.graphs is not None:
-                    self.graphs.pad_block = num_blocks
-                    self.graphs.pad_slot = num_blocks * self.block_size
-                    self.graphs.tables.fill_(num_blocks)
+            runner_kv.grow(self, num_blocks)
         self.num_blocks = num_blocks
 
     @property
@@ -315,7 +225,7 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         to_sample = [s for s in out.scheduled if s.sample]
-        raw = _all_plain_greedy(to_sample)
+        raw = all_plain_greedy(to_sample)
         logits = self.forward_logits(out.scheduled, [1 if s.sample else 0 for s in out.scheduled], raw=raw)
         return to_sample, logits if to_sample else None
 
@@ -337,31 +247,16 @@ class ModelRunner:
                 return PendingTokens([], list)
             if any(s.sampling_params.logprobs is not None or num_prompt_rows(s) for s in out.scheduled):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
-            if _all_plain_greedy(to_sample):
+            if all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)
             else:
                 tokens = self.sampler.choose(logits, self._sampling_rows(to_sample, out.grammar_bitmask))
             self._last_sampled = tokens
             return PendingTokens([s.request_id for s in to_sample], self._read_back(tokens))
 
-    def _read_back(self, tokens: torch.Tensor):
+    def _read_back(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
         """Start copying `tokens` to the host; returns the function that waits for the copy."""
-        if self.device.type != "cuda":
-            return tokens.tolist
-        n = tokens.numel()
-        if not self._readback or self._readback[0][0].numel() < n:
-            size = max(n, self.engine_config.max_num_seqs)
-            self._readback = [(torch.empty(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                              for _ in range(2)]
-        host, event = self._readback[self._readback_turn]
-        self._readback_turn ^= 1
-        host[:n].copy_(tokens, non_blocking=True)
-        event.record()
-
-        def read() -> list[int]:
-            event.synchronize()
-            return host[:n].tolist()
-        return read
+        return step_sampling.read_back(self, tokens)
 
     def drop_requests(self, request_ids: set[str]) -> None:
         """Forget the per-request state (seeded generators) of finished requests."""
@@ -372,13 +267,7 @@ class ModelRunner:
                grammar_bitmask: Mapping[str, torch.Tensor] | None = None) -> ModelRunnerOutput:
         """Sample one token per request from its row of `logits` (float, [len(to_sample), V]);
         `grammar_bitmask`: guided requests' allowed tokens (SchedulerOutput.grammar_bitmask)."""
-        if _all_plain_greedy(to_sample):   # no per-row work to set up
-            return ModelRunnerOutput(sampled=dict(zip([s.request_id for s in to_sample], self.sampler.greedy(logits))))
-        rows = self._sampling_rows(to_sample, grammar_bitmask)
-        result = self.sampler(logits, rows)
-        sampled = {s.request_id: t for s, t in zip(to_sample, result.token_ids)}
-        logprobs = {s.request_id: lp for s, lp in zip(to_sample, result.logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+        return step_sampling.sample(self, logits, to_sample, grammar_bitmask)
 
     def forward_logits(self, scheduled: list[ScheduledRequest], num_logits: list[int],
                        raw: bool = False) -> torch.Tensor:
@@ -430,197 +319,73 @@ class ModelRunner:
         with self._device_guard():
             return self.forward_logits(out.scheduled, [len(s.token_ids) for s in out.scheduled])
 
+    # --- sampling rows (step_sampling.py) ----------------------------------------------------
     def _sampling_rows(self, to_sample: list[ScheduledRequest],
                        grammar_bitmask: Mapping[str, torch.Tensor] | None = None) -> list[SamplingRow]:
-        masks = grammar_bitmask or {}
-        return [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, self.generator(s),
-                            masks.get(s.request_id)) for s in to_sample]
+        return step_sampling.sampling_rows(self, to_sample, grammar_bitmask)
 
     def generator(self, s: ScheduledRequest) -> torch.Generator | None:
         """The request's own generator when it is seeded, else None. Its first sampled token
         (no output yet) starts a fresh one: an id whose earlier request's generator was never
         dropped (a request finished in another engine over this runner, or its last step never
         came) must not continue that request's stream."""
-        seed = s.sampling_params.seed
-        if seed is None:
-            return None
-        g = self._generators.get(s.request_id)
-        if g is None or not s.output_token_ids:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self._generators[s.request_id] = g
-        return g
+        return step_sampling.generator(self, s)
 
+    # --- batch preparation (step_batch.py) ---------------------------------------------------
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
-        placeholders = False
-        for s in scheduled:
-            placeholders |= self._check(s)
-        batch = self._prepare_checked(scheduled, placeholders)
-        if placeholders:   # on the device: the previous step's tokens are not read back yet
-            last = self._last_sampled
-            ids = batch.graph_vec[:batch.graph_size] if batch.graph_size is not None else batch.input_ids
-            if batch.placeholder_rows is not None:   # every token id is one (decode after decode): one gather
-                torch.index_select(last, 0, batch.placeholder_rows, out=ids[:batch.placeholder_rows.shape[0]])
-            else:
-                ids.copy_(torch.where(ids < 0, last.index_select(0, (-1 - ids).clamp_(min=0)), ids))
-        return batch
+        return step_batch.prepare(self, scheduled)
 
     def _prepare_checked(self, scheduled: list[ScheduledRequest], placeholders: bool = False) -> StepBatch:
-        bs = self.block_size
-        width = max(1, max(len(s.block_table) for s in scheduled))
-        size = None
-        if (self.graphs is not None and width <= self.max_blocks_per_seq
-                and all(len(s.token_ids) == 1 for s in scheduled)):
-            size = self.graphs.bucket(len(scheduled))
-        if size is not None:
-            return self._prepare_graph(scheduled, size, width, placeholders)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        decode_rows: list[int] = []
-        tables: list[int] = []
-        for i, s in enumerate(scheduled):
-            n, start = len(s.token_ids), s.start_pos
-            end = start + n
-            ids.extend(s.token_ids)
-            pos = range(start, end)
-            positions.extend(pos)
-            table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if n == 1:
-                decode_rows.append(i)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            if s.sample:
-                sample_idx.append(qsl[-1] - 1)
-            tables.extend(table)
-            tables.extend([0] * (width - len(table)))
-        decode_tokens = [qsl[i] for i in decode_rows]
-        sources = _placeholder_rows(ids) if placeholders else []
-        (ids_d, pos_d, slots_d, qsl_d, lens_d, sample_d, rows_d, tokens_d, tables_d, sources_d) = self._h2d.send(
-            [ids, positions, slots, qsl, seq_lens, sample_idx, decode_rows, decode_tokens, tables, sources])
-        meta = AttentionMetadata(
-            slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=lens_d,
-            block_tables=tables_d.view(len(scheduled), width),
-            query_start_loc_host=tuple(qsl), seq_lens_host=tuple(seq_lens),
-            decode_rows=rows_d if decode_rows else None, decode_tokens=tokens_d if decode_rows else None,
-        )
-        return StepBatch(ids_d, pos_d, meta, sample_d, placeholder_rows=sources_d if sources else None)
+        return step_batch.prepare_checked(self, scheduled, placeholders)
 
     def _prepare_graph(self, scheduled: list[ScheduledRequest], size: int, width: int,
                        placeholders: bool = False) -> StepBatch:
         """Inputs of a decode batch padded to the graph bucket `size` (see cuda_graphs); with
         `placeholders` and every token id one (async decode after decode), the rows they name."""
-        bs = self.block_size
-        pad = size - len(scheduled)
-        ids = [s.token_ids[0] for s in scheduled] + [0] * pad
-        positions = [s.start_pos for s in scheduled] + [0] * pad
-        slots = [s.block_table[s.start_pos // bs] * bs + s.start_pos % bs for s in scheduled]
-        slots += [self.pad_block * bs] * pad
-        seq_lens = [s.start_pos + 1 for s in scheduled] + [1] * pad
-        tables: list[int] = []
-        for s in scheduled:
-            tables.extend(s.block_table)
-            tables.extend([self.pad_block] * (width - len(s.block_table)))
-        tables.extend([self.pad_block] * (width * pad))
-        sample_idx = [i for i, s in enumerate(scheduled) if s.sample]
-        rows = _placeholder_rows(ids[:len(scheduled)]) if placeholders else []
-        vec, tables_d, sample_d, rows_d = self._h2d.send([ids + positions + slots + seq_lens, tables, sample_idx, rows])
-        return StepBatch(None, None, None, sample_d, graph_size=size, graph_vec=vec, graph_tables=tables_d,
-                         placeholder_rows=rows_d if rows else None)
+        return step_batch.prepare_graph(self, scheduled, size, width, placeholders)
 
     def _check(self, s: ScheduledRequest) -> bool:
         """Raise BatchError for a chunk this runner cannot compute; True when its token ids
         hold placeholders for the previous step's tokens (async scheduling)."""
-        n, start = len(s.token_ids), s.start_pos
-        if n == 0:
-            raise BatchError(f"request {s.request_id}: scheduled with no tokens")
-        if start < 0:
-            raise BatchError(f"request {s.request_id}: negative start_pos {start}")
-        end = start + n
-        if end > self.engine_config.max_model_len:
-            raise BatchError(f"request {s.request_id}: {end} tokens exceed max_model_len {self.engine_config.max_model_len}")
-        if len(s.block_table) * self.block_size < end:
-            raise BatchError(
-                f"request {s.request_id}: block table of {len(s.block_table)} blocks x {self.block_size} "
-                f"cannot hold positions up to {end - 1}"
-            )
-        # min/max run in C: a generator over every block id cost ~4 us per request and step.
-        table = s.block_table
-        if table and (min(table) < 0 or max(table) >= self.num_blocks):
-            raise BatchError(f"request {s.request_id}: block id outside [0, {self.num_blocks}) in {s.block_table}")
-        vocab = self.model_config.vocab_size
-        lo = min(s.token_ids)
-        if max(s.token_ids) >= vocab:
-            raise BatchError(f"request {s.request_id}: token id outside [0, {vocab})")
-        if lo >= 0:
-            return False
-        last = self._last_sampled
-        if last is None or placeholder_row(lo) >= last.shape[0]:
-            raise BatchError(f"request {s.request_id}: token id outside [0, {vocab}): {lo}, "
-                             + ("and no launched step's tokens for a placeholder to stand for" if last is None else
-                                f"a placeholder for row {placeholder_row(lo)} of the previous step's "
-                                f"{last.shape[0]} tokens"))
-        return True
+        return step_batch.check_chunk(self, s)
 
-    # --- start-up ------------------------------------------------------------------------
-    @torch.inference_mode()
+    # --- start-up (runner_warmup.py) -----------------------------------------------------
+    def capture_graphs(self) -> float:
+        """Capture the decode graphs wanted at start (see --cuda-graphs); returns seconds (0 without graphs)."""
+        return runner_warmup.capture_graphs(self)
+
+    def idle_work(self) -> bool:
+        """One unit of start-up work left for after ready: a decode graph of a small batch size
+        (cuda_graphs.DecodeGraphs.capture_idle). After the last one it starts the sampler's
+        first launches in a thread (`_warm_sampler`: the GPU warm-up decodes greedily). The
+        engine thread calls it between steps while no request runs; returns whether more
+        remains."""
+        return runner_warmup.idle_work(self)
+
+    @property
+    def background_busy(self) -> bool:
+        """Whether the sampler's after-ready warm-up (`_warm_sampler`) still runs."""
+        return self._sampler_thread is not None and self._sampler_thread.is_alive()
+
+    def _warm_sampler(self) -> None:
+        """The kernels of a sampled row loaded after ready, in a thread (runner_warmup.load_sampler_kernels)."""
+        runner_warmup.load_sampler_kernels(self)
+
     def warmup(self, full: bool | None = None) -> None:
         """Dummy forward passes + sampling through the real path, before any request runs: a
         start-up check that the model computes, and on a GPU the first launches (Triton
         specializations, cuBLAS, the sampler's kernels) that the first request would pay.
 
-        Full (on a GPU; `full=True` elsewhere, as the tests that trace it do): a prefill of
-        `warmup_prefill_tokens`, then a decode step, both greedy; on a GPU the sampler's other
-        kernels (a sampled row's) are loaded right after ready (`idle_work`), not before: 0.26-0.93
-        s of first launches on the H200 that a greedy first request does not need. Short (on
-        CPU): one prefill of 2 tokens with the seeded all-options sampling row — there
-        is nothing to load lazily, and every forward streams all the weights from memory (on
-        the 2-core box 0.1 s per pass for SmolLM2, the prefill of 32 tokens 0.2 s), so more
-        passes would only delay ready (the first request measured 0.09 s of CPU after the
-        two-pass warm-up, 0.11-0.13 s after none).
+        Full (on a GPU, or with `full=True`) or short (on CPU): see runner_warmup.warmup.
 
         Writes KV into the first blocks and zeroes them afterwards, so it must run while no
         request holds KV blocks (at start-up, before the engine schedules anything).
         """
-        t0 = time.monotonic()
-        on_gpu = self.device.type == "cuda" if full is None else full
-        num_tokens = self._warmup_tokens()
-        if not on_gpu:
-            num_tokens = min(num_tokens, CPU_WARMUP_TOKENS)
-        blocks = list(range(min(self.num_blocks, -(-(num_tokens + 1) // self.block_size))))
-        prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
-        greedy, seeded = warmup_sampling_params()   # idle_work's sampler warm-up samples the same
-        graphs, self.graphs = self.graphs, None   # eager: graphs are captured in their own phase
-        try:
-            prefill = ScheduledRequest("warmup-0", prompt, 0, blocks, True, greedy if on_gpu else seeded, prompt, [])
-            out = self.execute(SchedulerOutput([prefill], num_tokens))
-            tok = out.sampled["warmup-0"]
-            t_prefill = time.monotonic()
-            if on_gpu:
-                decode = ScheduledRequest("warmup-1", [tok], num_tokens, blocks, True, greedy, prompt, [tok])
-                self.execute(SchedulerOutput([decode], 1, finished_request_ids={"warmup-0"}))
-                # Greedy rows of decode graphs take the argmax over logits in the model's dtype
-                # (forward_logits raw), another specialization of the kernel than the eager float32 one.
-                self.sampler.greedy(torch.zeros(1, self.model_config.vocab_size, dtype=self.dtype, device=self.device))
-                self._sampler_warm_pending = self.device.type == "cuda"
-        finally:
-            self.graphs = graphs
-            for rid in ("warmup-0", "warmup-1"):
-                self._generators.pop(rid, None)
-            self.kv_cache.zero_blocks(blocks)
-        now = time.monotonic()
-        logger.info("warm-up forward passes done in %.2f s (prefill of %d tokens %.2f s, decode %s)", now - t0,
-                    num_tokens, t_prefill - t0, f"{now - t_prefill:.2f} s" if on_gpu else "none: the short warm-up")
+        runner_warmup.warmup(self, full)
 
     def _warmup_tokens(self) -> int:
-        ec = self.engine_config   # the GEMM prefetch (gemm_prefetch.py) warms the same prefill size
-        return warmup_prefill_tokens(self.block_size, ec.max_num_batched_tokens, ec.max_model_len)
+        return runner_warmup.warmup_tokens(self)
 
-    @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
         """GPU memory this worker needs beside weights and KV cache, measured (bytes).
 
@@ -628,43 +393,7 @@ class ModelRunner:
         tokens, logits and sampling (top-k/top-p, logprobs) for max_num_seqs rows — and, with
         CUDA graphs, the decode forward of the largest graph size, whose memory the graphs'
         own pool keeps. Returns the prefill's peak reserved by torch's allocator plus the
-        decode's peak allocation plus PROFILE_MARGIN_BYTES. Overwrites KV blocks: only for
-        a runner that serves no request (the sizing probe).
+        decode's peak allocation plus runner_warmup.PROFILE_MARGIN_BYTES. Overwrites KV blocks:
+        only for a runner that serves no request (the sizing probe).
         """
-        if self.device.type != "cuda":
-            raise RuntimeError("profile_peak_bytes measures GPU memory; the runner is on " + str(self.device))
-        dev, ec = self.device, self.engine_config
-        num_tokens = max(1, min(ec.max_num_batched_tokens, ec.max_model_len - 1))
-        num_blocks = -(-(num_tokens + 1) // self.block_size)
-        if num_blocks > self.num_blocks:
-            raise ValueError(f"the profile needs {num_blocks} KV blocks, the runner has {self.num_blocks}")
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_reserved(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        prompt = [i % self.model_config.vocab_size for i in range(num_tokens)]
-        req = ScheduledRequest("profile", prompt, 0, list(range(num_blocks)), True,
-                               SamplingParams(temperature=0.0), prompt, [])
-        graphs, self.graphs = self.graphs, None
-        try:
-            batch = self._prepare([req])
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
-            rows = min(ec.max_num_seqs, num_tokens)
-            logits = self.model.compute_logits(hidden[-rows:])
-            del hidden
-            params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, logprobs=20)
-            self.sampler(logits, [SamplingRow(params, prompt[:8], [1]) for _ in range(rows)])
-            del logits, batch
-            torch.cuda.synchronize(dev)
-            prefill = torch.cuda.max_memory_reserved(dev) - base
-            decode = 0
-            if graphs is not None and graphs.sizes:
-                before = torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-                graphs.eager_logits(max(graphs.sizes))
-                torch.cuda.synchronize(dev)
-                decode = torch.cuda.max_memory_allocated(dev) - before
-        finally:
-            self.graphs = graphs
-        logger.info("profile: prefill of %d tokens peaks at %.0f MiB, graph decode at %.0f MiB (+%.0f MiB margin)",
-                    num_tokens, prefill / 2**20, decode / 2**20, PROFILE_MARGIN_BYTES / 2**20)
-        return prefill + decode + PROFILE_MARGIN_BYTES
+        return runner_warmup.profile_peak_bytes(self)
