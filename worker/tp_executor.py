@@ -38,279 +38,44 @@ will not join), so the group exits within seconds instead of after the collectiv
 when rank 0's own part of such a command raises, it ends the other ranks (after END_GRACE_S,
 for one whose failure caused it to log why) and its watchers exit the worker the same way
 (`TPGroup.end_ranks`); a failed KV growth ends no rank (`tp_kv.grow_in_lockstep`).
+
+Modules: this one is rank 0's handle on the group (`TPGroup`) and the children's entry point
+(`python -m resident.worker.tp_executor`, which runs `tp_rank.main`); `tp_commands.py` the
+command stream (`CommandPipe`, `compact`), `tp_runner.py` the ranks' runner (`TPRunner`),
+`tp_rank.py` a child rank's process and command loop, `tp_shard.py` what every rank sets up
+(its devices, its rank-local config, its shard), `tp_kv.py` the KV plan and growth.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import pickle
 import secrets
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from resident.daemon.loader import LoadSpec
-from resident.worker.config import ModelConfig
-from resident.worker.distributed import ParallelConfig, ParallelError, ParallelGroup, backend_for, open_store_master
-from resident.worker.tp_kv import KVMapper, grow_in_lockstep, plan_rank_kv, tp_headroom_key
-from resident.worker.proc_time import process_start_time
-from resident.worker.tp_spawn import RankLaunch, spawn_ranks, take_early
-from resident.worker.weight_store import WeightStore, open_store
+from resident.worker.distributed import ParallelConfig, ParallelGroup, backend_for, open_store_master
+from resident.worker.tp_commands import RANK_DIED_EXIT, CommandPipe, compact
+from resident.worker.tp_kv import plan_rank_kv, tp_headroom_key
+from resident.worker.tp_rank import main
+from resident.worker.tp_runner import TPRunner, build_rank_runner, probe_runner
+from resident.worker.tp_shard import check_tp_config, open_rank_store, rank_devices
+from resident.worker.tp_spawn import spawn_ranks, take_early
+from resident.worker.weight_store import WeightStore
 
 logger = logging.getLogger(__name__)
 
-#: Exit status of rank 0 when a child rank died under it.
-RANK_DIED_EXIT = 3
 #: After rank 0's own step failed: how long the other ranks may take to exit on their own
 #: (one whose failure caused rank 0's logs why) before they are killed.
 END_GRACE_S = 2.0
-
-
-def rank_devices(device: torch.device, size: int) -> list[str]:
-    """The device of every rank: the CPU for all, or `size` consecutive GPUs from rank 0's."""
-    if device.type != "cuda":
-        return ["cpu"] * size
-    first = device.index if device.index is not None else torch.cuda.current_device()
-    count = torch.cuda.device_count()
-    if first + size > count:
-        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs from cuda:{first} (one per rank), but "
-                         f"this process sees {count} (cuda:0..cuda:{count - 1}); lower --tensor-parallel-size, "
-                         "pick an earlier --device, or adjust CUDA_VISIBLE_DEVICES")
-    return [f"cuda:{first + r}" for r in range(size)]
-
-
-def check_tp_config(spec: LoadSpec, size: int) -> ModelConfig:
-    """The rank-local config of `spec`'s model, read from its config.json before any weights;
-    raises ValueError naming the field `size` does not divide."""
-    from resident.daemon.source import resolve_model
-
-    source = resolve_model(spec.model, revision=spec.revision, hub_cache=spec.hub_cache)
-    config = json.loads((Path(source.folder) / "config.json").read_text())
-    return ModelConfig.from_hf(config).for_tp(size)
-
-
-def open_rank_store(spec: LoadSpec, preload: str, socket_path: str | None, devices: list[str], rank: int,
-                    verify_sample: int = 16) -> WeightStore:
-    """Rank `rank`'s shard of `spec`'s model, attached from the daemon (which holds the model as
-    len(devices) shards, rank r's on devices[r] when they are GPUs) or loaded here, per `preload`;
-    its checksums verified."""
-    placed = tuple(devices) if devices[0].startswith("cuda") else ()
-    store = open_store(dataclasses.replace(spec, tensor_parallel_size=len(devices), devices=placed), preload,
-                       socket_path, client_name=f"resident-serve-tp{rank}", device=devices[rank], tp_rank=rank)
-    try:
-        if rank > 0:   # rank 0's is verified (and timed) by the serving process itself
-            store.verify(verify_sample)
-    except BaseException:
-        store.close()
-        raise
-    logger.info("rank %d/%d: its shard holds %.1f MB (%s)", rank, len(devices),
-                sum(t.numel() * t.element_size() for t in store.tensors.values()) / 1e6, store.source)
-    return store
-
-
-def compact(out: Any) -> Any:
-    """The SchedulerOutput the other ranks need: without the prompt token list and with at most
-    the first output token (the lists only feed sampling penalties, whose requests step
-    synchronously, where the other ranks' samples are discarded), so a step's message stays
-    small however long the contexts are. The first output token says whether the request has
-    sampled before: a seeded request's first sample starts its generator afresh
-    (`ModelRunner.generator`), on every rank alike, which async scheduling relies on (each rank
-    substitutes its own samples). A request with min_tokens keeps up to min_tokens of them: its
-    mask asks whether fewer than min_tokens were generated, and async scheduling has every rank
-    sample alike. Guided requests' grammar bitmasks stay on rank 0: such requests step
-    synchronously (engine.overlappable), so the other ranks' samples are discarded; so do requests
-    with a bad word of several tokens (its mask reads the output's last tokens). allowed_token_ids
-    and one-token bad words need no earlier token: they travel in the sampling params. A request
-    with prompt logprobs keeps its prompt: every rank computes the same logits rows (the LM head's
-    all-gather), which the prompt's length decides."""
-    return dataclasses.replace(out, grammar_bitmask={}, grammar_matchers={}, scheduled=[
-        dataclasses.replace(s, prompt_token_ids=s.prompt_token_ids if s.sampling_params.prompt_logprobs is not None
-                            else [],
-                            output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])
-        for s in out.scheduled])
-
-
-class CommandPipe:
-    """Rank 0's end of the command pipes to its children (see the module doc)."""
-
-    def __init__(self, fds: list[int]) -> None:
-        self._files = [os.fdopen(fd, "wb") for fd in fds]
-        # The engine thread (steps, grow) and the KV growth thread (map) both send: one frame at a time.
-        self._lock = threading.Lock()
-
-    def send(self, cmd: tuple) -> None:
-        payload = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
-        frame = len(payload).to_bytes(8, "little") + payload
-        with self._lock:
-            for rank, f in enumerate(self._files, start=1):
-                try:
-                    f.write(frame)
-                    f.flush()
-                except (BrokenPipeError, ValueError):   # ValueError: closed by close() meanwhile
-                    raise ParallelError(f"tensor-parallel rank {rank} is gone (its command pipe is closed)") from None
-
-    def close(self) -> None:
-        with self._lock:
-            for f in self._files:
-                try:
-                    f.close()
-                except BrokenPipeError:
-                    pass
-            self._files = []
-
-
-def _receive(f: Any) -> tuple:
-    """A child's next command; ("stop",) when rank 0 closed the pipe (or died)."""
-    header = f.read(8)
-    if len(header) < 8:
-        return ("stop",)
-    n = int.from_bytes(header, "little")
-    payload = f.read(n)
-    if len(payload) < n:
-        return ("stop",)
-    return pickle.loads(payload)
-
-
-class TPRunner:
-    """Rank 0's ModelRunner of a TP group: forward-running methods go to every rank."""
-
-    def __init__(self, group: ParallelGroup, runner: Any, send: Callable[[tuple], None],
-                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
-        """`on_failure(method, error)`: rank 0's own part of a forward-running call raised —
-        the other ranks may be waiting in that call's collectives, which rank 0 will not join."""
-        self.group = group
-        self.runner = runner
-        self._send = send
-        self._on_failure = on_failure
-
-    def _local(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self.runner, method)(*args)
-        except BaseException as e:
-            if self._on_failure is not None and method != "close":
-                self._on_failure(method, e)
-            raise
-
-    def _all(self, method: str, *args: Any) -> Any:
-        self._send(("call", method, args))
-        return self._local(method, *args)
-
-    def _step(self, method: str, out: Any) -> Any:
-        self._send(("call", method, (compact(out),)))
-        return self._local(method, out)
-
-    #: Async scheduling (engine.py): every rank runs `execute_async` and samples the same tokens
-    #: (identical all-gathered logits; per-request seeds, and one shared `sampler_seed` for the
-    #: rest), so each substitutes its own copy of the previous step's tokens for the placeholders.
-    supports_async_scheduling = True
-
-    def execute(self, out: Any) -> Any:
-        return self._step("execute", out)
-
-    def execute_async(self, out: Any) -> Any:
-        return self._step("execute_async", out)
-
-    def logits(self, out: Any) -> torch.Tensor:
-        return self._step("logits", out)
-
-    def warmup(self) -> None:
-        self._all("warmup")
-
-    def capture_graphs(self) -> float:
-        return self._all("capture_graphs")
-
-    def idle_work(self) -> bool:
-        """Every rank captures the same graph (they captured the same sizes at start); the
-        captures' collectives need all of them."""
-        return self._all("idle_work")
-
-    def profile_peak_bytes(self) -> int:
-        return self._all("profile_peak_bytes")
-
-    def close(self) -> None:
-        self._all("close")
-
-    def map_kv_blocks(self, num_blocks: int) -> None:
-        """Every rank maps `num_blocks` blocks off its stepping thread (rank 0: the caller's,
-        the KV growth thread; the others: a thread of their own, see `tp_kv.KVMapper`)."""
-        self._send(("map", num_blocks))
-        self.runner.map_kv_blocks(num_blocks)
-
-    def grow_kv_cache(self, num_blocks: int) -> None:
-        """Every rank takes `num_blocks` blocks between the same two steps (the command stream
-        is ordered), or none does (`tp_kv.grow_in_lockstep`). Engine thread, between steps."""
-        self._send(("grow", num_blocks))
-        grow_in_lockstep(self.group, self.runner, num_blocks, None)
-
-    def __getattr__(self, name: str) -> Any:
-        # Everything else (kv_cache, num_blocks, model_config, ...) is rank 0's own.
-        return getattr(self.runner, name)
-
-
-def _build_runner(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                  device: str, kwargs: dict) -> Any:
-    from resident.worker.model_runner import ModelRunner
-
-    return ModelRunner(model_config, kwargs.pop("engine_config"), weights, device=device, parallel=group, **kwargs)
-
-
-def _probe_runner(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor], device: str,
-                  kw: Mapping[str, Any], engine_config: Any) -> Any:
-    return _build_runner(group, model_config, weights, device,
-                         {"engine_config": engine_config, "cuda_graphs": kw["cuda_graphs"]})
-
-
-def _serve_commands(commands: Any, group: ParallelGroup, model_config: ModelConfig,
-                    weights: Mapping[str, torch.Tensor], device: str) -> None:
-    """A child rank's loop: run what rank 0 broadcasts until "stop"."""
-    runner = None
-    mapper = KVMapper()
-    try:
-        while True:
-            cmd = _receive(commands)
-            kind = cmd[0]
-            if kind == "stop":
-                return
-            if kind == "plan":
-                plan_rank_kv(group, model_config, weights, device, cmd[1],
-                             partial(_probe_runner, group, model_config, weights, device, cmd[1]), cmd[2])
-            elif kind == "map":
-                mapper.start(runner, cmd[1])
-            elif kind == "grow":
-                try:
-                    grow_in_lockstep(group, runner, cmd[1], mapper.wait())
-                except Exception as e:  # noqa: BLE001 - rank 0 raised the same; all keep their blocks
-                    logger.warning("rank %d: %s", group.rank, e)
-            elif kind == "build":
-                runner = _build_runner(group, model_config, weights, device, dict(cmd[1]))
-            elif kind == "call":
-                try:
-                    getattr(runner, cmd[1])(*cmd[2])
-                except Exception as e:
-                    if cmd[1] == "close":   # runs no collective
-                        logger.error("rank %d: close failed: %s", group.rank, e)
-                        continue
-                    # Rank 0 may be in a collective of this forward that this rank will never
-                    # join: exiting makes it exit at once (RANK_DIED_EXIT) rather than wait out the
-                    # collective timeout (600 s).
-                    raise ParallelError(f"rank {group.rank}: {cmd[1]} failed ({type(e).__name__}: {e}); this "
-                                        "rank exits so rank 0 does not wait in a collective it will not join "
-                                        "(the worker exits; a supervisor replaces it)") from e
-            else:
-                raise ValueError(f"unknown tensor-parallel command {kind!r}")
-    finally:
-        mapper.wait()
-        if runner is not None:
-            runner.close()
 
 
 class TPGroup:
@@ -387,7 +152,7 @@ class TPGroup:
                 logger.info("activation/graph headroom %.0f MiB from the KV profile cache %s (TP=%d; no probe "
                             "runner, no profile forward on any rank)", cached / 2**20, cache.path, self.group.size)
         self._commands.send(("plan", kw, cached))
-        probe = partial(_probe_runner, self.group, self.model_config, weights, self.devices[0], kw)
+        probe = partial(probe_runner, self.group, self.model_config, weights, self.devices[0], kw)
         return plan_rank_kv(self.group, self.model_config, weights, self.devices[0], kw, probe, cached, cache)
 
     def build_runner(self, weights: Mapping[str, torch.Tensor], **kwargs: Any) -> TPRunner:
@@ -397,8 +162,8 @@ class TPGroup:
         if kwargs.get("sampler_seed") is None:
             kwargs = {**kwargs, "sampler_seed": secrets.randbits(62)}
         self._commands.send(("build", kwargs))
-        return TPRunner(self.group, _build_runner(self.group, self.model_config, weights, self.devices[0],
-                                                  dict(kwargs)), self._commands.send, self.end_ranks)
+        return TPRunner(self.group, build_rank_runner(self.group, self.model_config, weights, self.devices[0],
+                                                      dict(kwargs)), self._commands.send, self.end_ranks)
 
     def end_ranks(self, method: str, error: BaseException) -> None:
         """Rank 0's `method` raised: end the other ranks now (they may wait in its collectives
@@ -442,75 +207,10 @@ class TPGroup:
         self.group.close()
 
 
-def _watch_parent(fd: int) -> None:
-    while os.read(fd, 1):
-        pass
-    os._exit(RANK_DIED_EXIT)   # rank 0 is gone: nothing left to serve
 
-
-def _start_triton_prefetch(launch: RankLaunch, device: torch.device) -> Any:
-    """This rank's Triton start-up work in the background, as rank 0 does its own
-    (triton_prefetch.py), with rank 0's caches: otherwise this rank's first warm-up launches
-    hash libtriton and load every kernel while rank 0 waits for it in the first collective.
-    None on CPU or without triton."""
-    from pathlib import Path
-
-    from resident.worker.triton_prefetch import start_triton_prefetch
-    from resident.worker.triton_specializations import SpecializationCache
-
-    if device.type != "cuda":
-        return None
-    key_cache = Path(launch.triton_key_cache) if launch.triton_key_cache else None
-    prefetch = start_triton_prefetch(str(device), None, key_cache)
-    if prefetch is not None:
-        specs = launch.specializations
-        prefetch.set_device(torch.cuda.get_device_capability(device), device.index or 0,
-                            (SpecializationCache(specs[0]), specs[1]) if specs else None)
-    return prefetch
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A child rank: join the group, open this rank's shard, serve rank 0's commands."""
-    imported_s = time.time() - process_start_time()   # interpreter start and `import torch`
-    args = argv if argv is not None else sys.argv[1:]
-    launch = RankLaunch(**json.loads(args[0]))
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-rank{launch.rank} %(levelname)s %(name)s: %(message)s")
-    if launch.parent_fd >= 0:
-        threading.Thread(target=_watch_parent, args=(launch.parent_fd,), name="lifeline", daemon=True).start()
-    if launch.cpu_threads:
-        torch.set_num_threads(launch.cpu_threads)
-    from resident.worker.device import resolve_device, weights_on
-
-    device = resolve_device(launch.devices[launch.rank])
-    prefetch = _start_triton_prefetch(launch, device)
-    spec = LoadSpec(**{k: tuple(v) if k == "devices" else v for k, v in launch.spec.items()})
-    t_group = time.time()
-    group = ParallelGroup(ParallelConfig(launch.rank, launch.size, backend_for(device),
-                                         store_port=launch.store_port))
-    group.start_comm_warmup(device)
-    group_s = time.time() - t_group
-    store = None
-    try:
-        model_config = check_tp_config(spec, launch.size)
-        commands = os.fdopen(launch.command_fd, "rb")
-        cmd = _receive(commands)
-        if cmd[0] != "open":   # rank 0 stopped during start-up
-            return 0
-        t_store = time.time()
-        store = open_rank_store(spec, launch.preload, launch.socket, launch.devices, launch.rank,
-                                launch.verify_sample)
-        # One line `resident bench restart` reads (the other ranks' share of a group's start).
-        logger.info("rank %d start-up phases: import=%.3f group=%.3f shard=%.3f source=%s", launch.rank, imported_s,
-                    group_s, time.time() - t_store, store.source)
-        if prefetch is not None:
-            prefetch.join()   # before rank 0's commands launch Triton kernels here (the warm-up, a probe)
-        _serve_commands(commands, group, model_config, weights_on(store.tensors, device), str(device))
-    finally:
-        if store is not None:
-            store.close()
-        group.close()
-    return 0
+# Re-exported: tests and the other modules import them from here.
+__all__ = ["END_GRACE_S", "RANK_DIED_EXIT", "CommandPipe", "TPGroup", "TPRunner", "check_tp_config", "compact", "main",
+           "open_rank_store", "rank_devices"]
 
 
 if __name__ == "__main__":

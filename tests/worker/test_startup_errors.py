@@ -30,12 +30,12 @@ def _kv_blocks_error(**serve) -> str:
     import torch
 
     from resident.worker.serve_config import ServeConfig
-    from resident.worker.startup import _kv_blocks
+    from resident.worker.startup_checks import cpu_kv_blocks
 
     config = ServeConfig(model="/m", preload="off", **serve)
     model = SimpleNamespace(num_kv_heads=3, head_dim=64, num_layers=30)
     with pytest.raises(ValueError) as e:
-        _kv_blocks(config, model, torch.float32, 4096)
+        cpu_kv_blocks(config, model, torch.float32, 4096)
     return str(e.value)
 
 
