@@ -250,7 +250,7 @@ def test_stop_reaches_a_daemon_whose_status_fails(monkeypatch, short_tmp):
 
     from click.testing import CliRunner
 
-    from resident.cli import daemon_process, preload
+    from resident.cli import daemon_process, preload_lifecycle
     from resident.cli.main import cli
     from resident.daemon.errors import DaemonError
 
@@ -265,8 +265,8 @@ def test_stop_reaches_a_daemon_whose_status_fails(monkeypatch, short_tmp):
 
     sock = short_tmp / "p.sock"
     sock.touch()
-    monkeypatch.setattr(preload, "connect", lambda daemon: contextlib.nullcontext(BrokenStatus()))
-    monkeypatch.setattr(preload, "_running_pid", lambda socket: 4321)
+    monkeypatch.setattr(preload_lifecycle, "connect", lambda daemon: contextlib.nullcontext(BrokenStatus()))
+    monkeypatch.setattr(preload_lifecycle, "_running_pid", lambda socket: 4321)
     monkeypatch.setattr(daemon_process, "wait_exit", lambda pid, socket, timeout_s: calls.append(pid) or True)
     r = CliRunner().invoke(cli, ["preload", "stop", "--socket", str(sock)])
     assert r.exit_code == 0, r.output

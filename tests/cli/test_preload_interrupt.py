@@ -6,6 +6,7 @@ import contextlib
 from click.testing import CliRunner
 
 from resident.cli import preload as preload_cli
+from resident.cli import preload_models
 from resident.protos.resident.v1 import weight_cache_pb2 as pb
 
 
@@ -19,7 +20,7 @@ class InterruptedClient:
 
 
 def test_ctrl_c_during_a_load_says_the_daemon_goes_on(monkeypatch, tmp_path):
-    monkeypatch.setattr(preload_cli, "connect", lambda daemon: contextlib.nullcontext(InterruptedClient()))
+    monkeypatch.setattr(preload_models, "connect", lambda daemon: contextlib.nullcontext(InterruptedClient()))
     model = tmp_path / "m"
     model.mkdir()
     r = CliRunner().invoke(preload_cli.preload, ["load", str(model), "--name", "m", "--socket",

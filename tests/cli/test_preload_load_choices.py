@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from resident.cli import preload
+from resident.cli import preload, preload_models
 from resident.cli.main import cli
 from resident.daemon import quant
 
@@ -23,7 +23,7 @@ def test_an_unknown_dtype_or_quantization_is_refused_before_any_rpc(short_tmp, m
     def no_rpc(*args, **kwargs):
         raise AssertionError("connected to the daemon")
 
-    monkeypatch.setattr(preload, "connect", no_rpc)
+    monkeypatch.setattr(preload_models, "connect", no_rpc)
     r = CliRunner().invoke(cli, ["preload", "load", str(short_tmp), "--socket", str(short_tmp / "p.sock"),
                                  flag, value])
     assert r.exit_code == 2, r.output

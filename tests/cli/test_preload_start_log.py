@@ -49,7 +49,7 @@ def test_a_start_that_times_out_shows_none_of_the_earlier_lines(setup, monkeypat
 
 
 def test_a_takeover_whose_daemon_exits_shows_only_what_it_wrote(setup, monkeypatch):
-    from resident.cli.preload import _takeover_detached
+    from resident.cli.preload_lifecycle import _takeover_detached
 
     config, log = setup
     _fake_daemon(monkeypatch, "print('this takeover failed'); raise SystemExit(1)")

@@ -81,7 +81,7 @@ def test_the_thread_reports_each_stage_and_skips(caplog):
     done = GemmPrefetch(_plan(), torch.device("cpu"), lambda: True, stages=stages).start()
     assert done.join() and done.error is None and ran == ["GEMMs", "other ops"]   # the sampler's: after ready
     assert done.num_gemms == 9
-    # The one line the bench restart keeps (cli/bench_restart.py: "GEMM prefetch.*"), each stage's time in it.
+    # The one line the bench restart keeps (cli/bench_restart_runs.py: "GEMM prefetch.*"), each stage's time in it.
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GEMM prefetch"))
     assert "GEMMs 0.00 s (9 GEMMs), other ops 0.00 s (7 ops)" in line
     skipped = GemmPrefetch(_plan(), 0, lambda: False, stages=[("GEMMs", lambda p, d, f: 1 / 0, "GEMMs")]).start()
