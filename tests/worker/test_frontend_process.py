@@ -45,10 +45,11 @@ def workers(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
     run_dir = Path(tempfile_dir())
     admin = str(run_dir / "admin.sock")
+    parsers = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     inline = start_serve(model, tmp / "inline.log", "--preload", "off", "--max-model-len", MAX_MODEL_LEN,
-                         "--frontend", "inline", wait=False)
+                         "--frontend", "inline", *parsers, wait=False)
     proc = start_serve(model, tmp / "process.log", "--preload", "off", "--max-model-len", MAX_MODEL_LEN,
-                       "--frontend", "process", "--api-key", KEY, "--admin-socket", admin, wait=False)
+                       "--frontend", "process", "--api-key", KEY, "--admin-socket", admin, *parsers, wait=False)
     try:
         inline.wait_ready(120)
         proc.wait_ready(120)
@@ -282,6 +283,12 @@ def test_chat_completion_is_the_inline_one(workers):
     got = post(proc, "/v1/chat/completions", body)
     assert _choices(got) == _choices(post(inline, "/v1/chat/completions", body))
     assert got["usage"] == post(inline, "/v1/chat/completions", body)["usage"]
+    # --reasoning-parser reached the front end (no <think>: all content, reasoning_content null)
+    assert got["choices"][0]["message"]["reasoning_content"] is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    got = post(proc, "/v1/chat/completions", {**body, "tools": tools})
+    assert got["choices"][0]["message"] == post(inline, "/v1/chat/completions", {**body, "tools": tools})[
+        "choices"][0]["message"]
 
 
 def test_streamed_completion_with_stop_strings_is_the_inline_one(workers, greedy_text):
