@@ -37,7 +37,8 @@ from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholde
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams, tokenize_bad_words
 from resident.worker.scheduler import Scheduler
-from resident.worker.structured_output import GrammarCache, GuidedDecodingError, GuidedSpec
+from resident.worker.guided_requests import GuidedRequests
+from resident.worker.structured_output import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ def overlappable(params: SamplingParams) -> bool:
     the step), no grammar (its next mask follows from the previous token) and no bad word of several tokens (its
     mask compares the output's last tokens). min_tokens overlaps: its mask needs only how many
     tokens came before, placeholders included; so do allowed_token_ids and one-token bad words."""
-    return (params.logprobs is None and params.prompt_logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.guided is None and not params.bad_words_need_history)
+    return (params.logprobs is None and params.prompt_logprobs is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.guided is None and not params.bad_words_need_history)
 
 
 class LLMEngine:
@@ -123,8 +124,7 @@ class LLMEngine:
         # Unfinished requests whose sampling needs the host to know every earlier token
         # (penalties, a grammar) or returns logprobs: while any is queued, steps run synchronously.
         self._sync_only: set[str] = set()
-        self.grammars = grammars
-        self._matchers: dict[str, Any] = {}   # unfinished guided requests' xgrammar.GrammarMatcher
+        self.guided = GuidedRequests(grammars)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -161,14 +161,18 @@ class LLMEngine:
                                                                                         self.tokenizer))
         room = limit - len(prompt)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
-        matcher = self._matcher(params.guided) if params.guided is not None else None
-        request = Request(request_id, prompt, params, next(self._arrivals), max_output)
-        detokenizer = (self._make_detokenizer(self.tokenizer, prompt, params.skip_special_tokens)
-                       if self._make_detokenizer is not None and self.tokenizer is not None else None)
-        self.scheduler.add_request(request)
+        if params.guided is not None:   # made before the request is queued: a bad spec is a ValueError here
+            vocab = getattr(getattr(self.runner, "model_config", None), "vocab_size", None)
+            self.guided.add(request_id, params.guided, prompt, self.tokenizer, vocab, self.eos_token_ids)
+        try:
+            request = Request(request_id, prompt, params, next(self._arrivals), max_output)
+            detokenizer = (self._make_detokenizer(self.tokenizer, prompt, params.skip_special_tokens)
+                           if self._make_detokenizer is not None and self.tokenizer is not None else None)
+            self.scheduler.add_request(request)
+        except BaseException:
+            self.guided.drop(request_id)
+            raise
         self._states[request_id] = OutputState(request, detokenizer)
-        if matcher is not None:
-            self._matchers[request_id] = matcher
         if self.async_scheduling and not overlappable(params):
             self._sync_only.add(request_id)
 
@@ -179,7 +183,7 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         state = self._states.pop(request_id, None)
         self._sync_only.discard(request_id)
-        self._matchers.pop(request_id, None)
+        self.guided.drop(request_id)
         if request is not None and state is not None:
             request.drop_placeholder()   # its token in flight, if any, is dropped with it
             self._pending.append(state.make_output())
@@ -236,8 +240,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return outputs
-        if self._matchers:
-            self._fill_grammar_bitmask(scheduler_output)
+        if self.guided:
+            self.guided.fill(scheduler_output)
         runner_output = self.runner.execute(scheduler_output)
         for rid, (first, values) in runner_output.prompt_logprobs.items():
             state = self._states.get(rid)
@@ -308,7 +312,7 @@ class LLMEngine:
         if request.is_finished:
             del self._states[rid]
             self._sync_only.discard(rid)
-            self._matchers.pop(rid, None)
+            self.guided.drop(rid)
         out = state.make_output()
         if self.num_speculative_tokens:
             out.spec_decode = request.spec_stats
@@ -326,9 +330,8 @@ class LLMEngine:
             state.pending_logprobs.append(logprob)
         status: RequestStatus | None = None
         may_stop = index >= params.min_tokens
-        matcher = self._matchers.get(request.request_id)
         # A grammar's end (it accepted EOS) ends the request whatever min_tokens says.
-        grammar_end = matcher is not None and self._accept(request, matcher, token)
+        grammar_end = self.guided.accept(request, token)
         if grammar_end is None:
             return RequestStatus.FINISHED_ABORTED
         stop_token = grammar_end or (may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
@@ -348,45 +351,18 @@ class LLMEngine:
             status = RequestStatus.FINISHED_STOPPED  # the released tail completed a stop string
         return status
 
-    # -- guided decoding ------------------------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCache | None:
+        """The compiled grammars guided requests use (shared with the HTTP layer)."""
+        return self.guided.grammars
 
-    def _matcher(self, spec: GuidedSpec) -> Any:
-        """A new request's grammar matcher (GuidedDecodingError, a ValueError, when it cannot have one)."""
-        param = spec.param or None
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise GuidedDecodingError("structured outputs need the model's vocabulary, and this engine has no "
-                                          "tokenizer nor grammar cache", param=param)
-            from resident.worker.structured_output import tokenizer_info_of
+    @grammars.setter
+    def grammars(self, grammars: GrammarCache | None) -> None:
+        self.guided.grammars = grammars
 
-            tokenizer, eos = self.tokenizer, self.eos_token_ids
-            vocab = getattr(getattr(self.runner, "model_config", None), "vocab_size", None) or tokenizer.vocab_size
-            self.grammars = GrammarCache(lambda: tokenizer_info_of(tokenizer.backend, vocab, eos))
-        return self.grammars.matcher(spec)
-
-    def _fill_grammar_bitmask(self, out: Any) -> None:
-        """The tokens each guided request that samples this step may take next (see the module doc)."""
-        rids = []
-        for s in out.scheduled:
-            if s.sample and s.request_id in self._matchers:
-                if s.num_spec_tokens:
-                    out.grammar_matchers[s.request_id] = self._matchers[s.request_id]
-                else:
-                    rids.append(s.request_id)
-        if rids:
-            bitmask = self.grammars.fill_bitmask([self._matchers[r] for r in rids])
-            out.grammar_bitmask = {rid: bitmask[i] for i, rid in enumerate(rids)}
-
-    def _accept(self, request: Request, matcher: Any, token: int) -> bool | None:
-        """Feed the sampled token to the request's grammar: whether the grammar ended with it; None
-        when the grammar rejects it (a bug: the sampler masked every token it does not allow), which
-        ends the request, logged, and not the engine."""
-        if matcher.accept_token(token):
-            return bool(matcher.is_terminated())
-        logger.error("request %r: its grammar rejected the sampled token %d (output token %d), which the mask "
-                     "should have excluded; the request is aborted", request.request_id, token,
-                     request.num_output_tokens)
-        return None
+    @property
+    def _matchers(self) -> dict[str, Any]:
+        return self.guided.matchers
 
     def stats(self) -> EngineStats:
         s = self.scheduler

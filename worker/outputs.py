@@ -52,6 +52,9 @@ class SchedulerOutput:
     # position it verifies with it (structured_output.draft_bitmask, which leaves the matcher as it
     # was); the engine owns the matchers and advances them by the committed tokens.
     grammar_matchers: dict[str, Any] = field(default_factory=dict)
+    # Of those, requests still reasoning (guided_requests.py): id -> the reasoning's end token; their
+    # grammar starts after it.
+    grammar_deferred: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

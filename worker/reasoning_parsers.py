@@ -57,6 +57,21 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
     return PARSERS[name]()
 
 
+def end_token_id(tokenizer_json: str) -> int | None:
+    """The id of `</think>` in a tokenizer.json (an added token, or a vocabulary entry), or None:
+    the engine starts a guided request's grammar after it (guided_requests.py)."""
+    import json
+
+    with open(tokenizer_json, encoding="utf-8") as f:
+        data = json.load(f)
+    for token in data.get("added_tokens") or []:
+        if token.get("content") == END:
+            return int(token["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    value = vocab.get(END) if isinstance(vocab, dict) else None
+    return int(value) if isinstance(value, int) else None
+
+
 def _held(text: str, marker: str) -> int:
     """How many characters at the end of `text` may begin `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):

@@ -290,6 +290,8 @@ def _build_engine(b: _Build, kv: _KVSizing, weights: Any) -> tuple[Any, Any]:
                        async_scheduling=config.async_scheduling == "on"
                        or (config.async_scheduling == "auto" and device.type == "cuda"))
     engine.grammars = _grammars(engine, b.store.model_dir, b.model_config.vocab_size)
+    if config.reasoning_parser is not None:   # guided requests' grammars start after the reasoning
+        engine.guided.reasoning_end_token_id = _reasoning_end(config.reasoning_parser, b.store.model_dir)
     logger.info("async scheduling: %s (--async-scheduling %s)", "on" if engine.async_scheduling else "off",
                 config.async_scheduling)
     b.startup.end("kv_alloc")
@@ -353,6 +355,19 @@ def _worker(b: _Build, metrics: ServerMetrics, engine: Any, runner: Any, kv: _KV
     worker.llm_engine = engine
     worker.tokenizer = tokenizer
     return worker
+
+
+def _reasoning_end(parser: str, model_dir: str) -> int | None:
+    """The `</think>` token's id in the model's tokenizer.json, or None (logged: grammars then
+    constrain the whole answer)."""
+    from resident.worker.reasoning_parsers import END, end_token_id
+
+    path = Path(model_dir) / "tokenizer.json"
+    token_id = end_token_id(str(path)) if path.is_file() else None
+    if token_id is None:
+        logger.warning("--reasoning-parser %s: the tokenizer has no %s token; structured outputs constrain the "
+                       "whole answer, reasoning included", parser, END)
+    return token_id
 
 
 def _grammars(engine: Any, model_dir: str, vocab_size: int) -> Any:

@@ -370,16 +370,25 @@ class GrammarCache:
         return bitmask
 
 
-def draft_bitmask(matcher: Any, vocab_size: int, drafts: Sequence[int]) -> tuple[int, Any]:
+def draft_bitmask(matcher: Any, vocab_size: int, drafts: Sequence[int],
+                  reasoning_end: int | None = None) -> tuple[int, Any]:
     """Speculative decoding of a guided request: how many of `drafts` its grammar accepts in a row,
     and the int32 CPU bitmask [that many + 1, ceil(vocab_size / 32)] of the tokens allowed at each
     position the target verifies (row j: after the first j drafts). Drafts past the first one the
     grammar refuses are never committed (the target's masked distribution gives that one no
     chance), so the caller drops them before verifying. A draft that ends the grammar (a stop token
     it accepts) is the last kept, and the row after it allows every token: what is drawn there is
-    dropped, the request stopping at the grammar's end. `matcher` is left as it was (rolled back)."""
+    dropped, the request stopping at the grammar's end. `matcher` is left as it was (rolled back).
+    `reasoning_end`: the request still reasons (guided_requests.py) and its grammar starts after
+    this token: positions up to it are free, the one after it masked, drafts past it dropped."""
     xgr = import_xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, vocab_size)   # every bit set: every token allowed
+    if reasoning_end is not None:
+        if reasoning_end not in drafts:
+            return len(drafts), bitmask
+        end = list(drafts).index(reasoning_end) + 1
+        matcher.fill_next_token_bitmask(bitmask, end)
+        return end, bitmask[:end + 1]
     matcher.fill_next_token_bitmask(bitmask, 0)
     num_valid = 0
     for token in drafts:

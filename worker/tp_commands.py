@@ -37,7 +37,7 @@ def compact(out: Any) -> Any:
     and one-token bad words need no earlier token: they travel in the sampling params. A request
     with prompt logprobs keeps its prompt: every rank computes the same logits rows (the LM head's
     all-gather), which the prompt's length decides."""
-    return dataclasses.replace(out, grammar_bitmask={}, grammar_matchers={}, scheduled=[
+    return dataclasses.replace(out, grammar_bitmask={}, grammar_matchers={}, grammar_deferred={}, scheduled=[
         dataclasses.replace(s, prompt_token_ids=s.prompt_token_ids if s.sampling_params.prompt_logprobs is not None
                             else [],
                             output_token_ids=s.output_token_ids[:max(1, s.sampling_params.min_tokens)])

@@ -294,9 +294,10 @@ def test_tp_ranks_get_no_bitmask(tiny):
 # --- the engine on the tiny model -----------------------------------------------------------
 def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = False, prompt: str = "hello",
         device: str = "cpu", wrap: Callable[[ModelRunner], Any] | None = None,
+        reasoning_end: int | None = None,
         **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
     """Each request's text, finish reason and tokens; `wrap` makes the engine's runner of the
-    ModelRunner (a speculative one)."""
+    ModelRunner (a speculative one); `reasoning_end`: the token grammars wait for."""
     config, weights, tokenizer, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
     if device != "cpu":
@@ -305,6 +306,7 @@ def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = Fals
     if wrap is not None:
         runner = wrap(runner)
     engine = LLMEngine(engine_config, runner, tokenizer, async_scheduling=async_scheduling, **engine_kwargs)
+    engine.guided.reasoning_end_token_id = reasoning_end
     for rid, params in requests.items():
         engine.add_request(rid, tokenizer.encode(prompt), params)
     text = {rid: "" for rid in requests}

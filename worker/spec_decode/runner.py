@@ -204,7 +204,8 @@ class SpecDecodeRunner:
             if matcher is None or not s.num_spec_tokens:
                 continue
             prop = proposals[s.request_id]
-            num_valid, masks[s.request_id] = draft_bitmask(matcher, vocab, prop.token_ids)
+            num_valid, masks[s.request_id] = draft_bitmask(matcher, vocab, prop.token_ids,
+                                                           out.grammar_deferred.get(s.request_id))
             if num_valid < len(prop.token_ids):
                 proposals[s.request_id] = Proposal(prop.token_ids[:num_valid],
                                                    None if prop.probs is None else prop.probs[:num_valid])
