@@ -46,7 +46,7 @@ from resident.worker.layers.attention import AttentionMetadata
 from resident.worker.layers.sampler import Sampler, SamplingRow, greedy_tokens
 from resident.worker.models import build_model
 from resident.worker.outputs import ModelRunnerOutput, PendingTokens, ScheduledRequest, SchedulerOutput
-from resident.worker.prompt_logprobs import chunk_num_logits, num_prompt_rows, prompt_logprobs, sample_rows
+from resident.worker.prompt_logprobs import execute_with_prompt_logprobs, num_prompt_rows
 from resident.worker.step_batch import BatchError, StepBatch  # BatchError: importers take it from here
 from resident.worker.step_sampling import all_plain_greedy
 
@@ -205,17 +205,8 @@ class ModelRunner:
                                                                                    out.grammar_bitmask)
 
     def _execute_with_prompt_logprobs(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """A step with prompt logprobs (prompt_logprobs.py): every row of their chunks' logits."""
-        self.drop_requests(out.finished_request_ids)
-        num_logits = [chunk_num_logits(s) for s in out.scheduled]
-        logits = self.forward_logits(out.scheduled, num_logits)
-        to_sample = [s for s in out.scheduled if s.sample]
-        result = ModelRunnerOutput(sampled={})
-        if to_sample:
-            rows = torch.tensor(sample_rows(out.scheduled, num_logits), device=logits.device)
-            result = self.sample(logits.index_select(0, rows), to_sample, out.grammar_bitmask)
-        result.prompt_logprobs = prompt_logprobs(logits, out.scheduled, num_logits)
-        return result
+        self.drop_requests(out.finished_request_ids)   # then every row of their chunks (prompt_logprobs.py)
+        return execute_with_prompt_logprobs(self, out)
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         """A step's forward pass after forgetting its finished requests: (the chunks that sample,
@@ -282,6 +273,18 @@ class ModelRunner:
         so a step at batch 64 and a 128k vocabulary skips converting and copying 32 MB.
         Call under inference mode and the device guard (`execute`, or `spec_decode`).
         """
+        logits, hidden = self.forward_rows(scheduled, num_logits, raw)
+        if logits is not None:
+            return logits
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden)
+
+    def forward_rows(self, scheduled: list[ScheduledRequest], num_logits: list[int],
+                     raw: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward_logits`'s pass, its rows as (logits, None) from a decode graph, else (None, the
+        hidden states of the rows): their logits are `model.compute_logits` of any slice of them,
+        so a prefill chunk's prompt logprobs need no [chunk, vocab] tensor at once."""
         if len(num_logits) != len(scheduled) or any(not 0 <= k <= len(s.token_ids)
                                                     for s, k in zip(scheduled, num_logits)):
             raise BatchError(f"num_logits {num_logits} does not fit the chunks scheduled")
@@ -294,18 +297,16 @@ class ModelRunner:
             else:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             # Not raw: a copy even when already float32 (the graph's output buffer is reused).
-            return logits if raw else logits.to(torch.float32, copy=True)
+            return (logits if raw else logits.to(torch.float32, copy=True)), None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache.tensors)
         idx: list[int] = []
         end = 0
         for s, k in zip(scheduled, num_logits):
             end += len(s.token_ids)
             idx.extend(range(end - k, end))
-        if not idx:
-            return hidden.new_empty(0, self.model_config.vocab_size, dtype=torch.float32)
         if idx == list(range(len(idx))) and len(idx) == hidden.shape[0]:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[torch.tensor(idx, device=hidden.device)])
+            return None, hidden
+        return None, hidden[torch.tensor(idx, device=hidden.device, dtype=torch.int64)]
 
     @torch.inference_mode()
     def logits(self, out: SchedulerOutput) -> torch.Tensor:

@@ -14,11 +14,12 @@ repeats positions).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from resident.worker.outputs import ScheduledRequest
+from resident.worker.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from resident.worker.request import TokenLogprob
 
 MAX_ROWS_PER_SLICE = 256
@@ -47,10 +48,33 @@ def sample_rows(scheduled: Sequence[ScheduledRequest], num_logits: Sequence[int]
     return rows
 
 
-def prompt_logprobs(logits: torch.Tensor, scheduled: Sequence[ScheduledRequest],
+def execute_with_prompt_logprobs(runner: Any, out: SchedulerOutput) -> ModelRunnerOutput:
+    """ModelRunner's step when a chunk wants prompt logprobs: one forward pass over every row of
+    such chunks; the sampling rows' logits at once, the prompt rows' slice by slice from their
+    hidden states (a decode graph's rows come as logits: few)."""
+    num_logits = [chunk_num_logits(s) for s in out.scheduled]
+    logits, hidden = runner.forward_rows(out.scheduled, num_logits)
+
+    def rows_of(lo: int, hi: int) -> torch.Tensor:
+        return logits[lo:hi] if logits is not None else runner.model.compute_logits(hidden[lo:hi])
+
+    to_sample = [s for s in out.scheduled if s.sample]
+    result = ModelRunnerOutput(sampled={})
+    if to_sample:
+        table = logits if logits is not None else hidden
+        rows = table.index_select(0, torch.tensor(sample_rows(out.scheduled, num_logits), device=table.device))
+        result = runner.sample(rows if logits is not None else runner.model.compute_logits(rows), to_sample,
+                               out.grammar_bitmask)
+    result.prompt_logprobs = prompt_logprobs(rows_of, out.scheduled, num_logits)
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor | Callable[[int, int], torch.Tensor], scheduled: Sequence[ScheduledRequest],
                     num_logits: Sequence[int]) -> dict[str, tuple[int, list[TokenLogprob]]]:
     """request id -> (the prompt position of its first value, the values) for every chunk with
-    prompt rows; `logits` [sum(num_logits), V] laid out chunk by chunk."""
+    prompt rows; `logits` [sum(num_logits), V] laid out chunk by chunk, or a function giving its
+    rows [lo, hi)."""
+    rows_of = logits if callable(logits) else (lambda lo, hi: logits[lo:hi])
     out = {}
     at = 0
     for s, n in zip(scheduled, num_logits):
@@ -58,16 +82,20 @@ def prompt_logprobs(logits: torch.Tensor, scheduled: Sequence[ScheduledRequest],
         if k:
             first = s.start_pos + 1
             targets = s.prompt_token_ids[first:first + k]
-            out[s.request_id] = (first, token_logprobs(logits[at:at + k], targets, s.sampling_params.prompt_logprobs))
+            out[s.request_id] = (first, token_logprobs(lambda lo, hi, at=at: rows_of(at + lo, at + hi), targets,
+                                                       s.sampling_params.prompt_logprobs))
         at += n
     return out
 
 
-def token_logprobs(logits: torch.Tensor, targets: Sequence[int], num_top: int) -> list[TokenLogprob]:
-    """Row i's log-probability of targets[i], its rank (1 = the most likely) and the top num_top."""
+def token_logprobs(rows_of: Callable[[int, int], torch.Tensor], targets: Sequence[int],
+                   num_top: int) -> list[TokenLogprob]:
+    """Row i's log-probability of targets[i], its rank (1 = the most likely) and the top num_top;
+    `rows_of(lo, hi)` gives the logits rows [lo, hi), asked MAX_ROWS_PER_SLICE at a time."""
     out: list[TokenLogprob] = []
     for lo in range(0, len(targets), MAX_ROWS_PER_SLICE):
-        rows = torch.log_softmax(logits[lo:lo + MAX_ROWS_PER_SLICE].to(torch.float32), dim=-1)
+        hi = min(lo + MAX_ROWS_PER_SLICE, len(targets))
+        rows = torch.log_softmax(rows_of(lo, hi).to(torch.float32), dim=-1)
         idx = torch.tensor(list(targets[lo:lo + MAX_ROWS_PER_SLICE]), device=rows.device)[:, None]
         chosen = rows.gather(1, idx)
         ranks = (rows > chosen).sum(dim=-1).add_(1).tolist()

@@ -371,6 +371,51 @@ def test_tp2_guided_requests_follow_their_grammar_beside_others(tiny_model):
     assert len(tokens["plain"]) == 10
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tiny_model):
+    """Prompt logprobs over a TP group: every rank computes the same rows (the LM head's all-gather:
+    the other ranks keep such a request's prompt), in slices of the chunk's hidden states; the values
+    are a single process's, across chunk boundaries, beside a plain request."""
+    from resident.worker.engine import LLMEngine
+
+    path = tiny_model("llama")
+    prompt = [random.Random(3).randrange(256) for _ in range(45)]
+    config = EngineConfig(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=CHUNK,
+                          max_model_len=128)
+    requests = {"lp": SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2),
+                "plain": SamplingParams(temperature=0.0, max_tokens=5)}
+
+    def run(runner) -> dict:
+        engine = LLMEngine(config, runner)
+        for rid, params in requests.items():
+            engine.add_request(rid, prompt if rid == "lp" else prompt[:10], params)
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    got[out.request_id] = out.prompt_logprobs
+        return got
+
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tp1 = ModelRunner(cfg, config, fused_weights_from_hf_folder(path))
+    want = run(tp1)["lp"]
+    tp1.close()
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        runner = group.build_runner(store.tensors, engine_config=config)
+        got = run(runner)["lp"]
+        runner.close()
+        store.close()
+    finally:
+        group.close()
+    assert len(got) == len(want) == len(prompt) and got[0] is None and want[0] is None
+    for a, b in zip(got[1:], want[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LOGIT_TOL
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] or abs(a.top[0][1] - a.top[1][1]) < MARGIN
+
+
 #: A smaller shape of the GPU test's model (same head ratio, 4 layers), bf16.
 DECISIVE_SHAPE = dict(dtype="bfloat16", init_std=0.02, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024)
