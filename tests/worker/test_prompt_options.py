@@ -4,18 +4,14 @@ continue_final_message, chat echo, POST /tokenize and /detokenize, GET /version 
 through the HTTP app over a scripted engine."""
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import json
 
 import pytest
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from app_helpers import run_app
 from fixtures_tokenizer import write_tiny_tokenizer
 from test_api_server import ScriptedEngine
 
-from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.async_engine import AsyncEngine
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing
 from resident.worker.protocol import ServingOptions, parse_chat_request, parse_completion_request
@@ -128,22 +124,7 @@ def test_bad_tokenize_and_detokenize_bodies_are_400s_naming_the_field(tokenizer,
 
 
 def _app_test(tokenizer, test, api_key: str | None = None) -> None:
-    async def main():
-        metrics = ServerMetrics("m")
-        engine = AsyncEngine(ScriptedEngine())
-        engine.start()
-        state = ServerState(served_model_names=("m",), metrics=metrics, api_key=api_key,
-                            serving=serving(tokenizer, engine), ready=True)
-        server = TestServer(ApiServer(state).app())
-        await server.start_server()
-        try:
-            async with ClientSession(str(server.make_url(""))) as session:
-                await test(session, state)
-        finally:
-            await server.close()
-            engine.shutdown()
-
-    asyncio.run(main())
+    run_app(ScriptedEngine(), tokenizer, OPTS, test, api_key=api_key)
 
 
 def test_chat_echo_starts_the_answer_with_the_continued_message(tokenizer):

@@ -3,20 +3,14 @@ whole and streamed (split the same way at any chunking), before tool-call parsin
 content; qwen3 only after a leading <think>, deepseek_r1 from the start."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from app_helpers import run_app
 from test_api_server import CharTokenizer
 from test_tool_parsers import CALL, AnswerEngine
 
-from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.async_engine import AsyncEngine
 from resident.worker.chat_stream import ChatChoiceStream
-from resident.worker.metrics import ServerMetrics
-from resident.worker.openai_serving import OpenAIServing
 from resident.worker.protocol import ServingOptions
 from resident.worker.reasoning_parsers import ReasoningStream, get_reasoning_parser
 
@@ -76,40 +70,28 @@ class ThinkingEngine(AnswerEngine):
 
 
 def test_served_with_qwen3_and_hermes():
-    async def main():
-        metrics = ServerMetrics("m")
-        engine = AsyncEngine(ThinkingEngine())
-        engine.start()
-        opts = ServingOptions(("m",), 4096, tool_call_parser="hermes", reasoning_parser="qwen3")
-        state = ServerState(served_model_names=("m",), metrics=metrics, ready=True,
-                            serving=OpenAIServing(engine, CharTokenizer(), opts, metrics, vocab_size=256))
-        server = TestServer(ApiServer(state).app())
-        await server.start_server()
-        tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-        try:
-            async with ClientSession(str(server.make_url(""))) as s:
-                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
-                async with s.post("/v1/chat/completions", json=body) as r:
-                    choice = (await r.json())["choices"][0]
-                message = choice["message"]
-                assert message["reasoning_content"] == "The user wants weather." and message["content"] == "Sure."
-                assert message["tool_calls"][0]["function"]["name"] == "weather"
-                assert choice["finish_reason"] == "tool_calls"
-                async with s.post("/v1/chat/completions", json={**body, "stream": True}) as r:
-                    events = [e.removeprefix("data: ") for e in (await r.read()).decode().split("\n\n") if e]
-                deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
-                assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
-                assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
-                assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls", [])] == ["weather"]
-                async with s.post("/v1/chat/completions", json={**body, "tools": None}) as r:
-                    message = (await r.json())["choices"][0]["message"]
-                assert message["reasoning_content"] == "The user wants weather."
-                assert message["content"].startswith("Sure. <tool_call>")   # no tools: no tool-call parsing
-        finally:
-            await server.close()
-            engine.shutdown()
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
 
-    asyncio.run(main())
+    async def test(s, state):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+        async with s.post("/v1/chat/completions", json=body) as r:
+            choice = (await r.json())["choices"][0]
+        message = choice["message"]
+        assert message["reasoning_content"] == "The user wants weather." and message["content"] == "Sure."
+        assert message["tool_calls"][0]["function"]["name"] == "weather"
+        assert choice["finish_reason"] == "tool_calls"
+        async with s.post("/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = [e.removeprefix("data: ") for e in (await r.read()).decode().split("\n\n") if e]
+        deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+        assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls", [])] == ["weather"]
+        async with s.post("/v1/chat/completions", json={**body, "tools": None}) as r:
+            message = (await r.json())["choices"][0]["message"]
+        assert message["reasoning_content"] == "The user wants weather."
+        assert message["content"].startswith("Sure. <tool_call>")   # no tools: no tool-call parsing
+
+    run_app(ThinkingEngine(), CharTokenizer(), ServingOptions(("m",), 4096, tool_call_parser="hermes", reasoning_parser="qwen3"), test)
 
 
 def test_the_cli_knows_the_parsers(tmp_path):

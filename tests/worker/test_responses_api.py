@@ -3,19 +3,13 @@ its 400s (named by the Responses fields), and the answers — output items, stat
 as the Responses SSE events, over a scripted engine with the reasoning and tool-call parsers."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from app_helpers import run_app
 from test_api_server import CharTokenizer, ScriptedEngine
 from test_reasoning_parsers import ThinkingEngine
 
-from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.async_engine import AsyncEngine
-from resident.worker.metrics import ServerMetrics
-from resident.worker.openai_serving import OpenAIServing
 from resident.worker.protocol import ServingOptions
 from resident.worker.request_error import RequestError
 from resident.worker.responses_protocol import parse_responses_request
@@ -90,22 +84,7 @@ def test_later_errors_name_the_input_item():
 
 
 def _serve(engine, test, **opts) -> None:
-    async def main():
-        metrics = ServerMetrics("m")
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
-        state = ServerState(served_model_names=("m",), metrics=metrics, ready=True, serving=OpenAIServing(
-            async_engine, CharTokenizer(), ServingOptions(("m",), 4096, **opts), metrics, vocab_size=256))
-        server = TestServer(ApiServer(state).app())
-        await server.start_server()
-        try:
-            async with ClientSession(str(server.make_url(""))) as session:
-                await test(session)
-        finally:
-            await server.close()
-            async_engine.shutdown()
-
-    asyncio.run(main())
+    run_app(engine, CharTokenizer(), ServingOptions(("m",), 4096, **opts), lambda s, state: test(s))
 
 
 async def _events(s, body) -> list[dict]:

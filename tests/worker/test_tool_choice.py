@@ -4,21 +4,15 @@ the parser, the response shapes, the streamed deltas, and end to end on the tiny
 (whose calls follow the tools' schemas only because of the grammar)."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import test_structured_output
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from app_helpers import run_app
 
-from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.async_engine import AsyncEngine
 from resident.worker.engine import LLMEngine
 from resident.worker.engine_config import EngineConfig
-from resident.worker.metrics import ServerMetrics
 from resident.worker.model_runner import ModelRunner
-from resident.worker.openai_serving import OpenAIServing
 from resident.worker.protocol import ServingOptions, parse_chat_request
 from resident.worker.request_error import RequestError
 from resident.worker.structured_output import GuidedSpec
@@ -108,24 +102,9 @@ def test_streamed_tool_call_deltas():
 
 def _serve(tiny, test) -> None:
     config, weights, tokenizer, _ = tiny
-
-    async def main():
-        ec = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
-        engine = AsyncEngine(LLMEngine(ec, ModelRunner(config, ec, weights), tokenizer))
-        engine.start()
-        metrics = ServerMetrics("m")
-        serving = OpenAIServing(engine, tokenizer, OPTS, metrics, vocab_size=config.vocab_size)
-        server = TestServer(ApiServer(ServerState(served_model_names=("m",), metrics=metrics, serving=serving,
-                                                  ready=True)).app())
-        await server.start_server()
-        try:
-            async with ClientSession(str(server.make_url(""))) as session:
-                await test(session)
-        finally:
-            await server.close()
-            engine.shutdown()
-
-    asyncio.run(main())
+    ec = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
+    run_app(LLMEngine(ec, ModelRunner(config, ec, weights), tokenizer), tokenizer, OPTS, test,
+            vocab_size=config.vocab_size)
 
 
 def _check_weather(arguments: str) -> None:
@@ -141,7 +120,7 @@ def test_tool_calls_from_the_tiny_model(tiny):
     bias = {str(t): -100 for c in " \t\n\r" for t in tokenizer.encode(c, add_special_tokens=False)}
     bias[str(tokenizer.encode("]", add_special_tokens=False)[0])] = 20
 
-    async def test(s):
+    async def test(s, state):
         base = {"model": "m", "messages": MSGS, "tools": TOOLS, "max_tokens": 500, "temperature": 0,
                 "logit_bias": bias}
         async with s.post("/v1/chat/completions", json={**base, "tool_choice": NAMED}) as r:

@@ -3,18 +3,12 @@ llama3_json) become tool_calls, whole and streamed; text that is not a call stay
 CLI refuses one flag without the other."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
-from aiohttp import ClientSession
-from aiohttp.test_utils import TestServer
+from app_helpers import run_app
 from test_api_server import CharTokenizer, ScriptedEngine
 
-from resident.worker.api_server import ApiServer, ServerState
-from resident.worker.async_engine import AsyncEngine
-from resident.worker.metrics import ServerMetrics
-from resident.worker.openai_serving import OpenAIServing
 from resident.worker.protocol import ServingOptions
 from resident.worker.request import RequestOutput
 from resident.worker.tool_parsers import AutoToolStream, auto_message, get_tool_parser
@@ -102,39 +96,26 @@ class AnswerEngine(ScriptedEngine):
 
 
 def test_served_with_hermes():
-    async def main():
-        metrics = ServerMetrics("m")
-        engine = AsyncEngine(AnswerEngine())
-        engine.start()
-        opts = ServingOptions(("m",), 4096, tool_call_parser="hermes")
-        state = ServerState(served_model_names=("m",), metrics=metrics, ready=True,
-                            serving=OpenAIServing(engine, CharTokenizer(), opts, metrics, vocab_size=256))
-        server = TestServer(ApiServer(state).app())
-        await server.start_server()
-        try:
-            async with ClientSession(str(server.make_url(""))) as s:
-                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
-                async with s.post("/v1/chat/completions", json=body) as r:
-                    choice = (await r.json())["choices"][0]
-                assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
-                assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
-                async with s.post("/v1/chat/completions", json={**body, "stream": True}) as r:
-                    events = [e.removeprefix("data: ") for e in (await r.read()).decode().split("\n\n") if e]
-                chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
-                text = "".join(c["delta"].get("content") or "" for c in chunks)
-                calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
-                assert text == "Let me check. " and [t["function"]["name"] for t in calls] == ["weather", "time"]
-                assert chunks[-1]["finish_reason"] == "tool_calls"
-                # without tools, or with tool_choice none, the text is the answer
-                for extra in ({"tools": None}, {"tool_choice": "none"}):
-                    async with s.post("/v1/chat/completions", json={**body, **extra}) as r:
-                        message = (await r.json())["choices"][0]["message"]
-                    assert message == {"role": "assistant", "content": HERMES}
-        finally:
-            await server.close()
-            engine.shutdown()
+    async def test(s, state):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+        async with s.post("/v1/chat/completions", json=body) as r:
+            choice = (await r.json())["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
+        assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+        async with s.post("/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = [e.removeprefix("data: ") for e in (await r.read()).decode().split("\n\n") if e]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        text = "".join(c["delta"].get("content") or "" for c in chunks)
+        calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
+        assert text == "Let me check. " and [t["function"]["name"] for t in calls] == ["weather", "time"]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        # without tools, or with tool_choice none, the text is the answer
+        for extra in ({"tools": None}, {"tool_choice": "none"}):
+            async with s.post("/v1/chat/completions", json={**body, **extra}) as r:
+                message = (await r.json())["choices"][0]["message"]
+            assert message == {"role": "assistant", "content": HERMES}
 
-    asyncio.run(main())
+    run_app(AnswerEngine(), CharTokenizer(), ServingOptions(("m",), 4096, tool_call_parser="hermes"), test)
 
 
 def test_the_cli_wants_both_flags(tmp_path):
