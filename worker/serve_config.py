@@ -77,6 +77,13 @@ class ServeConfig:
     reasoning_parser: str | None = None       # --reasoning-parser (reasoning_parsers.py)
 
     def __post_init__(self) -> None:
+        self._check_names()
+        self._check_sizes()
+        self._check_device()
+        self._check_serving()
+
+    def _check_names(self) -> None:
+        """The model, names, choices and addresses."""
         if self.tool_call_parser is not None:
             from resident.worker.tool_parsers import get_tool_parser
 
@@ -106,6 +113,9 @@ class ServeConfig:
                              "that, or leave the option out for 127.0.0.1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+    def _check_sizes(self) -> None:
+        """Sizes, counts and limits."""
         for name in ("kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 flag = "--" + name.removesuffix("_bytes").replace("_", "-")
@@ -137,6 +147,9 @@ class ServeConfig:
                 # segfault at exit; beyond the CPUs they only contend.
                 raise ValueError(f"--cpu-threads {self.cpu_threads} is more than the {num_cpus} CPUs this process "
                                  f"may run on; use {num_cpus} or fewer, or leave it out for torch's choice")
+
+    def _check_device(self) -> None:
+        """The device and its execution modes."""
         from resident.worker.device import check_device_name  # no torch: the CLI builds this config
 
         check_device_name(self.device)
@@ -149,6 +162,9 @@ class ServeConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.drain_timeout_s < math.inf:   # NaN compares false both ways
             raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {self.drain_timeout_s}")
+
+    def _check_serving(self) -> None:
+        """The server's sockets, key, front end and the combinations refused."""
         if self.admin_socket is not None and len(os.path.abspath(self.admin_socket).encode()) > 107:
             raise ValueError(f"--admin-socket {self.admin_socket!r} is longer than a Unix socket path may be "
                              "(107 bytes); choose a shorter path")
