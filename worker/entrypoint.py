@@ -138,6 +138,17 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
         await _stop_admin(admin)
         return 1
 
+    growth = _become_ready(config, startup, metrics, state, worker, admin)
+    await stopper
+    await _stop_admin(admin)
+    await _drain_and_stop(config, state, site, runner, worker, growth)
+    return 0
+
+
+def _become_ready(config: ServeConfig, startup: StartupTimer, metrics: ServerMetrics, state: ServerState,
+                  worker: Worker, admin: Any) -> Any:
+    """Serve: the engine thread, /ready, READY=1, the after-ready work (KV growth, chat template,
+    snapshots); returns the KV growth thread (or None)."""
     worker.engine.start()
     state.serving = worker.serving
     startup.phases["total"] = time.time() - startup.t0
@@ -152,9 +163,13 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
         from resident.worker.snapshot_control import SnapshotControl
 
         admin.snapshot = SnapshotControl(state, worker, config)
+    return growth
 
-    await stopper
-    await _stop_admin(admin)
+
+async def _drain_and_stop(config: ServeConfig, state: ServerState, site: Any, runner: Any, worker: Worker,
+                          growth: Any) -> None:
+    """SIGTERM: stop accepting, let in-flight requests finish (up to --drain-timeout), release
+    the engine, the KV growth thread and the weights."""
     logger.info("stopping: draining in-flight requests (up to %.0f s)", config.drain_timeout_s)
     sd_notify(config.notify_socket, "STOPPING=1")
     state.draining = True
@@ -173,7 +188,6 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     if worker.tp is not None:
         worker.tp.close()
     logger.info("stopped")
-    return 0
 
 
 async def _start_admin(config: ServeConfig, state: ServerState, stop: asyncio.Event) -> Any:
