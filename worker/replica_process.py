@@ -3,7 +3,7 @@ resident.worker.replica_process`, started by the supervisor with the options of 
 $RESIDENT_REPLICA): this process is the replica's engine, and it starts the replica's
 front-end process at exec, before importing torch, as a single `resident serve --frontend
 process` does (frontend_server.py). The front-end serves the supervisor's shared socket and
-the replica's admin socket (frontend.FrontendReplica: /ready, /promote, /drain, /status;
+the replica's admin socket (frontend_http.FrontendReplica: /ready, /promote, /drain, /status;
 graceful.py's hand-back of connections when draining; a standby accepts once promoted).
 
 What makes it a replica rather than a single worker: the listening socket is inherited,

@@ -293,7 +293,7 @@ def test_two_promotes_at_once_of_a_frontend_process_replica_answer_200_and_409()
     from aiohttp.test_utils import make_mocked_request
 
     from resident.worker.admin import AdminServer
-    from resident.worker.frontend import _replica_control
+    from resident.worker.frontend_http import replica_control
 
     starts = []
 
@@ -304,7 +304,7 @@ def test_two_promotes_at_once_of_a_frontend_process_replica_answer_200_and_409()
 
     state = SimpleNamespace(failed=None, draining=False, ready=True, alive=True)
     fe = SimpleNamespace(site=Site(), accepting=False, state=state, stop=SimpleNamespace(set=lambda: None))
-    admin = AdminServer(_replica_control(fe), "/nonexistent/admin.sock")
+    admin = AdminServer(replica_control(fe), "/nonexistent/admin.sock")
 
     async def main() -> list[int]:
         answers = await asyncio.gather(*(admin.promote(make_mocked_request("POST", "/promote")) for _ in range(3)))
