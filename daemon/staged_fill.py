@@ -25,6 +25,10 @@ the copy engines move the next; only the last group's checksum (and one read-bac
 results) remains after the last copy. The sums are the same as one pass per slab at the
 end: wsum32 of each tensor's final bytes, whatever lies between tensors.
 
+The work items (jobs, chunks, checksum groups) are staged_jobs.py's, and the device side of a
+chunk (copy, cast, fp8 finish) is staged_copies.py's; this module runs the readers, the shared
+cursor and the checksums.
+
 Nothing here is GPU-only: on a CPU device the streams are None and copies synchronous, which
 is how the pipeline's logic (ordering included) is tested on machines without a GPU.
 """
@@ -36,21 +40,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from resident.daemon import checksum, quant
+from resident.daemon import checksum
+from resident.daemon.staged_copies import StagedCopies
+from resident.daemon.staged_jobs import Chunk, Group, Job, group_jobs
 from resident.daemon.staging import StagingConfig, StagingPool, StagingRing
 
 if TYPE_CHECKING:
-    from resident.daemon.load_plan import LoadPlan, StoredTensor
+    from resident.daemon.load_plan import LoadPlan
 
 log = logging.getLogger(__name__)
 
-#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
-_QUANT_CHUNK_NUMEL = 64 << 20
 #: Stored bytes per checksum group: small enough that the checksum left after the last copy is
 #: short (~5 ms on an H200), large enough that the per-group ops (~45 launches and small host
 #: copies, taking the GIL the readers need) stay few: ~32 groups for 16 GB.
@@ -58,61 +61,6 @@ _CHECKSUM_GROUP_BYTES = 512 << 20
 #: How often the main thread reports progress while it waits for groups.
 _PROGRESS_INTERVAL_S = 0.05
 _READERS_DONE = object()
-
-
-@dataclass
-class _Group:
-    """Consecutive jobs of one slab (an fp8 scale may sit in the next) checksummed together."""
-
-    indices: list[int] = field(default_factory=list)   # plan indices of the stored tensors
-    nbytes: int = 0
-    left: int = 0                                       # jobs not yet fully enqueued
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def job_done(self) -> bool:
-        with self._lock:
-            self.left -= 1
-            return self.left == 0
-
-
-@dataclass
-class _Job:
-    """One stored tensor (and its fp8 scale) on its way into the slab."""
-
-    index: int
-    tensor: StoredTensor
-    dst: torch.Tensor                  # uint8 view of the stored tensor's bytes in the slab
-    scale_dst: torch.Tensor | None     # uint8 view of the scale's 4 bytes (fp8)
-    stream: int
-    slab: int = 0
-    group: _Group | None = None
-    num_chunks: int = 0
-    temps: list[torch.Tensor] | None = None   # fp8: each part's source bytes (allocated at its first chunk)
-    _left: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def part_elem_offsets(self) -> list[int]:
-        offs, acc = [], 0
-        for p in self.tensor.parts:
-            offs.append(acc)
-            acc += p.info.numel
-        return offs
-
-    def chunk_done(self) -> bool:
-        """Count one enqueued chunk; True for the last one."""
-        with self._lock:
-            self._left -= 1
-            return self._left == 0
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    job: _Job
-    part: int
-    lo: int           # byte range [lo, hi) of the part's data in its file
-    hi: int
-    elem_off: int     # the part's first element within the stored tensor
-    stream: int       # fp8: the job's stream (its quantization follows); else round-robin per chunk
 
 
 class StagedFill:
@@ -124,6 +72,7 @@ class StagedFill:
         self.config = config
         self.device = views[0].device
         self.pool = pool
+        self.copies = StagedCopies(self.device)
         self.ring: StagingRing | None = None
         self.finish_s = 0.0          # thread-seconds enqueuing fp8 finishes
         self.read_s = 0.0            # thread-seconds in preads
@@ -142,7 +91,7 @@ class StagedFill:
         self._reader_end: list[float] = []
 
     # --- planning -----------------------------------------------------------------------
-    def _jobs(self) -> Iterator[_Job]:
+    def _jobs(self) -> Iterator[Job]:
         k = 0
         for i, t in enumerate(self.plan.tensors):
             if t.is_scale:
@@ -152,11 +101,11 @@ class StagedFill:
             if t.quantize:
                 ss, so = self.places[i + 1]
                 scale_dst = self.views[ss][so : so + 4]
-            job = _Job(i, t, self.views[slab][off : off + t.nbytes], scale_dst, k % self.config.num_streams, slab)
+            job = Job(i, t, self.views[slab][off : off + t.nbytes], scale_dst, k % self.config.num_streams, slab)
             k += 1
             yield job
 
-    def _chunks(self, job: _Job, first_stream: int) -> list[_Chunk]:
+    def _chunks(self, job: Job, first_stream: int) -> list[Chunk]:
         """The job's chunks. Copies (and casts) of a chunk depend on nothing else, so they are
         spread over all streams — a 1 GB embedding must not queue on one copy stream — except
         for fp8 jobs, whose quantization must follow every copy on the job's stream."""
@@ -165,27 +114,11 @@ class StagedFill:
         for p_idx, (p, e0) in enumerate(zip(job.tensor.parts, job.part_elem_offsets())):
             for lo in range(0, p.info.nbytes, step):
                 stream = job.stream if job.tensor.quantize else (first_stream + len(out)) % n
-                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0, stream))
+                out.append(Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0, stream))
         return out
 
-    @staticmethod
-    def _groups(jobs: list[_Job], group_bytes: int) -> list[_Group]:
-        """Cut the jobs (plan order) into groups of one slab and about `group_bytes` each."""
-        groups: list[_Group] = []
-        slab = -1
-        for job in jobs:
-            g = groups[-1] if groups else None
-            if g is None or job.slab != slab or g.nbytes >= group_bytes:
-                g = _Group()
-                groups.append(g)
-                slab = job.slab
-            g.indices.append(job.index)
-            if job.tensor.quantize:
-                g.indices.append(job.index + 1)   # its scale, written by its finish
-            g.nbytes += job.tensor.nbytes
-            g.left += 1
-            job.group = g
-        return groups
+    #: Cut the jobs (plan order) into checksum groups (a static method, so tests can wrap it).
+    _groups = staticmethod(group_jobs)
 
     # --- the pipeline -------------------------------------------------------------------
     def run(self, emit: Callable[..., None], total: int) -> list[int]:
@@ -226,7 +159,7 @@ class StagedFill:
             self._sum_stream = torch.cuda.Stream(device=self.device)
         jobs = list(self._jobs())
         groups = self._groups(jobs, _CHECKSUM_GROUP_BYTES)
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         for job in jobs:
             job_chunks = self._chunks(job, len(chunks))
             job.num_chunks = job._left = len(job_chunks)
@@ -235,8 +168,8 @@ class StagedFill:
             if not job.num_chunks:   # nothing to read; an empty fp8 weight still gets its scale
                 if job.tensor.quantize:
                     with ring.on_stream(job.stream):
-                        self._allocate_temps(job)
-                        self._finish(job)
+                        self.copies.allocate_temps(job)
+                        self.copies.finish(job)
                 self._job_enqueued(job)
         readers: list[threading.Thread] = []
         served = False
@@ -292,7 +225,7 @@ class StagedFill:
         if self._error is None and self._num_groups_done != num_groups:
             raise RuntimeError(f"staged load: {self._num_groups_done} of {num_groups} checksum groups completed")
 
-    def _checksum_group(self, group: _Group) -> None:
+    def _checksum_group(self, group: Group) -> None:
         """Enqueue the group's checksums behind everything enqueued so far on the copy streams."""
         ring = self.ring
         cs = self._sum_stream
@@ -328,7 +261,7 @@ class StagedFill:
                 self._error = e
         self._stop = True
 
-    def _reader(self, chunks: list[_Chunk]) -> None:
+    def _reader(self, chunks: list[Chunk]) -> None:
         try:
             while not self._stop:
                 with self._lock:
@@ -352,13 +285,13 @@ class StagedFill:
         if last:
             self._ready.put(_READERS_DONE)
 
-    def _run_chunk(self, c: _Chunk) -> None:
+    def _run_chunk(self, c: Chunk) -> None:
         job = c.job
         n = c.hi - c.lo
         ring = self.ring
         if job.tensor.quantize and job.temps is None:
             with job._lock, ring.on_stream(job.stream):
-                self._allocate_temps(job)
+                self.copies.allocate_temps(job)
         i = ring.acquire()
         try:
             t0 = time.monotonic()
@@ -366,7 +299,7 @@ class StagedFill:
             t1 = time.monotonic()
             buf = ring.buffers[i]
             with ring.on_stream(c.stream):
-                self._place(c, buf if n == buf.numel() else buf[:n])
+                self.copies.place(c, buf if n == buf.numel() else buf[:n])
         finally:
             ring.release(i, c.stream)
         with self._lock:
@@ -376,50 +309,13 @@ class StagedFill:
             if job.tensor.quantize:
                 t0 = time.monotonic()
                 with ring.on_stream(job.stream):
-                    self._finish(job)
+                    self.copies.finish(job)
                 dt = time.monotonic() - t0
                 with self._lock:
                     self.finish_s += dt
             self._job_enqueued(job)
 
-    def _job_enqueued(self, job: _Job) -> None:
+    def _job_enqueued(self, job: Job) -> None:
         """Every copy (and finish) of `job` is enqueued: its group may be checksummed once all are."""
         if job.group is not None and job.group.job_done():
             self._ready.put(job.group)
-
-    def _allocate_temps(self, job: _Job) -> None:
-        """fp8: device memory for the job's whole source (on its stream; at most one job per reader at a time)."""
-        if job.temps is None:
-            job.temps = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=self.device) for p in job.tensor.parts]
-
-    def _place(self, c: _Chunk, host: torch.Tensor) -> None:
-        """Enqueue the copy (and cast) of one chunk on the current stream."""
-        job, t = c.job, c.job.tensor
-        src_dtype = t.parts[c.part].info.torch_dtype
-        if t.quantize:
-            job.temps[c.part][c.lo : c.hi].copy_(host, non_blocking=True)
-        elif src_dtype == t.dtype:
-            start = c.elem_off * t.dtype.itemsize + c.lo
-            job.dst[start : start + host.numel()].copy_(host, non_blocking=True)
-        else:
-            tmp = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-            tmp.copy_(host, non_blocking=True)
-            e0 = c.elem_off + c.lo // src_dtype.itemsize
-            n = host.numel() // src_dtype.itemsize
-            job.dst.view(t.dtype)[e0 : e0 + n].copy_(tmp.view(src_dtype))
-
-    def _finish(self, job: _Job) -> None:
-        """fp8: after all of the job's copies (same stream), the amax, scale and quantization."""
-        t = job.tensor
-        staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
-        maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
-        amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
-        scale = quant.fp8_scale_tensor(amax)
-        out = job.dst.view(quant.FP8_DTYPE)
-        start = 0
-        for s in staged:
-            quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
-            start += s.numel()
-        job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
-        job.temps = []
-

@@ -1,6 +1,9 @@
-"""Host staging for the GPU load pipeline: its sizes (`StagingConfig`), the pinned buffers the
-daemon keeps across loads (`StagingPool`) and the ring one load reads through (`StagingRing`).
-The pipeline itself — readers, copies, casts, fp8, checksums — is `staged_fill.StagedFill`.
+"""Host staging for the GPU load pipeline: the pinned buffers the daemon keeps across loads
+(`StagingPool`, over one allocation's `HostBuffers`). Their sizes are `StagingConfig`
+(staging_config.py), the ring one load reads through is `StagingRing` (staging_ring.py) and
+pinning outside the driver is `RegisteredArena` (registered_arena.py); all are importable
+from here. The pipeline itself — readers, copies, casts, fp8, checksums — is
+`staged_fill.StagedFill`.
 
 Pinning is slow, so a fresh pool pins its buffers in a background thread, in pieces of 1, 1,
 2, 4, ... buffers, and a load starts reading into the first buffer while the rest are being
@@ -22,91 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 
+from resident.daemon.registered_arena import HUGE_PAGE, RegisteredArena
+from resident.daemon.staging_config import ENV_VARS, PIN_ENV, PIN_MODES, MiB, StagingConfig
+from resident.daemon.staging_ring import StagingRing
+
+# The config, arena and ring names are re-exported: many modules and tests import them from here.
+__all__ = ["ENV_VARS", "HUGE_PAGE", "MiB", "PIN_ENV", "PIN_MODES", "HostBuffers", "RegisteredArena", "StagingConfig",
+           "StagingPool", "StagingRing", "piece_counts"]
+
 log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-
-#: The environment variables `StagingConfig.from_env` reads (once, where a daemon or a bench starts).
-ENV_VARS = {
-    "RESIDENT_STAGING_THREADS": "num_threads",
-    "RESIDENT_STAGING_CHUNK_MIB": "buffer_bytes",
-    "RESIDENT_STAGING_BUFFERS": "num_buffers",
-    "RESIDENT_STAGING_STREAMS": "num_streams",
-}
-#: How pinned buffers are made ($RESIDENT_STAGING_PIN; the module docstring says what each does).
-PIN_MODES = ("register", "torch")
-PIN_ENV = "RESIDENT_STAGING_PIN"
-HUGE_PAGE = 2 * MiB
-
-
-@dataclass(frozen=True)
-class StagingConfig:
-    """Sizes of the GPU load pipeline. Pinned host memory = num_buffers x buffer_bytes; a
-    buffer holds one chunk (a tensor is read in chunks of buffer_bytes)."""
-
-    buffer_bytes: int = 16 * MiB
-    num_buffers: int = 0            # 0: reader threads + 8
-    num_streams: int = 4
-    num_threads: int = 0            # 0: min(16, CPU count)
-    pin: str = "register"           # PIN_MODES
-
-    def __post_init__(self) -> None:
-        if self.pin not in PIN_MODES:
-            raise ValueError(f"staging pin must be one of {', '.join(PIN_MODES)}, got {self.pin!r}")
-        if self.buffer_bytes < 64 << 10 or self.buffer_bytes % (64 << 10):
-            raise ValueError(f"staging buffer_bytes must be a positive multiple of 64 KiB, got {self.buffer_bytes}")
-        for name in ("num_buffers", "num_streams", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"staging {name} must be >= 0, got {getattr(self, name)}")
-        if self.num_streams == 0:
-            raise ValueError("staging num_streams must be at least 1")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **defaults: int) -> StagingConfig:
-        """`defaults` overridden by $RESIDENT_STAGING_THREADS, _CHUNK_MIB, _BUFFERS, _STREAMS, _PIN
-        (unset or empty: the default). Read once at start (daemon, bench), never per load."""
-        env = os.environ if env is None else env
-        values: dict = dict(defaults)
-        pin = env.get(PIN_ENV, "").strip()
-        if pin:
-            if pin not in PIN_MODES:
-                raise ValueError(f"${PIN_ENV}={pin!r} is not one of {', '.join(PIN_MODES)}; unset it or pick one")
-            values["pin"] = pin
-        for var, field_name in ENV_VARS.items():
-            raw = env.get(var, "").strip()
-            if not raw:
-                continue
-            try:
-                n = int(raw)
-            except ValueError:
-                raise ValueError(f"${var}={raw!r} is not an integer; unset it or give a number") from None
-            if n < 0 or (field_name == "buffer_bytes" and n == 0):
-                raise ValueError(f"${var}={raw!r} must be {'positive' if field_name == 'buffer_bytes' else '>= 0'}")
-            values[field_name] = n * MiB if field_name == "buffer_bytes" else n
-        try:
-            return cls(**values)
-        except ValueError as e:
-            raise ValueError(f"{e} (from ${', $'.join([*ENV_VARS, PIN_ENV])})") from None
-
-    def threads(self) -> int:
-        return self.num_threads or min(16, os.cpu_count() or 1)
-
-    def buffers(self) -> int:
-        return self.num_buffers or self.threads() + 8
-
-    def describe(self) -> str:
-        return (f"{self.threads()} threads x {self.buffer_bytes // MiB} MiB chunks, {self.buffers()} buffers, "
-                f"{self.num_streams} streams")
 
 
 def piece_counts(n: int) -> list[int]:
@@ -125,74 +58,6 @@ def piece_counts(n: int) -> list[int]:
 
 def _alloc_host(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-
-def _cuda_register(ptr: int, nbytes: int) -> None:
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, nbytes, 1)      # cudaHostRegisterPortable: every context's
-    if err != cudart.cudaError.success:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {cudart.cudaGetErrorString(err)}")
-
-
-def _cuda_unregister(ptr: int) -> None:
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostUnregister(ptr)
-    if err != cudart.cudaError.success:
-        log.warning("staging pool: cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
-
-
-def _fault_in(piece: torch.Tensor, threads: int) -> None:
-    """Write one byte of every 4 KiB page of `piece` from `threads` threads (torch releases the
-    GIL in the write, so the page faults run in parallel)."""
-    parts = max(1, min(threads, piece.numel() // HUGE_PAGE))
-    step = -(-piece.numel() // parts // HUGE_PAGE) * HUGE_PAGE
-    spans = [piece[lo : lo + step] for lo in range(0, piece.numel(), step)]
-    workers = [threading.Thread(target=lambda t=t: t[::4096].zero_(), name="resident-staging-fault") for t in spans[1:]]
-    for w in workers:
-        w.start()
-    spans[0][::4096].zero_()
-    for w in workers:
-        w.join()
-
-
-class RegisteredArena:
-    """Pinned host memory made outside the driver ("register", the module docstring): one
-    anonymous mapping, its 2 MiB-aligned part asked for transparent huge pages; `take(n)` faults
-    in the next n bytes and page-locks them with cudaHostRegister. `release()` unlocks every
-    piece; the mapping goes when the last tensor viewing it does (torch keeps the mmap object
-    alive through the buffer it exports). `register`/`unregister`: the CUDA calls (tests pass
-    their own: there is no GPU in CI)."""
-
-    def __init__(self, nbytes: int, fault_threads: int = 4, register: Callable[[int, int], None] | None = None,
-                 unregister: Callable[[int], None] | None = None) -> None:
-        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        offset = -whole.data_ptr() % HUGE_PAGE
-        self.huge_pages = True
-        try:
-            self._map.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-        except (AttributeError, OSError, ValueError):   # no THP in this kernel: 4 KiB pages, still correct
-            self.huge_pages = False
-        self.tensor = whole[offset : offset + nbytes]
-        self.fault_threads = fault_threads
-        self._register, self._unregister = register or _cuda_register, unregister or _cuda_unregister
-        self._next = 0
-        self._locked: list[int] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        piece = self.tensor[self._next : self._next + nbytes]
-        if piece.numel() != nbytes:
-            raise ValueError(f"the arena has {self.tensor.numel() - self._next} bytes left, not {nbytes}")
-        _fault_in(piece, self.fault_threads)
-        self._register(piece.data_ptr(), nbytes)
-        self._locked.append(piece.data_ptr())
-        self._next += nbytes
-        return piece
-
-    def release(self) -> None:
-        locked, self._locked = self._locked, []
-        for ptr in locked:
-            self._unregister(ptr)
 
 
 class HostBuffers:
@@ -372,76 +237,3 @@ class StagingPool:
             with contextlib.suppress(Exception):
                 torch._C._host_emptyCache()
 
-
-class StagingRing:
-    """The staging buffers of one load and the copy streams of each of its devices (one for a
-    whole-model load; every GPU that receives a copy for a sharded one, shard_gpu.py).
-
-    A buffer is handed out only after every copy that last read it has completed (its event
-    on each device), so a reader never overwrites bytes a copy engine is still reading; and,
-    on a fresh pool, only once it is pinned. Events and streams are made once per load, not
-    per chunk.
-    """
-
-    def __init__(self, config: StagingConfig, devices: torch.device | Sequence[torch.device],
-                 host: HostBuffers) -> None:
-        self.config = config
-        self.devices = [devices] if isinstance(devices, torch.device) else list(devices)
-        self.device = self.devices[0]
-        self.cuda = self.device.type == "cuda"
-        self.host = host
-        n = len(host.buffers)
-        self.buffers: list[torch.Tensor | None] = [None] * n
-        self.memoryviews: list[memoryview | None] = [None] * n
-        # blocking=True: waiters sleep instead of spinning on a core. One list per device.
-        self._events = [[torch.cuda.Event(blocking=True) for _ in range(n)] for _ in self.devices] if self.cuda \
-            else []
-        self._recorded = [False] * n
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(n):
-            self._free.put(i)
-        #: per device, its copy streams (None on the CPU)
-        self.device_streams = [[torch.cuda.Stream(device=d) if self.cuda else None for _ in range(config.num_streams)]
-                               for d in self.devices]
-        self.streams = self.device_streams[0]   # the first device's
-        self._lock = threading.Lock()
-        self.wait_s = 0.0    # time readers waited for a free (or not yet pinned) buffer, summed over threads
-
-    def acquire(self) -> int:
-        t0 = time.monotonic()
-        i = self._free.get()
-        try:
-            if self.buffers[i] is None:   # first use in this load: maybe still being pinned
-                buf = self.host.get(i)
-                self.memoryviews[i] = memoryview(buf.numpy())
-                self.buffers[i] = buf
-            if self._recorded[i]:
-                for events in self._events:
-                    events[i].synchronize()
-        except BaseException:
-            self._free.put(i)
-            raise
-        dt = time.monotonic() - t0
-        with self._lock:
-            self.wait_s += dt
-        return i
-
-    def release(self, i: int, stream_index: int) -> None:
-        """Return buffer `i` once the work enqueued so far on stream `stream_index` of every
-        device is done with it."""
-        if self.cuda:
-            for events, streams in zip(self._events, self.device_streams):
-                events[i].record(streams[stream_index])
-            self._recorded[i] = True
-        self._free.put(i)
-
-    def on_stream(self, index: int, device: int = 0) -> contextlib.AbstractContextManager:
-        """Stream `index` of the `device`-th device made current (nothing on the CPU)."""
-        s = self.device_streams[device][index]
-        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        for streams in self.device_streams:
-            for s in streams:
-                if s is not None:
-                    s.synchronize()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from recording_backend import SMALL_STAGING as SMALL, page_locked, raw_views, recording_backend
 
-from resident.daemon import checksum, staged_fill, staging, tensor_reader
+from resident.daemon import checksum, registered_arena, staged_fill, staging, tensor_reader
 from resident.daemon.loader import LoadSpec, load, pack, plan_load
 from resident.daemon.safetensors_io import CheckpointError
 from resident.daemon.staged_fill import StagedFill
@@ -192,8 +192,8 @@ def test_host_buffers_hand_out_each_buffer_once_it_exists():
 def _fake_cuda_locks(monkeypatch) -> tuple[list, list]:
     """cudaHostRegister / cudaHostUnregister replaced by recorders (no GPU here)."""
     locked, unlocked = [], []
-    monkeypatch.setattr(staging, "_cuda_register", lambda ptr, n: locked.append((ptr, n)))
-    monkeypatch.setattr(staging, "_cuda_unregister", unlocked.append)
+    monkeypatch.setattr(registered_arena, "_cuda_register", lambda ptr, n: locked.append((ptr, n)))
+    monkeypatch.setattr(registered_arena, "_cuda_unregister", unlocked.append)
     return locked, unlocked
 
 
@@ -250,7 +250,7 @@ def test_pinning_falls_back_to_cudahostalloc_where_registering_fails(monkeypatch
     def refuse(ptr, n):
         raise RuntimeError("cudaHostRegister of 65536 bytes failed: operation not permitted")
 
-    monkeypatch.setattr(staging, "_cuda_register", refuse)
+    monkeypatch.setattr(registered_arena, "_cuda_register", refuse)
     calls = []
     monkeypatch.setattr(staging, "_alloc_host",
                         lambda n, pinned: calls.append((n, pinned)) or torch.empty(n, dtype=torch.uint8))
