@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resident.worker.chat_messages import check_tool, parse_message
+from resident.worker.guided_fields import GUIDED_FIELDS
 # RequestError is imported from here too (openai_serving, test_structured_output): it stays a name of this module.
 from resident.worker.request_error import RequestError
 from resident.worker.sampling_fields import (parse_sampling, read_bool, read_int, read_truncate_prompt_tokens,
                                              refuse_unsupported)
-from resident.worker.structured_output import GUIDED_FIELDS
 from resident.worker.tool_choice import ToolChoice, guided_spec, parse_tool_choice
 
 # Fields we accept on top of OpenAI's, as vLLM does.

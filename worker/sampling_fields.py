@@ -11,9 +11,9 @@ import json
 import math
 from typing import Any
 
+from resident.worker.guided_fields import GuidedDecodingError, parse_guided
 from resident.worker.request_error import RequestError
 from resident.worker.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS
-from resident.worker.structured_output import GuidedDecodingError, parse_guided
 
 # The engine thread checks every stop string (and every stop token id) of every running
 # request at each step: 200 k stop strings in one request made every other request 2.5x

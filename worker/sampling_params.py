@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from resident.worker.structured_output import GuidedSpec
+from resident.worker.guided_fields import GuidedSpec
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts

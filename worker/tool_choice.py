@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resident.worker.request_error import RequestError
-from resident.worker.structured_output import GuidedSpec
+from resident.worker.guided_fields import GuidedSpec
 
 MODES = ("none", "auto", "required")
 
