@@ -216,6 +216,9 @@ class OpenAIPreparer:
         ids = self.encode_prompt(text, special, "messages") if keep is None else self._encode_last(text, special, keep)
         check_prompt_length(len(ids), req.max_tokens, self.opts.max_model_len, param="messages")
         logprobs = req.top_logprobs if req.logprobs else None
+        parser = getattr(self, "tool_parser", None)
+        if parser is not None and parser.keeps_special_tokens and req.tools and req.tool_choice.mode == "auto":
+            req.sampling["skip_special_tokens"] = False   # its calls start with a special token (as vLLM)
         prep = Prepared("chat", req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [ids], [text],
                         self._params(req, logprobs, 1))
         if req.echo and req.messages[-1].get("role") == "assistant":   # as vLLM: the answer's own role only

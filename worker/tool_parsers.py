@@ -6,6 +6,9 @@ in its model family's format as `tool_calls`, and the text before them as `conte
   {...}}</tool_call>`, one or more (the last may lack its closing tag when the answer ends there).
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the answer is one or more JSON objects `{"name": ...,
   "parameters": {...}}` (or "arguments"), separated by ";", optionally after `<|python_tag|>`.
+- `mistral` (Mistral 7B v0.3, Nemo, Small, Devstral): `[TOOL_CALLS][{"name": ..., "arguments":
+  {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` with the v11 tokenizer; the request's answer keeps
+  special tokens (skip_special_tokens off), since [TOOL_CALLS] is one.
 
 An answer whose calls do not parse as such (a JSON error, no "name") is content, whole, as it came
 (vLLM does the same). Streamed, the text before the first call streams as content; from the call's
@@ -23,9 +26,11 @@ from resident.worker.tool_choice import new_call_id
 
 class ToolParser:
     """Finds an answer's tool calls: `parse(text)` -> (content or None, [{"name", "arguments"
-    (JSON text)}]); `start(text)` -> where the calls may begin (len(text) when they cannot yet)."""
+    (JSON text)}]); `start(text)` -> where the calls may begin (len(text) when they cannot yet).
+    `keeps_special_tokens`: its marker is a special token, which the answer's text must keep."""
 
     name = ""
+    keeps_special_tokens = False
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
         raise NotImplementedError
@@ -108,7 +113,45 @@ class Llama3JsonParser(ToolParser):
         return len(text)
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+class MistralParser(ToolParser):
+    """`[TOOL_CALLS]` then a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Nemo, Small
+    up to 3.1), or one or more `[TOOL_CALLS]name[ARGS]{...}` (tokenizer v11+: Small 3.2,
+    Devstral). [TOOL_CALLS] is a special token: the serving layer keeps special tokens in the
+    text of requests this parser reads (`keeps_special_tokens`)."""
+
+    name = "mistral"
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    keeps_special_tokens = True
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return text, []
+        calls: list[dict[str, str]] = []
+        for part in text[at:].split(self.OPEN)[1:]:
+            part = part.strip()
+            try:
+                if part.startswith("["):
+                    items = json.loads(part)
+                    found = ([_call(c, ("arguments", "parameters")) for c in items] if isinstance(items, list)
+                             else [None])
+                else:
+                    name, _, args = part.partition(self.ARGS)
+                    found = [_call({"name": name.strip(), "arguments": json.loads(args)}, ("arguments",))]
+            except ValueError:
+                return text, []
+            if not found or any(c is None for c in found):
+                return text, []
+            calls.extend(found)  # type: ignore[arg-type]
+        content = text[:at].strip()
+        return content or None, calls
+
+    def start(self, text: str) -> int:
+        at = text.find(self.OPEN)
+        return at if at >= 0 else _partial_suffix(text, self.OPEN)
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

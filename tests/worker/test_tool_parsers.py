@@ -31,6 +31,13 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
     ("llama3_json", "Paris is sunny.", "Paris is sunny.", []),
     ("llama3_json", '{"name": "a", "parameters": {}', '{"name": "a", "parameters": {}', []),
     ("llama3_json", '{"city": "Oslo"}', '{"city": "Oslo"}', []),
+    ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Rome"}}, {"name": "time", "arguments": {}}]',
+     None, [("weather", '{"city": "Rome"}'), ("time", "{}")]),
+    ("mistral", 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]time[ARGS]{}', "Sure.",
+     [("weather", '{"city": "Rome"}'), ("time", "{}")]),
+    ("mistral", "[TOOL_CALLS][{bad json", "[TOOL_CALLS][{bad json", []),
+    ("mistral", "[TOOL_CALLS]weather[ARGS]not json", "[TOOL_CALLS]weather[ARGS]not json", []),
+    ("mistral", "no calls", "no calls", []),
 ])
 def test_parsers(parser, text, content, calls):
     got_content, got = get_tool_parser(parser).parse(text)
@@ -38,8 +45,24 @@ def test_parsers(parser, text, content, calls):
 
 
 def test_unknown_parser_names_the_valid_ones():
-    with pytest.raises(ValueError, match="choose one of hermes, llama3_json"):
-        get_tool_parser("mistral")
+    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral"):
+        get_tool_parser("pythonic")
+
+
+def test_mistral_keeps_special_tokens_in_tool_requests_only():
+    """[TOOL_CALLS] is a special token: a chat request with tools keeps special tokens in its answer
+    under the mistral parser (its skip_special_tokens off), others as they asked."""
+    from resident.worker.openai_serving import OpenAIServing
+    from resident.worker.protocol import parse_chat_request
+
+    opts = ServingOptions(("m",), 4096, tool_call_parser="mistral")
+    serving = OpenAIServing(None, CharTokenizer(), opts, None, vocab_size=256)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with_tools = serving.prepare_chat(parse_chat_request({**body, "tools": TOOLS}, opts))
+    assert with_tools.params[0].skip_special_tokens is False
+    assert serving.prepare_chat(parse_chat_request(body, opts)).params[0].skip_special_tokens is True
+    none = serving.prepare_chat(parse_chat_request({**body, "tools": TOOLS, "tool_choice": "none"}, opts))
+    assert none.params[0].skip_special_tokens is True
 
 
 def test_messages():
