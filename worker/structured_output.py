@@ -225,7 +225,10 @@ def draft_bitmask(matcher: Any, vocab_size: int, drafts: Sequence[int],
     matcher.fill_next_token_bitmask(bitmask, 0)
     num_valid = 0
     for token in drafts:
-        if not matcher.accept_token(token):
+        # The row's bit first: a token it leaves out is refused without asking the matcher (which
+        # logs a warning for each special token it is offered).
+        allowed = 0 <= token < vocab_size and (int(bitmask[num_valid, token // 32]) >> (token % 32)) & 1
+        if not allowed or not matcher.accept_token(token):
             break
         num_valid += 1
         if matcher.is_terminated():

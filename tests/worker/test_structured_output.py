@@ -294,10 +294,11 @@ def test_tp_ranks_get_no_bitmask(tiny):
 # --- the engine on the tiny model -----------------------------------------------------------
 def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = False, prompt: str = "hello",
         device: str = "cpu", wrap: Callable[[ModelRunner], Any] | None = None,
-        reasoning_end: int | None = None,
+        reasoning_end: int | None = None, engines: list | None = None,
         **engine_kwargs) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
     """Each request's text, finish reason and tokens; `wrap` makes the engine's runner of the
-    ModelRunner (a speculative one); `reasoning_end`: the token grammars wait for."""
+    ModelRunner (a speculative one); `reasoning_end`: the token grammars wait for; `engines`
+    gets the engine appended (its counters)."""
     config, weights, tokenizer, _ = tiny
     engine_config = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
     if device != "cpu":
@@ -307,6 +308,8 @@ def run(tiny, requests: dict[str, SamplingParams], async_scheduling: bool = Fals
         runner = wrap(runner)
     engine = LLMEngine(engine_config, runner, tokenizer, async_scheduling=async_scheduling, **engine_kwargs)
     engine.guided.reasoning_end_token_id = reasoning_end
+    if engines is not None:
+        engines.append(engine)
     for rid, params in requests.items():
         engine.add_request(rid, tokenizer.encode(prompt), params)
     text = {rid: "" for rid in requests}

@@ -18,7 +18,9 @@ draft's KV (see scheduler.py).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,9 +70,19 @@ class DraftProposer:
             self._generators[s.request_id] = g
         return g
 
-    def propose(self, scheduled: list[ScheduledRequest]) -> dict[str, Proposal]:
+    def propose(self, scheduled: list[ScheduledRequest],
+                grammar: Mapping[str, Any] | None = None) -> dict[str, Proposal]:
         """Mirror every chunk in the draft's KV cache; propose up to num_spec_tokens tokens
-        for each decoding request that has room for them."""
+        for each decoding request that has room for them. `grammar`: guided requests' matchers
+        (request id -> xgrammar matcher): their drafts follow the grammar, as the target's tokens
+        will (the matchers are left as they were)."""
+        guide = _DraftGrammar(grammar or {})
+        try:
+            return self._propose(scheduled, guide)
+        finally:
+            guide.rollback()
+
+    def _propose(self, scheduled: list[ScheduledRequest], guide: _DraftGrammar) -> dict[str, Proposal]:
         chunks, num_logits = [], []
         for s in scheduled:
             end = s.start_pos + len(s.token_ids)
@@ -104,7 +116,7 @@ class DraftProposer:
                                            s.sampling_params, s.prompt_token_ids, s.output_token_ids)
                           for s in active]
                 logits = self.runner.forward_logits(chunks, [1] * len(chunks))
-            self._sample(logits, active, drafts, probs)
+            self._sample(logits, active, drafts, probs, guide)
         out = {}
         for s in scheduled:
             if s.num_spec_tokens > 0:
@@ -117,7 +129,7 @@ class DraftProposer:
         return out
 
     def _sample(self, logits: torch.Tensor, active: list[ScheduledRequest], drafts: dict[str, list[int]],
-                probs: dict[str, list[torch.Tensor]]) -> None:
+                probs: dict[str, list[torch.Tensor]], guide: _DraftGrammar) -> None:
         if all(s.sampling_params.temperature <= 0.0
                and not needs_penalties(s.sampling_params, len(s.output_token_ids) + len(drafts[s.request_id]))
                for s in active):
@@ -125,14 +137,15 @@ class DraftProposer:
             for s, t in zip(active, logits.argmax(dim=-1).tolist()):
                 drafts[s.request_id].append(t)
             return
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids,
-                            list(s.output_token_ids) + drafts[s.request_id], self._generator(s)) for s in active]
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, list(s.output_token_ids) + drafts[s.request_id],
+                            self._generator(s), guide.mask(s.request_id, logits.shape[1])) for s in active]
         greedy = [i for i, r in enumerate(rows) if r.params.temperature <= 0.0]
         sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0.0]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             for i, t in zip(greedy, greedy_tokens(logits[idx], [rows[i] for i in greedy]).tolist()):
                 drafts[active[i].request_id].append(t)
+                guide.advance(active[i].request_id, t)
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             q = processed_probs(logits[idx], [rows[i] for i in sampled])
@@ -141,6 +154,7 @@ class DraftProposer:
                 rid = active[i].request_id
                 drafts[rid].append(t)
                 probs[rid].append(q[n])
+                guide.advance(rid, t)
 
     def on_verified(self, request_id: str, num_accepted: int) -> None:
         """The target accepted num_accepted of this step's drafts: draft KV beyond the
@@ -148,6 +162,43 @@ class DraftProposer:
         base = self._base.pop(request_id, None)
         if base is not None and request_id in self._valid:
             self._valid[request_id] = min(self._valid[request_id], base + num_accepted)
+
+
+class _DraftGrammar:
+    """Guided requests' matchers while the draft proposes: each draft masked by its grammar and
+    fed to it; `rollback` returns the matchers to where they were (the engine feeds them the
+    committed tokens). A matcher that ends (or, by a bug, refuses a draft) masks no more."""
+
+    def __init__(self, matchers: Mapping[str, Any]) -> None:
+        self.matchers = dict(matchers)
+        self.advanced = dict.fromkeys(self.matchers, 0)
+        self.done: set[str] = set()
+
+    def mask(self, request_id: str, vocab_size: int) -> torch.Tensor | None:
+        matcher = self.matchers.get(request_id)
+        if matcher is None or request_id in self.done:
+            return None
+        from resident.worker.structured_output import import_xgrammar
+
+        bitmask = import_xgrammar().allocate_token_bitmask(1, vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bitmask[0]
+
+    def advance(self, request_id: str, token: int) -> None:
+        matcher = self.matchers.get(request_id)
+        if matcher is None or request_id in self.done:
+            return
+        if matcher.accept_token(token):
+            self.advanced[request_id] += 1
+            if not matcher.is_terminated():
+                return
+        self.done.add(request_id)
+
+    def rollback(self) -> None:
+        for rid, n in self.advanced.items():
+            if n:
+                self.matchers[rid].rollback(n)
+        self.advanced = dict.fromkeys(self.matchers, 0)
 
 
 def _all_tokens(s: ScheduledRequest) -> list[int]:

@@ -168,7 +168,7 @@ class SpecDecodeRunner:
             self.proposer.drop_requests(out.finished_request_ids)
         if not out.scheduled:
             return ModelRunnerOutput(sampled={})
-        proposals = self._propose(out.scheduled)
+        proposals = self._propose(out)
         masks = self._grammar_masks(out, proposals)
         drafts = [proposals[s.request_id].token_ids if s.num_spec_tokens else [] for s in out.scheduled]
         logits, starts, num_logits = self._forward(out.scheduled, drafts)
@@ -248,9 +248,11 @@ class SpecDecodeRunner:
             self._logged_verify.add(how)
             logger.info("%s (first such step)", message)
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> dict[str, Proposal]:
-        if isinstance(self.proposer, DraftProposer):
-            return self.proposer.propose(scheduled)
+    def _propose(self, out: SchedulerOutput) -> dict[str, Proposal]:
+        scheduled = out.scheduled
+        if isinstance(self.proposer, DraftProposer):   # guided requests draft by their grammar (not while reasoning)
+            return self.proposer.propose(scheduled, {rid: m for rid, m in out.grammar_matchers.items()
+                                                     if rid not in out.grammar_deferred})
         return {s.request_id: Proposal(self.proposer.propose(list(s.prompt_token_ids) + list(s.output_token_ids),
                                                              s.num_spec_tokens), None)
                 for s in scheduled if s.num_spec_tokens}
