@@ -15,6 +15,7 @@ from typing import Any
 
 from resident.worker.frontend_link import merge_expositions
 from resident.worker.frontend_state import Frontend
+from resident.worker.metrics import VLLM_NAMES
 
 logger = logging.getLogger("resident.worker.frontend")   # its lines kept their logger name
 
@@ -22,6 +23,7 @@ logger = logging.getLogger("resident.worker.frontend")   # its lines kept their 
 FRONTEND_FAMILIES = {"resident_request_ttft_seconds", "resident_request_inter_token_latency_seconds",
                      "resident_request_e2e_latency_seconds", "resident_request_success",
                      "resident_prompt_tokens", "resident_generation_tokens"}
+FRONTEND_FAMILIES |= {VLLM_NAMES[name] for name in FRONTEND_FAMILIES}   # their vLLM-named copies
 SNAPSHOT_UNAVAILABLE = ("a worker served with --frontend process cannot be snapshotted yet (CRIU would have "
                         "to dump both of its processes); serve it with --frontend inline to snapshot it")
 

@@ -15,10 +15,21 @@ Exported names (all prefixed `resident_`):
   `worker_spec_accepted_tokens_total` (counters), `worker_spec_acceptance_rate` (accepted /
   proposed) and `worker_spec_mean_accepted_length` (accepted per verification step; tokens
   per step = 1 + this) (gauges, over the worker's life).
+
+The request-level metrics are also exposed under vLLM's names (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
+`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+`vllm:e2e_request_latency_seconds`, each labelled `model_name`), so dashboards and autoscalers
+written for vLLM read a resident worker unchanged: copies made when /metrics is rendered
+(`VllmNames`), not a second set of counters to update.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STARTUP_PHASES = ("import", "cuda_context", "weights", "verify", "tokenizer", "kv_alloc", "warmup", "graphs", "total")
@@ -26,6 +37,41 @@ STARTUP_PHASES = ("import", "cuda_context", "weights", "verify", "tokenizer", "k
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+#: resident's metric -> vLLM's name for the same measure
+VLLM_NAMES = {
+    "resident_num_requests_running": "vllm:num_requests_running",
+    "resident_num_requests_waiting": "vllm:num_requests_waiting",
+    "resident_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "resident_prompt_tokens": "vllm:prompt_tokens",
+    "resident_generation_tokens": "vllm:generation_tokens",
+    "resident_request_success": "vllm:request_success",
+    "resident_request_ttft_seconds": "vllm:time_to_first_token_seconds",
+    "resident_request_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "resident_request_e2e_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class VllmNames:
+    """A collector of `source`'s VLLM_NAMES metrics under vLLM's names, labelled model_name."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            new = VLLM_NAMES.get(family.name)
+            if new is None:
+                continue
+            copy = Metric(new, family.documentation + " (vLLM's name)", family.type, family.unit)
+            for sample in family.samples:
+                labels = {_VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                copy.add_sample(new + sample.name[len(family.name):], {**labels, "model_name": self.model_name},
+                                sample.value, sample.timestamp, sample.exemplar)
+            yield copy
 
 
 class ServerMetrics:
@@ -55,6 +101,8 @@ class ServerMetrics:
         self.info = Gauge("resident_worker_info", "Constant 1, labelled with what this worker serves.",
                           ["model", "weights_source"], registry=r)
         self._model_name = model_name
+        self.vllm_registry = CollectorRegistry()   # the vLLM-named copies (VllmNames)
+        self.vllm_registry.register(VllmNames(r, model_name))
         self._spec: tuple[Counter, Counter, Counter, Gauge, Gauge] | None = None
         self._spec_totals = (0, 0, 0)
 
@@ -95,4 +143,4 @@ class ServerMetrics:
         length.set(num_accepted / num_drafts if num_drafts else 0.0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.vllm_registry)

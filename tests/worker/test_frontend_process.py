@@ -367,6 +367,12 @@ def test_metrics_merge_both_processes(workers):
     names = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     assert "weights_source=\"\"" not in text
+    # vLLM's names, each from the process that counts it (model_name labelled)
+    label = f'model_name="{MODEL_NAME}"'
+    assert metric(base, "vllm:generation_tokens_total", label) == metric(base, "resident_generation_tokens_total")
+    assert metric(base, "vllm:time_to_first_token_seconds_count", label) >= 1
+    assert metric(base, "vllm:num_requests_running", label) is not None
+    assert metric(base, "vllm:kv_cache_usage_perc", label) is not None
 
 
 def test_probes_404_and_api_key(workers):
