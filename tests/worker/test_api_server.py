@@ -303,3 +303,22 @@ def test_client_disconnect_aborts_the_engine_request():
         assert len(engine.aborted) == 2 and not engine.running
 
     asyncio.run(_in_process(test, engine=ScriptedEngine(step_s=0.01)))
+
+
+def test_metrics_under_vllm_names_too():
+    """Dashboards written for vLLM read the same values: each request-level metric is copied under
+    vLLM's name at render time, labelled model_name (finish_reason as vLLM's finished_reason)."""
+    metrics = ServerMetrics("tiny")
+    metrics.observe_engine(3, 1, 0.25)
+    metrics.prompt_tokens.inc(7)
+    metrics.success.labels(finish_reason="stop").inc()
+    metrics.ttft.observe(0.1)
+    lines = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if line[:1] not in ("#", ""))
+    label = 'model_name="tiny"'
+    assert float(lines[f"vllm:num_requests_running{{{label}}}"]) == 3.0
+    assert float(lines[f"vllm:num_requests_waiting{{{label}}}"]) == 1.0
+    assert float(lines[f"vllm:kv_cache_usage_perc{{{label}}}"]) == 0.25
+    assert float(lines[f"vllm:prompt_tokens_total{{{label}}}"]) == 7.0
+    assert float(lines[f'vllm:request_success_total{{finished_reason="stop",{label}}}']) == 1.0
+    assert float(lines[f"vllm:time_to_first_token_seconds_count{{{label}}}"]) == 1.0
+    assert float(lines["resident_prompt_tokens_total"]) == 7.0   # resident's own names stay
