@@ -17,6 +17,7 @@ test_tensor_parallel_gpu.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,6 +59,25 @@ ARCHS = {
 def engine_config() -> EngineConfig:
     return EngineConfig(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
                         max_model_len=128)
+
+
+@contextlib.contextmanager
+def tp2_runner(path, config: EngineConfig, **build):
+    """This process as rank 0 of a TP=2 group on the CPU over `path`: its runner, built with
+    `config` (and `build`'s build_runner options), closed with its store and the group after."""
+    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
+                        verify_sample=-1)
+    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
+    try:
+        store = group.open_store()
+        runner = group.build_runner(store.tensors, engine_config=config, **build)
+        try:
+            yield runner
+        finally:
+            runner.close()
+            store.close()
+    finally:
+        group.close()
 
 
 def forced_logits(runner, seqs: list[list[int]]) -> list[torch.Tensor]:
@@ -225,14 +245,9 @@ def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
     tp1 = ModelRunner(cfg, engine_config(), full)
     want_logits, want_tokens = forced_logits(tp1, seqs), generate(tp1, prompts, 24)
 
-    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
-                        verify_sample=-1)
     small = EngineConfig(block_size=BLOCK, num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=256,
                          max_model_len=128)
-    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
-    try:
-        store = group.open_store()
-        runner = group.build_runner(store.tensors, engine_config=small, max_num_kv_blocks=64)
+    with tp2_runner(path, small, max_num_kv_blocks=64) as runner:
         assert runner.kv_cache.num_blocks == 16   # forced_logits uses blocks up to 31, generate up to 63
         mapper = threading.Thread(target=runner.map_kv_blocks, args=(64,))   # the growth thread's half
         mapper.start()
@@ -240,10 +255,6 @@ def test_tp2_kv_cache_grows_on_every_rank_between_two_steps(tiny_model):
         runner.grow_kv_cache(64)                                             # the engine thread's half
         assert runner.kv_cache.num_blocks == runner.num_blocks == 64
         got_logits, got_tokens = forced_logits(runner, seqs), generate(runner, prompts, 24)
-        runner.close()
-        store.close()
-    finally:
-        group.close()
     assert_tp_matches(cfg, full, prompts, want_logits, got_logits, want_tokens, got_tokens)
 
 
@@ -338,12 +349,7 @@ def test_tp2_guided_requests_follow_their_grammar_beside_others(tiny_model):
     path = tiny_model("llama")
     write_tiny_tokenizer(path)
     tokenizer = Tokenizer.from_folder(path)
-    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
-                        verify_sample=-1)
-    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
-    try:
-        store = group.open_store()
-        runner = group.build_runner(store.tensors, engine_config=engine_config())
+    with tp2_runner(path, engine_config()) as runner:
         got = {}
         for mode in (False, True):
             engine = LLMEngine(engine_config(), runner, tokenizer, async_scheduling=mode)
@@ -361,10 +367,6 @@ def test_tp2_guided_requests_follow_their_grammar_beside_others(tiny_model):
                     text[rid] = text.get(rid, "") + out.new_text
                     tokens.setdefault(rid, []).extend(out.new_token_ids)
             got[mode] = text, tokens
-        runner.close()
-        store.close()
-    finally:
-        group.close()
     assert got[True] == got[False]
     text, tokens = got[False]
     assert re.fullmatch(r"[a-f]{3}\d", text["re"]) and text["ch"] in ("left", "right"), text
@@ -399,17 +401,8 @@ def test_tp2_prompt_logprobs_equal_tp1(tiny_model):
     tp1 = ModelRunner(cfg, config, fused_weights_from_hf_folder(path))
     want = run(tp1)["lp"]
     tp1.close()
-    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
-                        verify_sample=-1)
-    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
-    try:
-        store = group.open_store()
-        runner = group.build_runner(store.tensors, engine_config=config)
+    with tp2_runner(path, config) as runner:
         got = run(runner)["lp"]
-        runner.close()
-        store.close()
-    finally:
-        group.close()
     assert len(got) == len(want) == len(prompt) and got[0] is None and want[0] is None
     for a, b in zip(got[1:], want[1:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < LOGIT_TOL
@@ -445,17 +438,8 @@ def test_decisive_fixture_gives_bf16_tp2_top1_agreement_of_99_percent(tmp_path):
 
     plain_resolved = resolved(tp1(plain, "auto")).float().mean().item()
     want, exact = tp1(path, "auto"), tp1(path, "float32").argmax(-1)
-    serve = ServeConfig(model=str(path), preload="off", device="cpu", tensor_parallel_size=2, cpu_threads=1,
-                        verify_sample=-1)
-    group = TPGroup(serve, LoadSpec(str(path)), torch.device("cpu"))
-    try:
-        store = group.open_store()
-        runner = group.build_runner(store.tensors, engine_config=engine_config())
+    with tp2_runner(path, engine_config()) as runner:
         got = torch.stack(forced_logits(runner, seqs)).float()
-        runner.close()
-        store.close()
-    finally:
-        group.close()
     assert got.shape[:2] == (4, 128) and got.numel() // got.shape[-1] >= 512
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     share = resolved(want).float().mean().item()
