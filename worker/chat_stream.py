@@ -6,6 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def held_len(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may begin `marker` (a stream holds them back until
+    the next text says whether the marker came)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def _merge(out: dict, more: dict | None) -> None:
     """Add a delta's fields to `out`: texts concatenated, tool calls appended."""
     for key, value in (more or {}).items():

@@ -96,7 +96,7 @@ def token_logprobs(rows_of: Callable[[int, int], torch.Tensor], targets: Sequenc
     for lo in range(0, len(targets), MAX_ROWS_PER_SLICE):
         hi = min(lo + MAX_ROWS_PER_SLICE, len(targets))
         rows = torch.log_softmax(rows_of(lo, hi).to(torch.float32), dim=-1)
-        idx = torch.tensor(list(targets[lo:lo + MAX_ROWS_PER_SLICE]), device=rows.device)[:, None]
+        idx = torch.tensor(list(targets[lo:hi]), device=rows.device)[:, None]
         chosen = rows.gather(1, idx)
         ranks = (rows > chosen).sum(dim=-1).add_(1).tolist()
         chosen = chosen[:, 0].tolist()
@@ -105,5 +105,5 @@ def token_logprobs(rows_of: Callable[[int, int], torch.Tensor], targets: Sequenc
             vals, ids = rows.topk(min(num_top, rows.shape[1]), dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         out.extend(TokenLogprob(int(t), lp, top, rank) for t, lp, top, rank in
-                   zip(targets[lo:lo + MAX_ROWS_PER_SLICE], chosen, tops, ranks))
+                   zip(targets[lo:hi], chosen, tops, ranks))
     return out

@@ -15,6 +15,8 @@ not to be. The grammar of structured outputs constrains the whole answer, reason
 """
 from __future__ import annotations
 
+from resident.worker.chat_stream import held_len
+
 START, END = "<think>", "</think>"
 
 
@@ -72,14 +74,6 @@ def end_token_id(tokenizer_json: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of `text` may begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStream:
     """One streamed answer split as it comes: `delta(new_text)` -> (reasoning, content) to send
     now; `finish()` -> what was held."""
@@ -108,7 +102,7 @@ class ReasoningStream:
             reasoning, content = self.text[self.sent:at], self.text[at + len(END):]
             self.state, self.sent = "content", len(self.text)
             return reasoning, content
-        end = len(self.text) - _held(self.text, END)
+        end = len(self.text) - held_len(self.text, END)
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out, ""
 

@@ -21,6 +21,7 @@ import json
 import re
 from typing import Any
 
+from resident.worker.chat_stream import held_len
 from resident.worker.tool_choice import new_call_id
 
 
@@ -46,14 +47,6 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> dict[str, str] | None:
     return {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Where a prefix of `marker` ends `text` (len(text) when none does)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return len(text) - n
-    return len(text)
-
-
 class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -77,7 +70,7 @@ class HermesParser(ToolParser):
 
     def start(self, text: str) -> int:
         at = text.find(self.OPEN)
-        return at if at >= 0 else _partial_suffix(text, self.OPEN)
+        return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
 
 class Llama3JsonParser(ToolParser):
@@ -148,7 +141,7 @@ class MistralParser(ToolParser):
 
     def start(self, text: str) -> int:
         at = text.find(self.OPEN)
-        return at if at >= 0 else _partial_suffix(text, self.OPEN)
+        return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
