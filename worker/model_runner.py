@@ -198,7 +198,7 @@ class ModelRunner:
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._last_sampled = None   # a synchronous step's tokens are on the host: no placeholders follow it
-        if any(num_prompt_rows(s) for s in out.scheduled):
+        if any(s.sampling_params.prompt_logprobs is not None and num_prompt_rows(s) for s in out.scheduled):
             return self._execute_with_prompt_logprobs(out)
         to_sample, logits = self._forward_step(out)
         return ModelRunnerOutput(sampled={}) if logits is None else self.sample(logits, to_sample,
@@ -236,7 +236,8 @@ class ModelRunner:
             self._last_sampled = None
             if logits is None:
                 return PendingTokens([], list)
-            if any(s.sampling_params.logprobs is not None or num_prompt_rows(s) for s in out.scheduled):
+            if any(s.sampling_params.logprobs is not None for s in to_sample) or any(
+                    s.sampling_params.prompt_logprobs is not None and num_prompt_rows(s) for s in out.scheduled):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
             if all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)

@@ -186,7 +186,8 @@ class SpecDecodeRunner:
             result = self.target.sample(logits.index_select(0, idx), plain, out.grammar_bitmask)
         if spec:
             result.spec = self._verify(logits, spec, spec_rows, proposals, masks)
-        if any(num_prompt_rows(s) for s in out.scheduled):   # eager: rows laid out by num_logits
+        if any(s.sampling_params.prompt_logprobs is not None and num_prompt_rows(s)   # eager: rows by num_logits
+               for s in out.scheduled):
             result.prompt_logprobs = prompt_logprobs(logits, out.scheduled, num_logits)
         return result
 
