@@ -68,6 +68,7 @@ from resident.worker.startup import (  # noqa: F401
     explains_itself,
     in_thread,
     process_start_time,
+    release_abandoned,
     start_kv_growth,
 )
 # Re-exported: replica.py and tests import it from here.
@@ -127,6 +128,7 @@ async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
         logger.info("stopped during start-up")
         await runner.cleanup()
         await _stop_admin(admin)
+        await release_abandoned(build)
         return 0
     try:
         worker: Worker = build.result()
@@ -182,11 +184,7 @@ async def _drain_and_stop(config: ServeConfig, state: ServerState, site: Any, ru
     worker.engine.shutdown()
     if growth is not None:
         growth.join(10.0)   # it stops after the chunk it is mapping (the engine no longer takes blocks)
-    worker.store.close()
-    if worker.draft_store is not None:
-        worker.draft_store.close()
-    if worker.tp is not None:
-        worker.tp.close()
+    worker.release()
     logger.info("stopped")
 
 

@@ -22,7 +22,6 @@ files) ends the start-up with its reason and exit 1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -179,9 +178,9 @@ async def _build(config: Any, startup: Any, metrics: Any, state: Any, side: Engi
             logger.error("resident serve could not start: %s", side.failed)
         else:
             logger.info("stopped during start-up")
-        # The build's threads launch GPU work: exiting under them aborts the process.
-        with contextlib.suppress(BaseException):
-            _release(await build)
+        from resident.worker.startup import release_abandoned
+
+        await release_abandoned(build)
         return None
     try:
         return build.result()
@@ -228,13 +227,8 @@ async def _serve_until_stopped(config: Any, state: Any, side: EngineSide, stop: 
 
 
 def _release(worker: Any) -> None:
-    if worker is None:
-        return
-    worker.store.close()
-    if worker.draft_store is not None:
-        worker.draft_store.close()
-    if worker.tp is not None:
-        worker.tp.close()
+    if worker is not None:
+        worker.release()
 
 
 def run(config: Any) -> int:

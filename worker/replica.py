@@ -40,7 +40,7 @@ from resident.worker.metrics import ServerMetrics
 from resident.worker.replica_options import ReplicaOptions, failure_note_path, replica_main, write_failure_note
 from resident.worker.serve_config import ServeConfig
 from resident.worker.startup import (StartupTimer, Worker, build_worker, compile_chat_template_after_ready, explains_itself,
-                                     in_thread, start_kv_growth)
+                                     in_thread, release_abandoned, start_kv_growth)
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ class Replica:
             logger.info("stopped during start-up")
             self.sock.close()
             await self._runner.cleanup()
+            await release_abandoned(build)
             return 0
         try:
             self.worker = build.result()
@@ -237,11 +238,7 @@ class Replica:
         self.worker.engine.shutdown()
         if self._growth is not None:
             self._growth.join(10.0)   # it stops after the chunk it is mapping
-        self.worker.store.close()
-        if self.worker.draft_store is not None:
-            self.worker.draft_store.close()
-        if self.worker.tp is not None:
-            self.worker.tp.close()   # a TP group leaves as a unit: its other ranks stop and release their shards
+        self.worker.release()
         logger.info("replica %d stopped (%s)", self.options.replica_id, self._drain_reason)
         return 0
 

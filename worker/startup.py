@@ -8,7 +8,7 @@ while a thread verifies sampled checksums (joined before ready), capture CUDA gr
 /ready, `start_kv_growth` maps the rest of a GPU KV cache in the background (see
 entrypoint.py's module doc).
 
-This module is the interface (`build_worker`, `in_thread`, `explains_itself`, and the names
+This module is the interface (`build_worker`, `in_thread`, `release_abandoned`, `explains_itself`, and the names
 below re-exported); the work is split by concern: startup_timer.py (the phases, their summary
 lines and the kv_alloc breakdown), startup_checks.py (--max-model-len and the KV size against
 the model, what is refused before the weights), startup_build.py (the build's steps and the
@@ -19,6 +19,7 @@ Log lines others parse: "kv_alloc breakdown: ..." (`resident bench restart`, tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from typing import Any
 
@@ -81,7 +82,16 @@ def in_thread(fn: Any, *args: Any) -> asyncio.Future:
     return fut
 
 
+async def release_abandoned(build: asyncio.Future) -> None:
+    """A build the server stopped waiting for (SIGTERM during start-up): let its thread finish,
+    then release what it built. Its threads run native code (torch's import, the tokenizer, GPU
+    work): exiting under them aborts the process ("terminate called without an active exception",
+    SIGABRT) instead of ending as a stop should."""
+    with contextlib.suppress(BaseException):   # its failure, if it fails, is no longer anyone's
+        (await build).release()
+
+
 # Re-exported (entrypoint, replica, frontend_server, process_prep, tests import them from here).
 __all__ = ["KV_GROWTH_CHUNK_BYTES", "StartupTimer", "Worker", "build_worker", "check_before_weights",
            "compile_chat_template_after_ready", "explains_itself", "in_thread", "join_startup_threads", "log_kv_alloc",
-           "process_start_time", "resolve_max_model_len", "start_kv_growth"]
+           "process_start_time", "release_abandoned", "resolve_max_model_len", "start_kv_growth"]

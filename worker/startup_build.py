@@ -57,6 +57,15 @@ class Worker:
     max_model_len: int = 0
     vocab_size: int = 0
 
+    def release(self) -> None:
+        """Close the weights: the store, the draft's own store, then the TP group (it leaves as a
+        unit: its other ranks stop and release their shards)."""
+        self.store.close()
+        if self.draft_store is not None:
+            self.draft_store.close()
+        if self.tp is not None:
+            self.tp.close()
+
 
 @dataclass
 class _Build:
