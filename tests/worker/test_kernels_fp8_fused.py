@@ -594,9 +594,9 @@ def test_split_merge_quantizing_builds_for_hopper_with_exact_division_and_the_ba
     """The decode attention's split merge (Llama-3-8B heads, under PDL): with QUANT, o_proj's
     fp8 input in the same launch — IEEE division and the grid barrier; without, neither."""
     _skip_without_a_compiler()
-    from resident.worker.kernels import paged_attention
+    from resident.worker.kernels import paged_attention_kernels
 
-    compiled = _hopper_build(paged_attention._merge_splits_kernel,
+    compiled = _hopper_build(paged_attention_kernels._merge_splits_kernel,
                              {**dict.fromkeys(("part_acc_ptr", "part_m_ptr", "part_l_ptr", "amax_ptr", "scale_ptr"),
                                               "*fp32"),
                               "out_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "state_ptr": "*i32"},
