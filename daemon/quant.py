@@ -22,6 +22,8 @@ _MIN_AMAX = 1e-12
 #: Elements per chunk when quantizing, so a large weight needs only a bounded float32 temporary
 #: (4 MB: below glibc's mmap threshold, so temporaries reuse heap pages instead of faulting).
 _CHUNK_NUMEL = 1 << 20
+#: Elements quantized per kernel on a GPU (bounds the float32 temporary to 256 MiB).
+DEVICE_CHUNK_NUMEL = 64 << 20
 
 
 def check_dtype(name: str) -> str:
@@ -88,6 +90,24 @@ def quantize_fp8_into(out: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, c
         c = flat_w[start : start + chunk_numel]
         q = (c.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         flat_out[start : start + c.numel()].copy_(q)
+
+
+def quantize_fp8_fused(out: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Quantize a fused weight, given as its `parts` (each in its checkpoint dtype, on one
+    device), into `out` (float8_e4m3fn, their total numel, in order) with one per-tensor scale
+    from the amax of all of them; returns the scale (float32, shape ()).
+
+    The GPU load paths' fp8 step, on whatever device the tensors are on: the amax is reduced
+    there (no host sync) and equals the host's float32 maximum; kernels of `DEVICE_CHUNK_NUMEL`.
+    """
+    maxima = [s.abs().max().to(torch.float32) for s in parts if s.numel()]
+    amax_t = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float32, device=out.device)
+    scale = fp8_scale_tensor(amax_t)
+    start = 0
+    for s in parts:
+        quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=DEVICE_CHUNK_NUMEL)
+        start += s.numel()
+    return scale
 
 
 def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,13 +31,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from resident.daemon import quant, sharding
 from resident.daemon.shard_fill import wsum32_of_shard
+from resident.daemon.staged_jobs import Chunk, Job, OnDevice, cut_chunks, job_tensors
 from resident.daemon.staging import StagingConfig, StagingPool, StagingRing
 
 if TYPE_CHECKING:
@@ -47,44 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Device temporaries of the tensors in flight, per GPU (at least one tensor always proceeds).
 _DEVICE_BUDGET_BYTES = 2 << 30
-#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
-_QUANT_CHUNK_NUMEL = 64 << 20
-
-
-@dataclass
-class _OnDevice:
-    """One tensor's temporaries on one device."""
-
-    fused: torch.Tensor                  # uint8: the stored tensor whole (fused, cast or quantized)
-    sources: list[torch.Tensor | None]   # per part: its source bytes when it must be cast or quantized
-
-
-@dataclass
-class _Job:
-    """One stored tensor (and its fp8 scale): read once, copied to every device, cut per rank."""
-
-    index: int
-    tensor: StoredTensor
-    stream: int
-    cost: int                            # device bytes of its temporaries, on each device
-    on: list[_OnDevice] = field(default_factory=list)   # by device slot
-    left: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def chunk_done(self) -> bool:
-        """Count one copied chunk; True for the last one."""
-        with self._lock:
-            self.left -= 1
-            return self.left == 0
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    job: _Job
-    part: int
-    lo: int          # byte range [lo, hi) of the part's data in its file
-    hi: int
-    elem_off: int    # the part's first element within the stored tensor
 
 
 class GpuShardFill:
@@ -112,14 +74,10 @@ class GpuShardFill:
         self._lock = threading.Lock()
 
     # --- planning -----------------------------------------------------------------------
-    def _jobs(self) -> Iterator[_Job]:
-        k = 0
-        for i, t in enumerate(self.plan.tensors):
-            if t.is_scale:
-                continue  # written by its weight's job
+    def _jobs(self) -> Iterator[Job]:
+        for i, t, stream in job_tensors(self.plan.tensors, self.config.num_streams):
             cost = t.nbytes + sum(p.info.nbytes for p in t.parts if self._staged_apart(t, p.info.torch_dtype))
-            yield _Job(i, t, k % self.config.num_streams, cost)
-            k += 1
+            yield Job(i, t, stream, cost=cost)
 
     @staticmethod
     def _staged_apart(t: StoredTensor, src_dtype: torch.dtype) -> bool:
@@ -127,22 +85,18 @@ class GpuShardFill:
         instead of straight into the fused tensor."""
         return t.quantize or src_dtype != t.dtype
 
-    def _allocate(self, job: _Job) -> None:
+    def _allocate(self, job: Job) -> None:
         t = job.tensor
         for d, device in enumerate(self.devices):
             with self.ring.on_stream(job.stream, d):   # the allocator ties the blocks to the job's stream
                 fused = torch.empty(t.nbytes, dtype=torch.uint8, device=device)
                 sources = [torch.empty(p.info.nbytes, dtype=torch.uint8, device=device)
                            if self._staged_apart(t, p.info.torch_dtype) else None for p in t.parts]
-            job.on.append(_OnDevice(fused, sources))
+            job.on.append(OnDevice(fused, sources))
 
-    def _chunks(self, job: _Job) -> list[_Chunk]:
-        step, out, e0 = self.config.buffer_bytes, [], 0
-        for p_idx, p in enumerate(job.tensor.parts):
-            for lo in range(0, p.info.nbytes, step):
-                out.append(_Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0))
-            e0 += p.info.numel
-        return out
+    def _chunks(self, job: Job) -> list[Chunk]:
+        """The job's chunks, all on its stream (its fuse/cast/quantize follows every copy)."""
+        return cut_chunks(job, self.config.buffer_bytes)
 
     # --- the pipeline -------------------------------------------------------------------
     def run(self, emit: Callable[..., None], total: int) -> dict[int, list[int]]:
@@ -187,7 +141,7 @@ class GpuShardFill:
                     done, in_flight = self._collect(pending, finished, done, in_flight, emit, total)
                 self._allocate(job)
                 chunks = self._chunks(job)
-                job.left = len(chunks)
+                job.expect_chunks(len(chunks))
                 if not chunks:   # an empty tensor: nothing to read, still cut (and an fp8 scale)
                     self._finish(job)
                     continue
@@ -221,7 +175,7 @@ class GpuShardFill:
         emit("read", done, total)
         return done, in_flight
 
-    def _run_chunk(self, c: _Chunk) -> int:
+    def _run_chunk(self, c: Chunk) -> int:
         """Read one chunk into a staging buffer and copy it to every device; the tensor's last
         chunk also enqueues its fuse/quantize/cut. Returns the budget bytes it frees."""
         job, n, ring = c.job, c.hi - c.lo, self.ring
@@ -246,14 +200,14 @@ class GpuShardFill:
         return job.cost
 
     @staticmethod
-    def _chunk_dst(job: _Job, on: _OnDevice, c: _Chunk) -> torch.Tensor:
+    def _chunk_dst(job: Job, on: OnDevice, c: Chunk) -> torch.Tensor:
         source = on.sources[c.part]
         if source is not None:
             return source[c.lo : c.hi]
         start = c.elem_off * job.tensor.dtype.itemsize + c.lo
         return on.fused[start : start + c.hi - c.lo]
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         """On each device, on the job's stream: the stored tensor whole, then each rank's shard."""
         t = job.tensor
         cfg, n = self.plan.source.config, self.plan.tensor_parallel_size
@@ -280,7 +234,6 @@ def fuse_cast_quantize(t: StoredTensor, fused: torch.Tensor, sources: list[torch
     The same `quant` functions as the host path on whatever device the tensors are on; the
     amax is reduced on the device (no host sync) and equals the host's float32 maximum.
     """
-    parts = [(s.view(p.info.torch_dtype), p.info.numel) for s, p in zip(sources, t.parts) if s is not None]
     if not t.quantize:
         out, start = fused.view(t.dtype), 0
         for s, p in zip(sources, t.parts):
@@ -288,11 +241,5 @@ def fuse_cast_quantize(t: StoredTensor, fused: torch.Tensor, sources: list[torch
                 out[start : start + p.info.numel].copy_(s.view(p.info.torch_dtype))
             start += p.info.numel
         return None
-    maxima = [s.abs().max().to(torch.float32) for s, numel in parts if numel]
-    amax = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=torch.float32, device=fused.device)
-    scale = quant.fp8_scale_tensor(amax)
-    out, start = fused.view(quant.FP8_DTYPE), 0
-    for s, numel in parts:
-        quant.quantize_fp8_into(out[start : start + numel], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
-        start += numel
-    return scale
+    parts = [s.view(p.info.torch_dtype) for s, p in zip(sources, t.parts) if s is not None]
+    return quant.quantize_fp8_fused(fused.view(quant.FP8_DTYPE), parts)

@@ -10,9 +10,6 @@ import torch
 from resident.daemon import quant
 from resident.daemon.staged_jobs import Chunk, Job
 
-#: Elements quantized per kernel on the device (bounds the float32 temporary to 256 MiB).
-_QUANT_CHUNK_NUMEL = 64 << 20
-
 
 class StagedCopies:
     """Enqueues the copies, casts and fp8 finishes of one load into slabs on `device` (on
@@ -44,16 +41,8 @@ class StagedCopies:
 
     def finish(self, job: Job) -> None:
         """fp8: after all of the job's copies (same stream), the amax, scale and quantization."""
-        t = job.tensor
-        staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, t.parts)]
-        maxima = [s.abs().max().to(torch.float32) for s in staged if s.numel()]
-        amax = torch.stack(maxima).max() if maxima else torch.zeros((), device=self.device)
-        scale = quant.fp8_scale_tensor(amax)
-        out = job.dst.view(quant.FP8_DTYPE)
-        start = 0
-        for s in staged:
-            quant.quantize_fp8_into(out[start : start + s.numel()], s, scale, chunk_numel=_QUANT_CHUNK_NUMEL)
-            start += s.numel()
+        staged = [tmp.view(p.info.torch_dtype) for tmp, p in zip(job.temps, job.tensor.parts)]
+        scale = quant.quantize_fp8_fused(job.dst.view(quant.FP8_DTYPE), staged)
         job.scale_dst.copy_(scale.reshape(1).view(torch.uint8))
         job.temps = []
 

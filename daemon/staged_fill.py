@@ -46,7 +46,7 @@ import torch
 
 from resident.daemon import checksum
 from resident.daemon.staged_copies import StagedCopies
-from resident.daemon.staged_jobs import Chunk, Group, Job, group_jobs
+from resident.daemon.staged_jobs import Chunk, Group, Job, cut_chunks, group_jobs, job_tensors
 from resident.daemon.staging import StagingConfig, StagingPool, StagingRing
 
 if TYPE_CHECKING:
@@ -92,30 +92,20 @@ class StagedFill:
 
     # --- planning -----------------------------------------------------------------------
     def _jobs(self) -> Iterator[Job]:
-        k = 0
-        for i, t in enumerate(self.plan.tensors):
-            if t.is_scale:
-                continue  # written by its weight's job
+        for i, t, stream in job_tensors(self.plan.tensors, self.config.num_streams):
             slab, off = self.places[i]
             scale_dst = None
             if t.quantize:
                 ss, so = self.places[i + 1]
                 scale_dst = self.views[ss][so : so + 4]
-            job = Job(i, t, self.views[slab][off : off + t.nbytes], scale_dst, k % self.config.num_streams, slab)
-            k += 1
-            yield job
+            yield Job(i, t, stream, dst=self.views[slab][off : off + t.nbytes], scale_dst=scale_dst, slab=slab)
 
     def _chunks(self, job: Job, first_stream: int) -> list[Chunk]:
         """The job's chunks. Copies (and casts) of a chunk depend on nothing else, so they are
         spread over all streams — a 1 GB embedding must not queue on one copy stream — except
         for fp8 jobs, whose quantization must follow every copy on the job's stream."""
-        step, n = self.config.buffer_bytes, self.config.num_streams
-        out = []
-        for p_idx, (p, e0) in enumerate(zip(job.tensor.parts, job.part_elem_offsets())):
-            for lo in range(0, p.info.nbytes, step):
-                stream = job.stream if job.tensor.quantize else (first_stream + len(out)) % n
-                out.append(Chunk(job, p_idx, lo, min(lo + step, p.info.nbytes), e0, stream))
-        return out
+        spread_from = None if job.tensor.quantize else first_stream
+        return cut_chunks(job, self.config.buffer_bytes, spread_from, self.config.num_streams)
 
     #: Cut the jobs (plan order) into checksum groups (a static method, so tests can wrap it).
     _groups = staticmethod(group_jobs)
@@ -162,7 +152,7 @@ class StagedFill:
         chunks: list[Chunk] = []
         for job in jobs:
             job_chunks = self._chunks(job, len(chunks))
-            job.num_chunks = job._left = len(job_chunks)
+            job.expect_chunks(len(job_chunks))
             chunks += job_chunks
         for job in jobs:
             if not job.num_chunks:   # nothing to read; an empty fp8 weight still gets its scale

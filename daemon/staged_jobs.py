@@ -1,11 +1,13 @@
-"""The staged load's work items (staged_fill.py): a `Job` per stored tensor (an fp8 weight's
-job also writes its scale), the `Chunk`s its source bytes are read in (at most one staging
-buffer each), and the checksum `Group`s consecutive jobs of one slab are cut into
-(`group_jobs`).
+"""The work items of the two staged GPU load paths — the staged load (staged_fill.py) and the
+tensor-parallel shard fill (shard_gpu.py): a `Job` per stored tensor (an fp8 weight's job
+also writes its scale, `job_tensors`), the `Chunk`s its source bytes are read in (at most one
+staging buffer each, `cut_chunks`), and — staged load — the checksum `Group`s consecutive
+jobs of one slab are cut into (`group_jobs`).
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,30 +33,41 @@ class Group:
 
 
 @dataclass
+class OnDevice:
+    """Shard fill: one tensor's temporaries on one device."""
+
+    fused: torch.Tensor                  # uint8: the stored tensor whole (fused, cast or quantized)
+    sources: list[torch.Tensor | None]   # per part: its source bytes when it must be cast or quantized
+
+
+@dataclass
 class Job:
-    """One stored tensor (and its fp8 scale) on its way into the slab."""
+    """One stored tensor (and its fp8 scale) on its way into the slabs. Its chunks are counted
+    down by `chunk_done` (as they are enqueued in the staged load, copied in the shard fill);
+    the fields of one path keep their defaults in the other."""
 
     index: int
     tensor: StoredTensor
-    dst: torch.Tensor                  # uint8 view of the stored tensor's bytes in the slab
-    scale_dst: torch.Tensor | None     # uint8 view of the scale's 4 bytes (fp8)
     stream: int
+    # The staged load: one slab.
+    dst: torch.Tensor | None = None           # uint8 view of the stored tensor's bytes in the slab
+    scale_dst: torch.Tensor | None = None     # uint8 view of the scale's 4 bytes (fp8)
     slab: int = 0
     group: Group | None = None
-    num_chunks: int = 0
     temps: list[torch.Tensor] | None = None   # fp8: each part's source bytes (allocated at its first chunk)
+    # The shard fill: every device that holds a loaded rank gets the whole tensor.
+    cost: int = 0                             # device bytes of its temporaries, on each device
+    on: list[OnDevice] = field(default_factory=list)   # by device slot
+    num_chunks: int = 0
     _left: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def part_elem_offsets(self) -> list[int]:
-        offs, acc = [], 0
-        for p in self.tensor.parts:
-            offs.append(acc)
-            acc += p.info.numel
-        return offs
+    def expect_chunks(self, num_chunks: int) -> None:
+        """Set the number of chunks `chunk_done` counts down."""
+        self.num_chunks = self._left = num_chunks
 
     def chunk_done(self) -> bool:
-        """Count one enqueued chunk; True for the last one."""
+        """Count one chunk; True for the last one."""
         with self._lock:
             self._left -= 1
             return self._left == 0
@@ -69,7 +82,31 @@ class Chunk:
     lo: int           # byte range [lo, hi) of the part's data in its file
     hi: int
     elem_off: int     # the part's first element within the stored tensor
-    stream: int       # fp8: the job's stream (its quantization follows); else round-robin per chunk
+    stream: int       # see `cut_chunks`
+
+
+def job_tensors(tensors: Sequence[StoredTensor], num_streams: int) -> Iterator[tuple[int, StoredTensor, int]]:
+    """(plan index, stored tensor, stream) of each tensor that gets a job — all but the fp8
+    scales, which their weight's job writes — the streams taken round-robin."""
+    k = 0
+    for i, t in enumerate(tensors):
+        if t.is_scale:
+            continue  # written by its weight's job
+        yield i, t, k % num_streams
+        k += 1
+
+
+def cut_chunks(job: Job, buffer_bytes: int, first_stream: int | None = None, num_streams: int = 1) -> list[Chunk]:
+    """The job's chunks of at most `buffer_bytes`, part by part: each on the job's stream, or —
+    `first_stream` given — the k-th on stream (first_stream + k) % num_streams."""
+    out: list[Chunk] = []
+    e0 = 0
+    for p_idx, p in enumerate(job.tensor.parts):
+        for lo in range(0, p.info.nbytes, buffer_bytes):
+            stream = job.stream if first_stream is None else (first_stream + len(out)) % num_streams
+            out.append(Chunk(job, p_idx, lo, min(lo + buffer_bytes, p.info.nbytes), e0, stream))
+        e0 += p.info.numel
+    return out
 
 
 def group_jobs(jobs: list[Job], group_bytes: int) -> list[Group]:
