@@ -144,11 +144,7 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     if n == 0:
         return out
     size = slab.numel()
-    for off, nb in spans:
-        if off < 0 or nb < 0 or off + nb > size:
-            raise ValueError(f"wsum32_spans: span ({off}, {nb}) outside the slab of {size} bytes")
-        if nb >= 1 << 33:
-            raise ValueError(f"wsum32: tensors over 8 GiB are not supported ({nb} bytes)")
+    _check_spans(spans, size)
     row_bytes = _SPAN_ROW_BYTES
     while row_bytes > 4 and any(off % row_bytes for off, _ in spans):
         row_bytes //= 2
@@ -156,7 +152,6 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
         for i, (off, nb) in enumerate(spans):   # not word-aligned: one span at a time
             out[i] = wsum32_parts(slab[off : off + nb])
         return out
-    row_words = row_bytes // 4
     offs = torch.tensor([off for off, _ in spans], dtype=torch.int64)
     nbs = torch.tensor([nb for _, nb in spans], dtype=torch.int64)
     r0 = offs // row_bytes
@@ -165,46 +160,79 @@ def wsum32_spans(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tens
     # The per-span indices reach the device in one copy (each host-to-device copy of a
     # pageable tensor waits for the stream: the loader calls this while copies run).
     lo, hi, start, rem_d, k_d = torch.stack([r0, r0 + k, offs + k * row_bytes, rem, k]).to(dev)
-    # --- whole rows: per-row sums over the rows any span covers, then prefix sums ---------
     last_row = int((r0 + k).max())
     if last_row:
-        x = slab[: last_row * row_bytes].view(torch.int32).view(last_row, row_words)
-        # Row r's sums at index r + 1 (index 0 stays 0): a1, a2 and ar = r·a1[r].
-        a1 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
-        a2 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
-        ar = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
-        # Both row sums in one matrix product, in float64, where it is exact: the words are
-        # read signed (equal to the unsigned ones mod 2^32, |w| < 2^31), so every product
-        # (c+1)·w and every partial sum over a row is an integer below 2^43 < 2^53 whatever
-        # the order of summation.
-        weights = torch.stack([torch.ones(row_words, dtype=torch.float64, device=dev),
-                               torch.arange(1, row_words + 1, dtype=torch.float64, device=dev)], dim=1)
-        for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
-            xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.float64)
-            b1 = b0 + 1 + xb.shape[0]
-            both = (xb @ weights).to(torch.int64)
-            del xb
-            torch.bitwise_and(both[:, 0], _MASK, out=a1[b0 + 1 : b1])
-            torch.bitwise_and(both[:, 1], _MASK, out=a2[b0 + 1 : b1])
-            rows = torch.arange(b0, b1 - 1, dtype=torch.int64, device=dev)
-            torch.bitwise_and(rows * a1[b0 + 1 : b1], _MASK, out=ar[b0 + 1 : b1])
-        # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
-        p1, p2, pr = a1.cumsum_(0), a2.cumsum_(0), ar.cumsum_(0)
-        s1 = (p1[hi] - p1[lo]) & _MASK
-        sr = (pr[hi] - pr[lo]) & _MASK
-        s2 = ((((sr - ((lo * s1) & _MASK)) & _MASK) * row_words) + ((p2[hi] - p2[lo]) & _MASK)) & _MASK
-        out[:, 0] = s1
-        out[:, 1] = s2
-    # --- the last partial row of every span, masked past the span's end -----------------
+        _add_whole_rows(out, slab, row_bytes, last_row, lo, hi)
     if int(rem.max()):
-        j = torch.arange(row_bytes, dtype=torch.int64, device=dev)
-        idx = (start[:, None] + j).clamp_(max=size - 1)
-        tail = torch.where(j < rem_d[:, None], slab[idx], 0).to(torch.uint8)
-        w = tail.view(torch.int32).to(torch.int64) & _MASK          # [n, row_words]
-        pos = k_d[:, None] * row_words + torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
-        out[:, 0] += w.sum(dim=1)
-        out[:, 1] += (((pos & _MASK) * w) & _MASK).sum(dim=1)
+        _add_partial_rows(out, slab, row_bytes, start, rem_d, k_d)
     return out & _MASK
+
+
+def _check_spans(spans: list[tuple[int, int]], size: int) -> None:
+    """Every span within the slab's `size` bytes, and none over 8 GiB."""
+    for off, nb in spans:
+        if off < 0 or nb < 0 or off + nb > size:
+            raise ValueError(f"wsum32_spans: span ({off}, {nb}) outside the slab of {size} bytes")
+        if nb >= 1 << 33:
+            raise ValueError(f"wsum32: tensors over 8 GiB are not supported ({nb} bytes)")
+
+
+def _add_whole_rows(out: torch.Tensor, slab: torch.Tensor, row_bytes: int, last_row: int,
+                    lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """`wsum32_spans`' whole rows: per-row sums over the rows any span covers (the first
+    `last_row`), then the sums of each span's rows [lo, hi) off their prefix sums, into `out`."""
+    row_words = row_bytes // 4
+    a1, a2, ar = _row_sums(slab, row_bytes, last_row)
+    # Exclusive prefix sums: p[j] = Σ over rows < j (each term < 2^32, at most 2^31 rows).
+    p1, p2, pr = a1.cumsum_(0), a2.cumsum_(0), ar.cumsum_(0)
+    s1 = (p1[hi] - p1[lo]) & _MASK
+    sr = (pr[hi] - pr[lo]) & _MASK
+    s2 = ((((sr - ((lo * s1) & _MASK)) & _MASK) * row_words) + ((p2[hi] - p2[lo]) & _MASK)) & _MASK
+    out[:, 0] = s1
+    out[:, 1] = s2
+
+
+def _row_sums(slab: torch.Tensor, row_bytes: int, last_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row r's sums (r < last_row) at index r + 1 (index 0 stays 0): a1 = Σ w, a2 = Σ (c+1)·w
+    and ar = r·a1[r], each mod 2^32, as int64 tensors of last_row + 1 on the slab's device."""
+    dev = slab.device
+    row_words = row_bytes // 4
+    x = slab[: last_row * row_bytes].view(torch.int32).view(last_row, row_words)
+    a1 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
+    a2 = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
+    ar = torch.zeros(last_row + 1, dtype=torch.int64, device=dev)
+    # Both row sums in one matrix product, in float64, where it is exact: the words are
+    # read signed (equal to the unsigned ones mod 2^32, |w| < 2^31), so every product
+    # (c+1)·w and every partial sum over a row is an integer below 2^43 < 2^53 whatever
+    # the order of summation.
+    weights = torch.stack([torch.ones(row_words, dtype=torch.float64, device=dev),
+                           torch.arange(1, row_words + 1, dtype=torch.float64, device=dev)], dim=1)
+    for b0 in range(0, last_row, _SPAN_BLOCK_ROWS):
+        xb = x[b0 : b0 + _SPAN_BLOCK_ROWS].to(torch.float64)
+        b1 = b0 + 1 + xb.shape[0]
+        both = (xb @ weights).to(torch.int64)
+        del xb
+        torch.bitwise_and(both[:, 0], _MASK, out=a1[b0 + 1 : b1])
+        torch.bitwise_and(both[:, 1], _MASK, out=a2[b0 + 1 : b1])
+        rows = torch.arange(b0, b1 - 1, dtype=torch.int64, device=dev)
+        torch.bitwise_and(rows * a1[b0 + 1 : b1], _MASK, out=ar[b0 + 1 : b1])
+    return a1, a2, ar
+
+
+def _add_partial_rows(out: torch.Tensor, slab: torch.Tensor, row_bytes: int, start: torch.Tensor,
+                      rem_d: torch.Tensor, k_d: torch.Tensor) -> None:
+    """`wsum32_spans`' last partial row of every span (`rem_d` bytes from byte `start`, after
+    `k_d` whole rows), masked past the span's end, added into `out`."""
+    dev = slab.device
+    row_words = row_bytes // 4
+    size = slab.numel()
+    j = torch.arange(row_bytes, dtype=torch.int64, device=dev)
+    idx = (start[:, None] + j).clamp_(max=size - 1)
+    tail = torch.where(j < rem_d[:, None], slab[idx], 0).to(torch.uint8)
+    w = tail.view(torch.int32).to(torch.int64) & _MASK          # [n, row_words]
+    pos = k_d[:, None] * row_words + torch.arange(1, row_words + 1, dtype=torch.int64, device=dev)
+    out[:, 0] += w.sum(dim=1)
+    out[:, 1] += (((pos & _MASK) * w) & _MASK).sum(dim=1)
 
 
 def wsum32_spans_in(slab: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

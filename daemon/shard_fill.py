@@ -15,6 +15,7 @@ A few tensors are in flight at once, bounded by `_BUDGET_BYTES` of host memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -51,62 +52,81 @@ def fill_shards(
 ) -> dict[int, list[int]]:
     """Write rank r's shard of every stored tensor at `places[r][i]` (slab index within
     `views[r]`, byte offset) for each r in `ranks`; returns each rank's checksums in plan order."""
-    cfg, n = plan.source.config, plan.tensor_parallel_size
     sums = {r: [0] * len(plan.tensors) for r in ranks}
     fds = {str(h.path): os.open(h.path, os.O_RDONLY | os.O_CLOEXEC) for h in plan.headers}
-
-    def one(i: int) -> int:
-        t = plan.tensors[i]
-        host = torch.empty(t.nbytes, dtype=torch.uint8)
-        scale = torch.empty(4, dtype=torch.uint8) if t.quantize else None
-        _, _, nread = _load_tensor(t, host, scale, fds)
-        # One-byte dtypes (fp8) are cut as raw bytes: every shard op is a row/column slice.
-        full = host.view(t.shape) if t.dtype.itemsize == 1 else host.view(t.dtype).view(t.shape)
-        for r in ranks:
-            part = sharding.shard_tensor(t.name, full, cfg, r, n).reshape(-1).view(torch.uint8)
-            slab, off = places[r][i]
-            dst = views[r][slab][off : off + part.numel()]
-            dst.copy_(part)
-            on_host = dst.device.type == "cpu"   # GPU ranks: one checksum pass per slab at the end
-            sums[r][i] = crc32_of(dst) if on_host else 0
-            if scale is not None:
-                ss, so = places[r][i + 1]
-                sdst = views[r][ss][so : so + 4]
-                sdst.copy_(scale)
-                sums[r][i + 1] = crc32_of(sdst) if on_host else 0
-        return nread
-
-    done = 0
+    one = functools.partial(_fill_one, plan, ranks, places, views, fds, sums)
     pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="resident-shard")
     try:
-        pending: dict[Future, int] = {}
-        in_flight = 0
-        for i, t in enumerate(plan.tensors):
-            if t.is_scale:
-                continue  # written together with its weight
-            while pending and (in_flight + t.nbytes > _BUDGET_BYTES or len(pending) >= 2 * num_threads):
-                finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    in_flight -= pending.pop(fut)
-                    done += fut.result()
-                emit("read", done, total)
-            pending[pool.submit(one, i)] = t.nbytes
-            in_flight += t.nbytes
-        for fut in list(pending):
-            done += fut.result()
-            emit("read", done, total)
+        _fill_all(pool, plan, one, emit, total, num_threads)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for fd in fds.values():
             os.close(fd)
+    _checksum_device_ranks(plan, ranks, places, views, sums)
+    emit("read", total, total, force=True)
+    return sums
+
+
+def _fill_one(
+    plan: LoadPlan, ranks: Sequence[int], places: dict[int, list[tuple[int, int]]],
+    views: dict[int, list[torch.Tensor]], fds: dict[str, int], sums: dict[int, list[int]], i: int,
+) -> int:
+    """Read stored tensor `i` (and its fp8 scale) into host memory, write every rank's shard of
+    it into place, with host ranks' CRC-32s in `sums`; returns the bytes read."""
+    cfg, n = plan.source.config, plan.tensor_parallel_size
+    t = plan.tensors[i]
+    host = torch.empty(t.nbytes, dtype=torch.uint8)
+    scale = torch.empty(4, dtype=torch.uint8) if t.quantize else None
+    _, _, nread = _load_tensor(t, host, scale, fds)
+    # One-byte dtypes (fp8) are cut as raw bytes: every shard op is a row/column slice.
+    full = host.view(t.shape) if t.dtype.itemsize == 1 else host.view(t.dtype).view(t.shape)
+    for r in ranks:
+        part = sharding.shard_tensor(t.name, full, cfg, r, n).reshape(-1).view(torch.uint8)
+        slab, off = places[r][i]
+        dst = views[r][slab][off : off + part.numel()]
+        dst.copy_(part)
+        on_host = dst.device.type == "cpu"   # GPU ranks: one checksum pass per slab at the end
+        sums[r][i] = crc32_of(dst) if on_host else 0
+        if scale is not None:
+            ss, so = places[r][i + 1]
+            sdst = views[r][ss][so : so + 4]
+            sdst.copy_(scale)
+            sums[r][i + 1] = crc32_of(sdst) if on_host else 0
+    return nread
+
+
+def _fill_all(pool: ThreadPoolExecutor, plan: LoadPlan, one: Callable[[int], int], emit: Callable[..., None],
+              total: int, num_threads: int) -> None:
+    """Run `one` for every stored tensor but the fp8 scales on `pool`, with at most `_BUDGET_BYTES`
+    of tensors (one at least) and `2 * num_threads` tensors in flight; report the bytes read."""
+    done = 0
+    pending: dict[Future, int] = {}
+    in_flight = 0
+    for i, t in enumerate(plan.tensors):
+        if t.is_scale:
+            continue  # written together with its weight
+        while pending and (in_flight + t.nbytes > _BUDGET_BYTES or len(pending) >= 2 * num_threads):
+            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                in_flight -= pending.pop(fut)
+                done += fut.result()
+            emit("read", done, total)
+        pending[pool.submit(one, i)] = t.nbytes
+        in_flight += t.nbytes
+    for fut in list(pending):
+        done += fut.result()
+        emit("read", done, total)
+
+
+def _checksum_device_ranks(plan: LoadPlan, ranks: Sequence[int], places: dict[int, list[tuple[int, int]]],
+                           views: dict[int, list[torch.Tensor]], sums: dict[int, list[int]]) -> None:
+    """Once every shard is written: the wsum32s of the ranks on a device other than the host."""
     for r in ranks:
         device = views[r][0].device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if device.type != "cpu":
             sums[r] = wsum32_of_shard(plan, views[r], places[r])
-    emit("read", total, total, force=True)
-    return sums
 
 
 def wsum32_of_shard(plan: LoadPlan, views: list[torch.Tensor], places: list[tuple[int, int]]) -> list[int]:
