@@ -105,8 +105,11 @@ def record_graph(device: torch.device, forward: Callable[[], torch.Tensor],
                  pool: Any = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """`forward` captured into a CUDA graph (its memory in `pool`, when given) and the
     graph's output tensor. It runs once on a side stream first: lazy initialisation (kernel
-    loads, workspaces) must not happen inside a capture. Under CAPTURE_LOCK (module doc)."""
-    with CAPTURE_LOCK:
+    loads, workspaces) must not happen inside a capture. Under CAPTURE_LOCK (module doc); device buffers
+    collected meanwhile are released after it (`cuda_util.releases_deferred`)."""
+    from resident.daemon.memory.cuda_util import releases_deferred
+
+    with CAPTURE_LOCK, releases_deferred():
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

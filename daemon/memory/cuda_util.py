@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import weakref
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -261,7 +263,42 @@ class DeviceBuffer:
         self._finalizer()
 
 
+#: Buffers collected while a CUDA graph is captured in this process, released when the last capture ends:
+#: the release's cuCtxSynchronize (or unmap) inside a capture would invalidate it (global capture mode).
+_captures = 0
+_deferred: list[tuple[int, Callable[[], None], str]] = []
+_deferred_lock = threading.Lock()
+
+
+@contextmanager
+def releases_deferred() -> Iterator[None]:
+    """Held around a CUDA graph capture: a DeviceBuffer collected meanwhile (a garbage collection the
+    capture's own allocations set off, or another thread's) is released after the capture, not inside it."""
+    global _captures
+    with _deferred_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _deferred_lock:
+            _captures -= 1
+            due = list(_deferred) if _captures == 0 else []
+            if due:
+                _deferred.clear()
+        for args in due:
+            _release_now(*args)
+
+
 def _run_release(device: int, release: Callable[[], None], what: str) -> None:
+    with _deferred_lock:
+        if _captures:
+            _deferred.append((device, release, what))
+            log.debug("%s collected during a CUDA graph capture: released after it", what)
+            return
+    _release_now(device, release, what)
+
+
+def _release_now(device: int, release: Callable[[], None], what: str) -> None:
     try:
         ensure_context(device)
         # Work queued on any stream may still read the memory; wait for it before unmapping.

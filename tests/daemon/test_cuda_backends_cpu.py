@@ -15,7 +15,7 @@ UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
 
 def test_modules_import_without_a_gpu():
-    for name in ("cuda_util", "cuda_vmm", "cuda_ipc"):
+    for name in ("cuda_util", "vmm_driver", "vmm_import", "cuda_vmm", "cuda_ipc"):
         importlib.import_module(f"resident.daemon.memory.{name}")
     assert backend_class("cuda_vmm").survives_daemon is True
     assert backend_class("cuda_ipc").survives_daemon is False  # legacy IPC dies with the daemon
@@ -118,3 +118,28 @@ def test_round_up_to_granularity():
     assert cuda_util.round_up(1, two_mib) == two_mib
     assert cuda_util.round_up(two_mib, two_mib) == two_mib
     assert cuda_util.round_up(3 * (1 << 20) + 1, two_mib) == 2 * two_mib
+
+
+def test_a_buffer_collected_during_a_graph_capture_is_released_after_the_last_capture(monkeypatch):
+    """A DeviceBuffer's release synchronizes the device, which would invalidate a CUDA graph being
+    captured (found on an H200: a finished engine collected while the next one captured its graphs)."""
+    released = []
+    monkeypatch.setattr(cuda_util, "_release_now", lambda device, release, what: released.append(what))
+
+    def buffer(what):
+        return cuda_util.DeviceBuffer(0x1000, 64, 0, lambda: None, what)
+
+    b = buffer("outside")
+    del b
+    assert released == ["outside"]
+    with cuda_util.releases_deferred():
+        b = buffer("inner")
+        with cuda_util.releases_deferred():   # nested captures: released after the outer one
+            c = buffer("nested")
+            del c
+        del b
+        assert released == ["outside"]
+    assert released == ["outside", "nested", "inner"]
+    with cuda_util.releases_deferred():
+        pass
+    assert released == ["outside", "nested", "inner"]   # each release runs once
