@@ -266,7 +266,7 @@ def test_a_refused_read_only_gpu_mapping_is_not_asked_for_again(monkeypatch):
     attaches (and remaps) in the process map read-write at once (a fake driver; no GPU)."""
     from types import SimpleNamespace
 
-    from resident.daemon.memory import cuda_util, cuda_vmm
+    from resident.daemon.memory import cuda_util, vmm_driver
 
     calls = []
     ok, refused = "CUDA_SUCCESS", "CUDA_ERROR_NOT_SUPPORTED"
@@ -286,14 +286,14 @@ def test_a_refused_read_only_gpu_mapping_is_not_asked_for_again(monkeypatch):
         cuGetErrorString=lambda e: (ok, b"operation not supported"),
     )
     monkeypatch.setattr(cuda_util, "driver", lambda: fake)
-    monkeypatch.setattr(cuda_vmm, "driver", lambda: fake)
-    cuda_vmm._read_only_refused.cache_clear()
+    monkeypatch.setattr(vmm_driver, "driver", lambda: fake)
+    vmm_driver._read_only_refused.cache_clear()
     try:
-        assert cuda_vmm._set_access(0x1000, 4096, 0, read_only=True) is False
+        assert vmm_driver._set_access(0x1000, 4096, 0, read_only=True) is False
         assert calls == ["PROT_READ", "PROT_READWRITE"]
-        assert cuda_vmm._set_access(0x2000, 4096, 0, read_only=True) is False
+        assert vmm_driver._set_access(0x2000, 4096, 0, read_only=True) is False
         assert calls[2:] == ["PROT_READWRITE"]                   # not asked again on this GPU
-        cuda_vmm._set_access(0x3000, 4096, 1, read_only=True)     # another GPU is asked once
+        vmm_driver._set_access(0x3000, 4096, 1, read_only=True)   # another GPU is asked once
         assert calls[3:] == ["PROT_READ", "PROT_READWRITE"]
     finally:
-        cuda_vmm._read_only_refused.cache_clear()
+        vmm_driver._read_only_refused.cache_clear()
