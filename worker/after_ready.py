@@ -54,7 +54,7 @@ def start_kv_growth(worker: Worker, metrics: ServerMetrics, utilization: float =
         logger.info("KV cache growth done: %d -> %d blocks (%.2f GiB) in %.2f s after ready", start, num_blocks,
                     num_blocks * worker.kv_block_bytes / 2**30, seconds)
 
-    from resident.worker.gpu_memory import gpu_memory_info
+    from resident.worker.gpu_kv_plan import gpu_memory_info
     from resident.worker.kv_budget import GrowthGate, start_gated_growth
 
     chunk = max(1, KV_GROWTH_CHUNK_BYTES // worker.kv_block_bytes)

@@ -8,7 +8,7 @@ and allocate the KV cache, run a warm-up forward pass, capture CUDA graphs (on a
 /ready turns 200, systemd hears READY=1, and one log line gives the phases: "ready in X s
 (import a, cuda context g, tokenizer t, weights b, verify c, kv alloc d, warmup e, graphs f)".
 On a GPU the KV cache gets what --gpu-memory-utilization leaves after everything already on the GPU and the measured
-activation/graph headroom (`gpu_memory.plan_gpu_kv_cache`), but only its first
+activation/graph headroom (`gpu_kv_plan.plan_gpu_kv_cache`), but only its first
 --kv-cache-initial bytes (default 4 GiB: Llama-3-8B's 2 MiB blocks give 2048 blocks,
 32k tokens, four requests of 8k context; never less than one request of --max-model-len,
 which is all that warm-up and graph capture need) are mapped before /ready: mapping and

@@ -144,7 +144,7 @@ def gpu_replica_kv_blocks(budget: Any, *, weights_bytes: int, weights_shared: bo
                           initial_bytes: int, min_blocks: int) -> tuple[int, int]:
     """(target, initial) KV blocks of a supervised replica on a shared GPU.
 
-    `budget` is the worker's measured `gpu_memory.GpuMemoryBudget` (total_bytes, utilization,
+    `budget` is the worker's measured `kv_sizing.GpuMemoryBudget` (total_bytes, utilization,
     headroom_bytes); `free_blocks` what fits under the limit now (the single-worker plan);
     `max_blocks` the most blocks every sequence at full length could use. Weights attached
     from the daemon are one copy for every replica (`weights_shared`); loaded locally, each

@@ -8,7 +8,7 @@ On CPU the whole cache is one anonymous mapping this process manages itself
 (`host_shm.HostRegion`: zeroed by the kernel, each layer a view of it), so that it too can be
 `unmap()`ped (a PROT_NONE placeholder keeps the addresses) and `remap()`ped zeroed at the same
 addresses. On a GPU the cache lives in its own VMM
-address range (`gpu_memory.VmmRange`): each layer's keys and each layer's values own a
+address range (`vmm_range.VmmRange`): each layer's keys and each layer's values own a
 segment of the reservation with room for `max_num_blocks`, so a layer's tensor is
 `[2, num_blocks, ...]` with the value half one segment after the key half (stride(0) is
 the segment, not num_blocks * block; each half is contiguous). That is what lets the cache
@@ -28,7 +28,8 @@ from resident.worker.config import ModelConfig
 
 if TYPE_CHECKING:
     from resident.daemon.memory.host_shm import HostRegion
-    from resident.worker.gpu_memory import KVLayout, VmmRange
+    from resident.worker.kv_sizing import KVLayout
+    from resident.worker.vmm_range import VmmRange
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,9 @@ class KVCache:
     @classmethod
     def _allocate_vmm(cls, model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device, max_num_blocks: int) -> "KVCache":
-        from resident.worker.gpu_memory import KVLayout, VmmRange, vmm_granularity
+        from resident.daemon.memory.cuda_util import vmm_granularity
+        from resident.worker.kv_sizing import KVLayout
+        from resident.worker.vmm_range import VmmRange
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,

@@ -33,9 +33,9 @@ logger = logging.getLogger("resident.worker.startup")   # its lines kept their l
 #: that no phase counts their import; each step names what it uses at call time (tests patch some).
 _STEP_MODULES = ("resident.daemon.loader", "resident.worker.triton_specializations", "resident.worker.async_engine",
                  "resident.worker.config", "resident.worker.engine", "resident.worker.device",
-                 "resident.worker.engine_config", "resident.worker.gpu_memory", "resident.worker.kv_cache",
-                 "resident.worker.kv_profile_cache", "resident.worker.model_runner", "resident.worker.tp_spawn",
-                 "resident.worker.weight_store")
+                 "resident.worker.engine_config", "resident.worker.gpu_kv_plan", "resident.worker.kv_cache",
+                 "resident.worker.kv_profile_cache", "resident.worker.kv_sizing", "resident.worker.model_runner",
+                 "resident.worker.tp_spawn", "resident.worker.vmm_range", "resident.worker.weight_store")
 
 
 @dataclass
@@ -232,8 +232,9 @@ def _plan_gpu_kv(b: _Build, weights: Any, block_bytes: int) -> _KVSizing:
     """The GPU's KV plan (every rank's under tensor parallelism): the target what memory leaves
     beside the weights and the headroom, the blocks mapped before ready --kv-cache-initial's,
     a replica's its share of a GPU it shares."""
-    from resident.worker.gpu_memory import initial_kv_blocks, plan_gpu_kv_cache
+    from resident.worker.gpu_kv_plan import plan_gpu_kv_cache
     from resident.worker.kv_profile_cache import KvProfileCache, resolve_cache_path
+    from resident.worker.kv_sizing import initial_kv_blocks
     from resident.worker.spec_decode import serving as spec_serving
 
     config, startup, device, tp, max_model_len = b.config, b.startup, b.device, b.tp, b.max_model_len

@@ -137,7 +137,7 @@ class TPGroup:
         return store
 
     def plan_gpu_kv_cache(self, weights: Mapping[str, torch.Tensor], **kw: Any) -> Any:
-        """Like gpu_memory.plan_gpu_kv_cache (same keywords), for every rank at once. The
+        """Like gpu_kv_plan.plan_gpu_kv_cache (same keywords), for every rank at once. The
         activation/graph headroom comes from the KV profile cache (`headroom_cache`) when an
         earlier start of the same group stored it (key: `tp_headroom_key`), else every rank
         measures and rank 0 stores the largest; the target is the smallest rank's."""

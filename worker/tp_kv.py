@@ -44,14 +44,15 @@ def tp_headroom_key(group: ParallelGroup, model_config: ModelConfig, weights: Ma
 def plan_rank_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  device: str, kw: dict, build_probe: Callable[[EngineConfig], Any],
                  cached_headroom: int | None = None, cache: Any = None) -> Any:
-    """`gpu_memory.plan_gpu_kv_cache` for one rank of the group. The headroom is
+    """`gpu_kv_plan.plan_gpu_kv_cache` for one rank of the group. The headroom is
     `cached_headroom` (rank 0 read it from the KV profile cache; every rank gets the same
     value, so either all ranks profile or none — the probe forward runs collectives), else
     measured on every rank with a probe runner and the largest rank's taken by all (rank 0
     stores it in `cache`). Every rank gets the smallest rank's block count as its target;
     the address reservation covers what max_num_seqs requests of max_model_len could use,
     so the cache can grow after ready (`TPRunner.map_kv_blocks` / `grow_kv_cache`)."""
-    from resident.worker import gpu_memory as gm
+    from resident.worker import gpu_kv_plan
+    from resident.worker.kv_sizing import GpuMemoryBudget, KVLayout, kv_blocks_for_budget
 
     dev = torch.device(device)
     t0 = time.monotonic()
@@ -59,7 +60,7 @@ def plan_rank_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mappi
     timings_wait = time.monotonic() - t0
     t0 = time.monotonic()
     torch.cuda.synchronize(dev)
-    free, total = gm.gpu_memory_info(dev.index)
+    free, total = gpu_kv_plan.gpu_memory_info(dev.index)
     bs, max_len, seqs = kw["block_size"], kw["max_model_len"], kw["max_num_seqs"]
     per_seq = -(-max_len // bs)
     timings = {"comm wait": timings_wait, "measure": time.monotonic() - t0}
@@ -87,19 +88,19 @@ def plan_rank_kv(group: ParallelGroup, model_config: ModelConfig, weights: Mappi
             stored = cache.store(key, headroom, sum(timings.values()) - timings["measure"] - timings["comm wait"])
             logger.info("activation/graph headroom %.0f MiB measured (largest of %d ranks)%s", headroom / 2**20,
                         group.size, f"; stored in {cache.path} for the next start" if stored else "")
-    budget = gm.GpuMemoryBudget(total_bytes=total, used_bytes=total - free, utilization=kw["utilization"],
-                                headroom_bytes=headroom)
+    budget = GpuMemoryBudget(total_bytes=total, used_bytes=total - free, utilization=kw["utilization"],
+                             headroom_bytes=headroom)
     itemsize = weights["model.embed_tokens.weight"].element_size()
     cap = per_seq * seqs
-    layout = gm.KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                         head_dim=model_config.head_dim, block_size=bs, itemsize=itemsize,
-                         granularity=gm.vmm_granularity(dev.index), max_num_blocks=cap + 1)
-    blocks = kw["num_kv_blocks"] or gm.kv_blocks_for_budget(budget, layout, per_seq)
+    layout = KVLayout(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                      head_dim=model_config.head_dim, block_size=bs, itemsize=itemsize,
+                      granularity=gpu_kv_plan.vmm_granularity(dev.index), max_num_blocks=cap + 1)
+    blocks = kw["num_kv_blocks"] or kv_blocks_for_budget(budget, layout, per_seq)
     blocks = group.all_min(min(blocks, cap))
     logger.info("rank %d: KV cache of %d blocks (smallest rank's), headroom %s: %s", group.rank, blocks, source,
                 budget.describe())
-    return gm.GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget, timings=timings,
-                        headroom_source=source)
+    return gpu_kv_plan.GpuKVPlan(num_kv_blocks=blocks, max_num_kv_blocks=max(cap, blocks), budget=budget,
+                                 timings=timings, headroom_source=source)
 
 
 class KVMapper:

@@ -16,8 +16,8 @@ from resident.worker.cuda_graphs import (DecodeGraphs, bucket_for, capture_all, 
                                          graph_batch_sizes, startup_sizes)
 from resident.worker.engine_config import EngineConfig
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gpu_memory import GpuMemoryBudget, KVLayout, ModelDoesNotFit, kv_blocks_for_budget
 from resident.worker.input_batch import HostToDevice
+from resident.worker.kv_sizing import GpuMemoryBudget, KVLayout, ModelDoesNotFit, kv_blocks_for_budget
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest, SchedulerOutput
 from resident.worker.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from resident.worker.config import ModelConfig
 from resident.worker.engine import LLMEngine
 from resident.worker.engine_config import EngineConfig
 from resident.worker.entrypoint import ServeConfig
-from resident.worker.gpu_memory import initial_kv_blocks
+from resident.worker.kv_sizing import initial_kv_blocks
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ModelRunnerOutput, SchedulerOutput
 from resident.worker.request import Request

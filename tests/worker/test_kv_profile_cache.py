@@ -193,7 +193,7 @@ def test_key_rejects_impossible_fields() -> None:
 def test_gpu_plan_uses_the_cache_on_the_second_plan(tmp_path, tiny_model) -> None:
     from weights_util import fused_weights_from_hf_folder
 
-    from resident.worker.gpu_memory import plan_gpu_kv_cache
+    from resident.worker.gpu_kv_plan import plan_gpu_kv_cache
 
     path = tiny_model("llama3")
     mc = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))

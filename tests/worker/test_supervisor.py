@@ -392,7 +392,7 @@ class FakeGpu:
             self.held.pop(name, None)
 
 
-class _Budget:   # the fields of gpu_memory.GpuMemoryBudget the policy reads (that module needs torch)
+class _Budget:   # the fields of kv_sizing.GpuMemoryBudget the policy reads (that module needs torch)
     def __init__(self, total_bytes: int, utilization: float, headroom_bytes: int) -> None:
         self.total_bytes, self.utilization, self.headroom_bytes = total_bytes, utilization, headroom_bytes
 

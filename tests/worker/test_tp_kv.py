@@ -18,11 +18,12 @@ import re
 import pytest
 import torch
 
-from resident.worker import gpu_memory as gm
+from resident.worker import gpu_kv_plan
 from resident.worker import tp_kv
 from resident.worker.config import ModelConfig
 from resident.worker.distributed import ParallelError
 from resident.worker.kv_profile_cache import KvProfileCache
+from resident.worker.kv_sizing import ModelDoesNotFit
 
 MiB = 2**20
 GPU = "NVIDIA H200 (stub)"
@@ -65,8 +66,8 @@ def stub_gpu(monkeypatch):
     """A 16 GiB GPU with 10 GiB free, 2 MiB granularity; no CUDA needed."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: GPU)
-    monkeypatch.setattr(gm, "gpu_memory_info", lambda index: (10 << 30, 16 << 30))
-    monkeypatch.setattr(gm, "vmm_granularity", lambda index: 2 * MiB)
+    monkeypatch.setattr(gpu_kv_plan, "gpu_memory_info", lambda index: (10 << 30, 16 << 30))
+    monkeypatch.setattr(gpu_kv_plan, "vmm_granularity", lambda index: 2 * MiB)
 
 
 @pytest.fixture
@@ -115,8 +116,8 @@ def test_cached_headroom_builds_no_probe_on_any_rank(stub_gpu, rank_local):
 
 def test_too_little_memory_on_one_rank_names_the_fix(stub_gpu, rank_local, monkeypatch):
     _, local, weights = rank_local
-    monkeypatch.setattr(gm, "gpu_memory_info", lambda index: (1 << 30, 16 << 30))   # 15 of 16 GiB used
-    with pytest.raises(gm.ModelDoesNotFit, match="raise --gpu-memory-utilization"):
+    monkeypatch.setattr(gpu_kv_plan, "gpu_memory_info", lambda index: (1 << 30, 16 << 30))   # 15 of 16 GiB used
+    with pytest.raises(ModelDoesNotFit, match="raise --gpu-memory-utilization"):
         tp_kv.plan_rank_kv(ScriptedGroup([]), local, weights, "cuda:0", dict(KW), lambda ec: Probe(1, []), MiB)
 
 
