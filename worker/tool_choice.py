@@ -11,18 +11,18 @@ constrains the output cannot be combined with another constraint (response_forma
 The answer's message then has `content` null and `tool_calls` [{"id", "type": "function",
 "function": {"name", "arguments": JSON text}}]; an output cut short by max_tokens that does not
 parse ("required") stays text content, as it came. Streamed, a named call's arguments arrive as
-they are generated (the first delta carries the call's id and name); "required" calls arrive in one
-delta once the array is complete.
+they are generated (the first delta carries the call's id and name); so do "required" calls, each
+once its name is written (tool_call_deltas.py).
 """
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from resident.worker.request_error import RequestError
 from resident.worker.guided_fields import GuidedSpec
+from resident.worker.request_error import RequestError
+from resident.worker.tool_call_deltas import CallStreamer, PartialCall, array_calls, new_call_id, skip_ws
 
 MODES = ("none", "auto", "required")
 
@@ -82,10 +82,6 @@ def guided_spec(choice: ToolChoice, tools: list[dict]) -> GuidedSpec:
     return GuidedSpec("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), "tools")
 
 
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
 def tool_calls(choice: ToolChoice, text: str) -> list[dict] | None:
     """The answer's tool calls from its whole text, or None when it does not parse ("required"
     cut short); a named call's arguments are the text as generated."""
@@ -119,12 +115,28 @@ class ToolCallStream:
         self.call_id = new_call_id()
         self.started = False
         self.text = ""
+        self.calls = CallStreamer()   # "required": the array's calls as they are written
+        self.scanning = True
+
+    def _scan(self) -> list[PartialCall] | None:
+        at = skip_ws(self.text, 0)
+        if not self.scanning or at == len(self.text):
+            return None
+        try:
+            if self.text[at] != "[":
+                raise ValueError("not an array of calls")
+            return array_calls(self.text, at, ("parameters",))[0]
+        except ValueError:
+            self.scanning = False
+            return None
 
     def delta(self, new_text: str) -> dict | None:
         """The delta for newly generated text, or None (nothing to send yet)."""
         if self.choice.mode != "named":
             self.text += new_text
-            return None
+            calls = self._scan()
+            entries = self.calls.deltas(self.text, calls) if calls else []
+            return {"tool_calls": entries} if entries else None
         call: dict[str, Any] = {"index": 0, "function": {"arguments": new_text}}
         if not self.started:
             self.started = True
@@ -135,12 +147,13 @@ class ToolCallStream:
         return {"tool_calls": [call]}
 
     def finish(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
-        """The last delta (a "required" answer's calls, or its text when it does not parse) and the
-        finish reason."""
+        """The last delta (the rest of a "required" answer's calls, or its text when it does not parse
+        and no call streamed) and the finish reason."""
         if self.choice.mode == "named":
             return (self.delta("") if not self.started else None), finish_reason
         calls = tool_calls(self.choice, self.text)
-        if calls is None:
+        if calls is None and not self.calls.started:
             return ({"content": self.text} if self.text else None), finish_reason
+        entries = self.calls.finish(self.text, self._scan(), [c["function"] for c in calls or []])
         reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, reason
+        return ({"tool_calls": entries} if entries else None), reason

@@ -12,8 +12,10 @@ in its model family's format as `tool_calls`, and the text before them as `conte
 
 An answer whose calls do not parse as such (a JSON error, no "name") is content, whole, as it came
 (vLLM does the same). Streamed, the text before the first call streams as content; from the call's
-opening marker (or what may be its beginning) the text is held, and the calls come in one delta
-when the answer ends (or the held text as content, when they do not parse).
+opening marker (or what may be its beginning) the text is held, and each call streams as it is
+written (tool_call_deltas.py: its name first, then its arguments piece by piece). Held text that
+never became a call comes as content at the end; a call that streamed but does not parse in the end
+stays as streamed (vLLM's streaming cannot take it back either).
 """
 from __future__ import annotations
 
@@ -22,12 +24,14 @@ import re
 from typing import Any
 
 from resident.worker.chat_stream import held_len
-from resident.worker.tool_choice import new_call_id
+from resident.worker.tool_call_deltas import (CallStreamer, PartialCall, array_calls, new_call_id, object_call,
+                                              scan_value, skip_ws)
 
 
 class ToolParser:
     """Finds an answer's tool calls: `parse(text)` -> (content or None, [{"name", "arguments"
-    (JSON text)}]); `start(text)` -> where the calls may begin (len(text) when they cannot yet).
+    (JSON text)}]); `start(text)` -> where the calls may begin (len(text) when they cannot yet);
+    `partial(text)` -> the calls written so far (a ValueError when the text cannot be calls).
     `keeps_special_tokens`: its marker is a special token, which the answer's text must keep."""
 
     name = ""
@@ -37,6 +41,9 @@ class ToolParser:
         raise NotImplementedError
 
     def start(self, text: str) -> int:
+        raise NotImplementedError
+
+    def partial(self, text: str) -> list[PartialCall]:
         raise NotImplementedError
 
 
@@ -72,6 +79,22 @@ class HermesParser(ToolParser):
         at = text.find(self.OPEN)
         return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
+    def partial(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        at = text.find(self.OPEN)
+        while at >= 0:
+            j = skip_ws(text, at + len(self.OPEN))
+            if j == len(text):
+                break
+            if text[j] != "{":
+                raise ValueError("a hermes call is a JSON object")
+            call, end = object_call(text, j, ("arguments", "parameters"))
+            calls.append(call)
+            if end is None:
+                break
+            at = text.find(self.OPEN, end)
+        return calls
+
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
@@ -104,6 +127,23 @@ class Llama3JsonParser(ToolParser):
         if not stripped or stripped.startswith("{") or self.TAG.startswith(stripped[:len(self.TAG)]):
             return lead   # the answer is (or may be) the calls themselves
         return len(text)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        j = skip_ws(text, 0)
+        if text.startswith(self.TAG, j):
+            j = skip_ws(text, j + len(self.TAG))
+        calls: list[PartialCall] = []
+        while j < len(text):
+            if text[j] != "{":
+                raise ValueError("llama3_json calls are JSON objects separated by ';'")
+            call, end = object_call(text, j, ("parameters", "arguments"))
+            calls.append(call)
+            if end is None:
+                break
+            j = end
+            while j < len(text) and (text[j].isspace() or text[j] == ";"):
+                j += 1
+        return calls
 
 
 class MistralParser(ToolParser):
@@ -143,6 +183,32 @@ class MistralParser(ToolParser):
         at = text.find(self.OPEN)
         return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
+    def partial(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        at = text.find(self.OPEN)
+        while at >= 0:
+            j = skip_ws(text, at + len(self.OPEN))
+            if j == len(text):
+                break
+            if text[j] == "[":
+                found, end = array_calls(text, j, ("arguments", "parameters"))
+                calls.extend(found)
+            else:
+                args = text.find(self.ARGS, j)
+                if args < 0:
+                    break
+                call = PartialCall(name=text[j:args].strip())
+                value = skip_ws(text, args + len(self.ARGS))
+                end = None
+                if value < len(text):
+                    end = scan_value(text, value)
+                    call.args_start, call.args_end = value, end
+                calls.append(call)
+            if end is None:
+                break
+            at = text.find(self.OPEN, end)
+        return calls
+
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 
@@ -167,25 +233,41 @@ def auto_message(parser: ToolParser, text: str, finish_reason: str | None) -> tu
 
 
 class AutoToolStream:
-    """One streamed choice under a tool-call parser: content deltas before the calls, the calls
-    (or the held text) at the end — the interface of tool_choice.ToolCallStream."""
+    """One streamed choice under a tool-call parser: content deltas before the calls, then each call
+    as it is written (tool_call_deltas.py) — the interface of tool_choice.ToolCallStream."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
         self.sent = 0   # characters of text sent as content (never where a call may begin)
+        self.calls = CallStreamer()
+        self.scanning = True   # False once the held text cannot be calls: the end decides
+
+    def _scan(self) -> list[PartialCall] | None:
+        if self.scanning:
+            try:
+                return self.parser.partial(self.text)
+            except ValueError:
+                self.scanning = False
+        return None
 
     def delta(self, new_text: str) -> dict | None:
         self.text += new_text
+        out: dict = {}
         start = self.parser.start(self.text)
-        if start <= self.sent:
-            return None
-        out, self.sent = self.text[self.sent:start], start
-        return {"content": out}
+        if start > self.sent and not self.calls.started:
+            out["content"], self.sent = self.text[self.sent:start], start
+        calls = self._scan()
+        if calls:
+            entries = self.calls.deltas(self.text, calls)
+            if entries:
+                out["tool_calls"] = entries
+        return out or None
 
     def finish(self, finish_reason: str | None) -> tuple[dict | None, str | None]:
         content, calls = self.parser.parse(self.text)
-        if not calls:
+        if not calls and not self.calls.started:
             rest = self.text[self.sent:]
             return ({"content": rest} if rest else None), finish_reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls_json(calls))]}, "tool_calls"
+        entries = self.calls.finish(self.text, self._scan(), calls)
+        return ({"tool_calls": entries} if entries else None), "tool_calls"

@@ -8,7 +8,7 @@ import json
 import pytest
 from app_helpers import run_app
 from test_api_server import CharTokenizer
-from test_tool_parsers import CALL, AnswerEngine
+from test_tool_parsers import CALL, AnswerEngine, joined_calls
 
 from resident.worker.chat_stream import ChatChoiceStream
 from resident.worker.protocol import ServingOptions
@@ -57,12 +57,18 @@ def test_reasoning_then_tool_calls_in_one_stream():
     text = f"<think>need weather</think>Checking. <tool_call>{CALL}</tool_call>"
     s = ChatChoiceStream(ReasoningStream(get_reasoning_parser("qwen3")), AutoToolStream(get_tool_parser("hermes")))
     out: dict = {}
+    calls: list = []
     for i in range(0, len(text), 3):
         for k, v in s.delta(text[i:i + 3]).items():
-            out[k] = out.get(k, "") + v
+            if k == "tool_calls":
+                calls += v
+            else:
+                out[k] = out.get(k, "") + v
     last, reason = s.finish("stop")
+    calls += (last or {}).get("tool_calls", [])
     assert out == {"reasoning_content": "need weather", "content": "Checking. "}
-    assert reason == "tool_calls" and last["tool_calls"][0]["function"]["name"] == "weather"
+    assert reason == "tool_calls" and joined_calls(calls)[0]["name"] == "weather"
+    assert json.loads(joined_calls(calls)[0]["arguments"]) == {"city": "Paris"}
 
 
 class ThinkingEngine(AnswerEngine):
@@ -85,7 +91,8 @@ def test_served_with_qwen3_and_hermes():
         deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants weather."
         assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
-        assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls", [])] == ["weather"]
+        calls = joined_calls([t for d in deltas for t in d.get("tool_calls", [])])
+        assert [c["name"] for c in calls] == ["weather"] and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
         async with s.post("/v1/chat/completions", json={**body, "tools": None}) as r:
             message = (await r.json())["choices"][0]["message"]
         assert message["reasoning_content"] == "The user wants weather."

@@ -94,10 +94,20 @@ def test_streamed_tool_call_deltas():
     assert named.delta('ty": 1}') == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": 1}'}}]}
     assert named.delta("") is None and named.finish("stop") == (None, "stop")
     required = ToolCallStream(ToolChoice("required"))
-    assert required.delta('[{"name": "time", ') is None and required.delta('"parameters": {"zone": "CET"}}]') is None
-    last, reason = required.finish("stop")
-    assert reason == "tool_calls" and last["tool_calls"][0]["index"] == 0
-    assert last["tool_calls"][0]["function"] == {"name": "time", "arguments": '{"zone": "CET"}'}
+    assert required.delta('[{"name": "ti') is None
+    first = required.delta('me", ')["tool_calls"]   # a call is announced once its name is written
+    assert first == [{"index": 0, "id": required.calls.ids[0], "type": "function",
+                      "function": {"name": "time", "arguments": ""}}]
+    assert required.delta('"parameters": {"zone": ') == {"tool_calls": [{"index": 0, "function": {"arguments":
+                                                                                            '{"zone": '}}]}
+    assert required.delta('"CET"}}, {"name": "weather"}]') == {"tool_calls": [
+        {"index": 0, "function": {"arguments": '"CET"}'}},
+        {"index": 1, "id": required.calls.ids[1], "type": "function", "function": {"name": "weather", "arguments": ""}}]}
+    last, reason = required.finish("stop")   # the second call wrote no parameters: "{}"
+    assert reason == "tool_calls" and last == {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}
+    # a "required" answer cut short before any call's name stays text
+    cut = ToolCallStream(ToolChoice("required"))
+    assert cut.delta('[{"na') is None and cut.finish("length") == ({"content": '[{"na'}, "length")
 
 
 def _serve(tiny, test) -> None:

@@ -74,29 +74,75 @@ def test_messages():
         {"role": "assistant", "content": "plain"}, "length")
 
 
-def _stream(parser: str, text: str, step: int = 1) -> tuple[str, list[dict] | None, str | None]:
+def joined_calls(entries: list[dict]) -> list[dict]:
+    """Streamed tool_calls entries joined as a client joins them: per index, the first entry's id,
+    type and name, the arguments pieces concatenated."""
+    calls: dict[int, dict] = {}
+    for e in entries:
+        if e["index"] not in calls:
+            assert e["id"].startswith("chatcmpl-tool-") and e["type"] == "function" and e["function"]["name"], e
+            calls[e["index"]] = {"id": e["id"], "name": e["function"]["name"], "arguments": ""}
+        else:
+            assert "id" not in e and "name" not in e["function"], e
+        calls[e["index"]]["arguments"] += e["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
+def _stream(parser: str, text: str, step: int = 1) -> tuple[str, list[dict], str | None, int]:
+    """The streamed content, the joined calls, the finish reason, and how many deltas carried calls."""
     s = AutoToolStream(get_tool_parser(parser))
-    content = ""
+    content, entries, call_deltas = "", [], 0
     for i in range(0, len(text), step):
-        d = s.delta(text[i:i + step])
-        assert d is None or set(d) == {"content"}
-        content += d["content"] if d else ""
+        d = s.delta(text[i:i + step]) or {}
+        assert set(d) <= {"content", "tool_calls"}
+        content += d.get("content", "")
+        entries += d.get("tool_calls", [])
+        call_deltas += "tool_calls" in d
     last, reason = s.finish("stop")
-    if last and "content" in last:
-        content += last["content"]
-    return content, (last or {}).get("tool_calls"), reason
+    content += (last or {}).get("content", "")
+    entries += (last or {}).get("tool_calls", [])
+    return content, joined_calls(entries), reason, call_deltas
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
-def test_streams_send_the_text_before_the_calls_and_the_calls_at_the_end(step):
-    content, calls, reason = _stream("hermes", HERMES, step)
+def test_streams_send_the_text_before_the_calls_then_each_call_as_it_is_written(step):
+    content, calls, reason, deltas = _stream("hermes", HERMES, step)
     assert content == "Let me check. " and reason == "tool_calls"
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "weather"), (1, "time")]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("weather", {"city": "Paris"}), ("time", {})]
+    assert deltas > 2 if step < 1000 else deltas == 1   # the arguments arrive piece by piece
     # held while it may be a call's start, released once it is not
-    assert _stream("hermes", "a <tool> b <tool_", step) == ("a <tool> b <tool_", None, "stop")
-    content, calls, _ = _stream("llama3_json", '  {"name": "a", "parameters": {}}', step)
-    assert content == "  " and calls[0]["function"]["name"] == "a"
-    assert _stream("llama3_json", "<b>bold</b>", step) == ("<b>bold</b>", None, "stop")
+    assert _stream("hermes", "a <tool> b <tool_", step) == ("a <tool> b <tool_", [], "stop", 0)
+    content, calls, _, _ = _stream("llama3_json", '  {"name": "a", "parameters": {}}', step)
+    assert content == "  " and calls[0]["name"] == "a" and calls[0]["arguments"] == "{}"
+    assert _stream("llama3_json", "<b>bold</b>", step) == ("<b>bold</b>", [], "stop", 0)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", HERMES),
+    ("hermes", '<tool_call>{"arguments": {"a": [1, {"b": "}]\\\\"}]}, "name": "late"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "quoted", "arguments": "{\\"x\\": 1}"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "bare"}</tool_call>'),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": -1.5e3}}; {"name": "b", "arguments": {"x": null}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Rome"}}, {"name": "time", "arguments": {}}]'),
+    ("mistral", 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]time[ARGS]{}'),
+])
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_streamed_calls_join_to_the_whole_answers_calls(parser, text, step):
+    """Whatever the pieces, the joined stream is the non-streamed answer (arguments as JSON)."""
+    whole_content, whole = get_tool_parser(parser).parse(text)
+    content, calls, reason, _ = _stream(parser, text, step)
+    assert reason == "tool_calls" and content.strip() == (whole_content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c["name"], json.loads(c["arguments"])) for c in whole]
+
+
+def test_a_streamed_call_that_never_parses_ends_as_streamed():
+    """Once a call has streamed it cannot be taken back (vLLM neither): a broken end finishes the
+    calls sent so far; text that never became a call is content."""
+    content, calls, reason, _ = _stream("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1} oops')
+    assert content == "" and reason == "tool_calls" and [c["name"] for c in calls] == ["f"]
+    assert _stream("hermes", "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [], "stop", 0)
 
 
 class AnswerEngine(ScriptedEngine):
@@ -129,8 +175,10 @@ def test_served_with_hermes():
             events = [e.removeprefix("data: ") for e in (await r.read()).decode().split("\n\n") if e]
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         text = "".join(c["delta"].get("content") or "" for c in chunks)
-        calls = [t for c in chunks for t in c["delta"].get("tool_calls", [])]
-        assert text == "Let me check. " and [t["function"]["name"] for t in calls] == ["weather", "time"]
+        calls = joined_calls([t for c in chunks for t in c["delta"].get("tool_calls", [])])
+        assert text == "Let me check. " and [t["name"] for t in calls] == ["weather", "time"]
+        assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+        assert sum("tool_calls" in c["delta"] for c in chunks) > 2   # streamed, not in one piece
         assert chunks[-1]["finish_reason"] == "tool_calls"
         # without tools, or with tool_choice none, the text is the answer
         for extra in ({"tools": None}, {"tool_choice": "none"}):
