@@ -76,10 +76,10 @@ logger = logging.getLogger(__name__)
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="Chat requests with tools and tool_choice auto get the tool calls the answer writes as "
                    "tool_calls (needs --tool-call-parser), as vLLM.")
-@click.option("--tool-call-parser", type=click.Choice(("hermes", "llama3_json", "mistral")), default=None,
+@click.option("--tool-call-parser", type=click.Choice(("hermes", "llama3_json", "mistral", "pythonic")), default=None,
               help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), "
-                   "llama3_json (JSON objects: Llama 3.1-3.3) or mistral ([TOOL_CALLS]...); with "
-                   "--enable-auto-tool-choice.")
+                   "llama3_json (JSON objects: Llama 3.1-3.3), mistral ([TOOL_CALLS]...) or pythonic "
+                   "([f(x=1), ...]: Llama 3.2/4); with --enable-auto-tool-choice.")
 @click.option("--reasoning-parser", type=click.Choice(("deepseek_r1", "qwen3")), default=None,
               help="Chat answers' <think>...</think> reasoning as reasoning_content, the rest as content, as vLLM: "
                    "deepseek_r1 (reasoning until </think>) or qwen3 (reasoning only after a leading <think>).")
@@ -162,8 +162,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
     if chat_template_file is not None:
         _check_chat_template(chat_template_file)
     if enable_auto_tool_choice != (tool_call_parser is not None):
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)"
-                               if enable_auto_tool_choice else
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral "
+                               "or pythonic)" if enable_auto_tool_choice else
                                "--tool-call-parser parses tool calls only with --enable-auto-tool-choice; add it")
     try:
         sock = None if preload == "off" else resolve_socket(socket)

@@ -31,6 +31,7 @@ class PartialCall:
     name: str | None = None
     args_start: int | None = None
     args_end: int | None = None
+    args_json: str | None = None   # arguments known only whole (a pythonic call), sent at once
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -148,6 +149,10 @@ class CallStreamer:
         return bool(self.ids)
 
     def _args_piece(self, text: str, call: PartialCall, i: int) -> str:
+        if call.args_json is not None:
+            piece = "" if self.sent[i] else call.args_json
+            self.sent[i] = len(call.args_json)
+            return piece
         if call.args_start is None:
             return ""
         if text[call.args_start] == '"':   # quoted arguments: decoded, whole, once closed
@@ -188,7 +193,7 @@ class CallStreamer:
                 self.ids.append(new_call_id())
                 self.sent.append(len(call["arguments"]))
                 out.append({"index": i, "id": self.ids[i], "type": "function", "function": dict(call)})
-            elif calls is None or i >= len(calls) or calls[i].args_start is None:
+            elif calls is None or i >= len(calls) or (calls[i].args_start is None and calls[i].args_json is None):
                 if not self.sent[i]:
                     self.sent[i] = len(call["arguments"])
                     out.append({"index": i, "function": {"arguments": call["arguments"]}})

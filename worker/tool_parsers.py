@@ -6,6 +6,9 @@ in its model family's format as `tool_calls`, and the text before them as `conte
   {...}}</tool_call>`, one or more (the last may lack its closing tag when the answer ends there).
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the answer is one or more JSON objects `{"name": ...,
   "parameters": {...}}` (or "arguments"), separated by ";", optionally after `<|python_tag|>`.
+- `pythonic` (Llama 3.2 and 4, ToolACE): the answer is a Python list of calls with keyword
+  arguments, `[get_weather(city="Paris"), get_time()]`, optionally between `<|python_start|>` and
+  `<|python_end|>`; the arguments are Python literals, answered as JSON.
 - `mistral` (Mistral 7B v0.3, Nemo, Small, Devstral): `[TOOL_CALLS][{"name": ..., "arguments":
   {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` with the v11 tokenizer; the request's answer keeps
   special tokens (skip_special_tokens off), since [TOOL_CALLS] is one.
@@ -13,12 +16,14 @@ in its model family's format as `tool_calls`, and the text before them as `conte
 An answer whose calls do not parse as such (a JSON error, no "name") is content, whole, as it came
 (vLLM does the same). Streamed, the text before the first call streams as content; from the call's
 opening marker (or what may be its beginning) the text is held, and each call streams as it is
-written (tool_call_deltas.py: its name first, then its arguments piece by piece). Held text that
+written (tool_call_deltas.py: its name first, then its arguments piece by piece; a pythonic call's
+arguments come whole once the call's parenthesis closes). Held text that
 never became a call comes as content at the end; a call that streamed but does not parse in the end
 stays as streamed (vLLM's streaming cannot take it back either).
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 from typing import Any
@@ -210,7 +215,103 @@ class MistralParser(ToolParser):
         return calls
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class PythonicParser(ToolParser):
+    """`[name(key=literal, ...), ...]` (Llama 3.2 / 4's pythonic format), the whole answer."""
+
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def _body(self, text: str) -> tuple[int, str]:
+        """Where the list begins in `text`, and the text from there without the end marker."""
+        at = skip_ws(text, 0)
+        if text.startswith(self.START, at):
+            at = skip_ws(text, at + len(self.START))
+        body = text[at:]
+        end = body.find(self.END)
+        return at, (body[:end] if end >= 0 else body)
+
+    @staticmethod
+    def _call(node: ast.expr) -> dict[str, str]:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                or any(kw.arg is None for kw in node.keywords):
+            raise ValueError("a pythonic call is name(key=value, ...)")
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        return {"name": node.func.id, "arguments": json.dumps(args, ensure_ascii=False)}
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, str]]]:
+        _, body = self._body(text)
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body.strip(), mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            return None, [self._call(e) for e in tree.elts]
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return text, []
+
+    def start(self, text: str) -> int:
+        at = skip_ws(text, 0)
+        rest = text[at:]
+        if not rest or rest.startswith("[") or self.START.startswith(rest[:len(self.START)]):
+            return at
+        return len(text)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        """Each call once its name and "(" are written; its arguments once its ")" closes."""
+        at, body = self._body(text)
+        if not body:
+            return []
+        if body[0] != "[":
+            raise ValueError("a pythonic answer is a list of calls")
+        calls: list[PartialCall] = []
+        j = 1
+        while True:
+            j = skip_ws(body, j)
+            if j < len(body) and body[j] in ",]":
+                j += 1
+                continue
+            name = re.match(r"[A-Za-z_][A-Za-z0-9_]*\(", body[j:])
+            if name is None:
+                if j < len(body) and not re.match(r"[A-Za-z_][A-Za-z0-9_]*$", body[j:]):
+                    raise ValueError(f"not a pythonic call: {body[j:j + 20]!r}")
+                return calls
+            end = _python_call_end(body, j + name.end() - 1)
+            call = PartialCall(name=name.group()[:-1])
+            calls.append(call)
+            if end is None:
+                return calls
+            try:
+                call.args_json = self._call(ast.parse(body[j:end], mode="eval").body)["arguments"]
+            except (SyntaxError, TypeError, MemoryError, RecursionError) as e:
+                raise ValueError(f"not a pythonic call: {e}") from None
+            j = end
+
+
+def _python_call_end(text: str, i: int) -> int | None:
+    """Where the call whose "(" is at text[i] ends (after its ")"); None while it is open. Brackets
+    are counted outside Python strings ('...' or "...", backslash escapes)."""
+    depth, j = 0, i
+    while j < len(text):
+        c = text[j]
+        if c in "'\"":
+            k = j + 1
+            while k < len(text) and text[k] != c:
+                k += 2 if text[k] == "\\" else 1
+            if k >= len(text):
+                return None
+            j = k + 1
+            continue
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if depth == 0:
+            return j + 1
+        j += 1
+    return None
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                              PythonicParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

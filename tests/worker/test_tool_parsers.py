@@ -38,6 +38,14 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
     ("mistral", "[TOOL_CALLS][{bad json", "[TOOL_CALLS][{bad json", []),
     ("mistral", "[TOOL_CALLS]weather[ARGS]not json", "[TOOL_CALLS]weather[ARGS]not json", []),
     ("mistral", "no calls", "no calls", []),
+    ("pythonic", '[get_weather(city="San Francisco", days=3), get_time()]', None,
+     [("get_weather", '{"city": "San Francisco", "days": 3}'), ("get_time", "{}")]),
+    ("pythonic", "<|python_start|>[f(a=[1, 'x)'], b={'k': None}, c=True)]<|python_end|>", None,
+     [("f", '{"a": [1, "x)"], "b": {"k": null}, "c": true}')]),
+    ("pythonic", "[f(x=some_variable)]", "[f(x=some_variable)]", []),
+    ("pythonic", "[f(1)]", "[f(1)]", []),
+    ("pythonic", "[f(x=1)", "[f(x=1)", []),
+    ("pythonic", "Paris is sunny. [f()]", "Paris is sunny. [f()]", []),
 ])
 def test_parsers(parser, text, content, calls):
     got_content, got = get_tool_parser(parser).parse(text)
@@ -45,8 +53,8 @@ def test_parsers(parser, text, content, calls):
 
 
 def test_unknown_parser_names_the_valid_ones():
-    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral"):
-        get_tool_parser("pythonic")
+    with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, pythonic"):
+        get_tool_parser("qwen3_coder")
 
 
 def test_mistral_keeps_special_tokens_in_tool_requests_only():
@@ -126,6 +134,8 @@ def test_streams_send_the_text_before_the_calls_then_each_call_as_it_is_written(
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": -1.5e3}}; {"name": "b", "arguments": {"x": null}}'),
     ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Rome"}}, {"name": "time", "arguments": {}}]'),
     ("mistral", 'Sure.[TOOL_CALLS]weather[ARGS]{"city": "Rome"}[TOOL_CALLS]time[ARGS]{}'),
+    ("pythonic", '[get_weather(city="San (Fran)\\"cisco", days=3), get_time()]'),
+    ("pythonic", "<|python_start|>[f(a=[1, 'x)'], b={'k': None}, c=True)]<|python_end|>"),
 ])
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
 def test_streamed_calls_join_to_the_whole_answers_calls(parser, text, step):
@@ -135,6 +145,21 @@ def test_streamed_calls_join_to_the_whole_answers_calls(parser, text, step):
     assert reason == "tool_calls" and content.strip() == (whole_content or "")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (c["name"], json.loads(c["arguments"])) for c in whole]
+
+
+def test_pythonic_calls_stream_one_by_one():
+    """A pythonic call is announced when its "name(" is written, its arguments come whole at its ")"."""
+    s = AutoToolStream(get_tool_parser("pythonic"))
+    assert s.delta("[get_wea") is None
+    first = s.delta("ther(city=")["tool_calls"]
+    assert [(e["index"], e["function"]) for e in first] == [(0, {"name": "get_weather", "arguments": ""})]
+    assert s.delta('"Paris"') is None
+    assert s.delta("), get_time(") == {"tool_calls": [
+        {"index": 0, "function": {"arguments": '{"city": "Paris"}'}},
+        {"index": 1, "id": s.calls.ids[1], "type": "function", "function": {"name": "get_time", "arguments": ""}}]}
+    assert s.delta(")]") == {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]}
+    assert s.finish("stop") == (None, "tool_calls")
+    assert _stream("pythonic", "Sure, here it is.") == ("Sure, here it is.", [], "stop", 0)
 
 
 def test_a_streamed_call_that_never_parses_ends_as_streamed():
