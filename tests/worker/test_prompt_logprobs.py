@@ -127,10 +127,13 @@ def test_with_speculative_decoding(model, k):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP)
     eng = engine(model, SpecConfig(method="ngram", num_speculative_tokens=k), max_num_batched_tokens=7)
     repetitive = PROMPT[:6] * 4
-    outs = run(eng, {"a": (repetitive, params), "b": (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))})
+    other = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = run(eng, {"a": (repetitive, params), "b": (PROMPT, other)})
     check(model, repetitive, prompt_lps(outs["a"]))
-    plain = run(engine(model), {"a": (repetitive, params)})["a"]
-    assert [t for o in outs["a"] for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
+    # b samples and speculates in the steps where a's prompt rows come from hidden states (VerifyPass)
+    plain = run(engine(model), {"a": (repetitive, params), "b": (PROMPT, other)})
+    for rid in "ab":
+        assert [t for o in outs[rid] for t in o.new_token_ids] == [t for o in plain[rid] for t in o.new_token_ids]
 
 
 def test_tp_ranks_keep_the_prompt_of_such_requests():

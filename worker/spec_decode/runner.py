@@ -12,7 +12,9 @@ grammar (`_grammar_masks`; structured_output.draft_bitmask).
 
 On a GPU with CUDA graphs the verification pass of an all-decode step replays a graph
 (verify_graphs.py; built when the runner knows K); any other step (prefill chunks in the
-batch, graphs off, CPU) runs it eagerly through `ModelRunner.forward_logits`.
+batch, graphs off, CPU) runs it eagerly through `ModelRunner.forward_logits` — or, when a chunk
+wants prompt logprobs, `ModelRunner.forward_rows`: logits only of the rows sampled or verified, the
+prompt rows' slice by slice from their hidden states (`VerifyPass`).
 `verify_counts` says how many verification passes ran each way.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +41,44 @@ from resident.worker.spec_decode.rejection import greedy_verify, rejection_sampl
 from resident.worker.spec_decode.verify_graphs import VerifyGraphs, verify_graphs_for
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class VerifyPass:
+    """One step's target pass: `logits` of the rows sampled or verified, each request's first and
+    last row in it (`starts`, `lasts`; -1 for a chunk with none), `num_logits` the pass's rows per
+    chunk, and where prompt logprobs read theirs (`prompt_rows`: that layout's logits, or a function
+    of a row range; None when no chunk wants them)."""
+    logits: torch.Tensor
+    starts: list[int]
+    lasts: list[int]
+    num_logits: list[int]
+    prompt_rows: torch.Tensor | Callable[[int, int], torch.Tensor] | None = None
+
+    @classmethod
+    def laid_out(cls, logits: torch.Tensor, num_logits: list[int], starts: list[int] | None = None,
+                 prompt_rows: torch.Tensor | None = None) -> "VerifyPass":
+        """`logits` holding every row of the pass, chunk after chunk (or from `starts`)."""
+        if starts is None:
+            starts = [sum(num_logits[:i]) for i in range(len(num_logits))]
+        return cls(logits, starts, [a + n - 1 for a, n in zip(starts, num_logits)], num_logits, prompt_rows)
+
+    @classmethod
+    def from_hidden(cls, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    scheduled: list[ScheduledRequest], num_logits: list[int]) -> "VerifyPass":
+        """A pass with prompt-logprob chunks: logits only of the rows sampled or verified; the
+        prompt rows' are computed slice by slice from their hidden states (no [chunk, vocab] at once)."""
+        keep: list[int] = []
+        starts, lasts, at = [], [], 0
+        for s, n in zip(scheduled, num_logits):
+            rows = range(at, at + n) if s.num_spec_tokens else range(at + n - 1, at + n) if s.sample else range(0)
+            starts.append(len(keep) if rows else -1)
+            keep.extend(rows)
+            lasts.append(len(keep) - 1 if rows else -1)
+            at += n
+        logits = compute_logits(hidden[torch.tensor(keep, device=hidden.device, dtype=torch.int64)]) if keep \
+            else hidden.new_empty((0, 0), dtype=torch.float32)
+        return cls(logits, starts, lasts, num_logits, lambda lo, hi: compute_logits(hidden[lo:hi]))
 
 
 class SpecDecodeRunner:
@@ -171,24 +212,24 @@ class SpecDecodeRunner:
         proposals = self._propose(out)
         masks = self._grammar_masks(out, proposals)
         drafts = [proposals[s.request_id].token_ids if s.num_spec_tokens else [] for s in out.scheduled]
-        logits, starts, num_logits = self._forward(out.scheduled, drafts)
+        step = self._forward(out.scheduled, drafts)
+        logits = step.logits
         plain, plain_rows, spec, spec_rows = [], [], [], []
-        for s, d, start, n in zip(out.scheduled, drafts, starts, num_logits):
+        for s, d, start, last in zip(out.scheduled, drafts, step.starts, step.lasts):
             if s.num_spec_tokens:
                 spec.append(s)
                 spec_rows.append((start, 1 + len(d)))
             elif s.sample:
                 plain.append(s)
-                plain_rows.append(start + n - 1)   # the last of its rows (prompt logprobs' come first)
+                plain_rows.append(last)   # the last of its rows (prompt logprobs' come first)
         result = ModelRunnerOutput(sampled={})
         if plain:
             idx = torch.tensor(plain_rows, device=logits.device)
             result = self.target.sample(logits.index_select(0, idx), plain, out.grammar_bitmask)
         if spec:
             result.spec = self._verify(logits, spec, spec_rows, proposals, masks)
-        if any(s.sampling_params.prompt_logprobs is not None and num_prompt_rows(s)   # eager: rows by num_logits
-               for s in out.scheduled):
-            result.prompt_logprobs = prompt_logprobs(logits, out.scheduled, num_logits)
+        if step.prompt_rows is not None:
+            result.prompt_logprobs = prompt_logprobs(step.prompt_rows, out.scheduled, step.num_logits)
         return result
 
     def _grammar_masks(self, out: SchedulerOutput, proposals: dict[str, Proposal]) -> dict[str, torch.Tensor]:
@@ -212,11 +253,9 @@ class SpecDecodeRunner:
                                                    None if prop.probs is None else prop.probs[:num_valid])
         return masks
 
-    def _forward(self, scheduled: list[ScheduledRequest],
-                 drafts: list[list[int]]) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The target's pass over every chunk extended by its drafts: logits, each request's
-        first logits row and its number of rows (1 + drafts for speculating requests; for the
-        others `chunk_num_logits`: one when sampled, all with prompt logprobs, else none)."""
+    def _forward(self, scheduled: list[ScheduledRequest], drafts: list[list[int]]) -> VerifyPass:
+        """The target's pass over every chunk extended by its drafts (1 + drafts rows for speculating
+        requests; for the others `chunk_num_logits`: one when sampled, all with prompt logprobs)."""
         vg = self.verify_graphs
         batch = vg.stage(scheduled, drafts) if vg is not None else None
         if batch is not None:
@@ -230,18 +269,20 @@ class SpecDecodeRunner:
                     vg = batch = None
         if batch is not None:
             self._count("graphed", f"speculative verification replays CUDA graphs ({vg.query_len} tokens per request)")
-            return vg.run(batch), batch.row_starts(), [1 + len(d) for d in drafts]
-        chunks, num_logits, starts, row = [], [], [], 0
+            return VerifyPass.laid_out(vg.run(batch), [1 + len(d) for d in drafts], batch.row_starts())
+        chunks, num_logits = [], []
         for s, d in zip(scheduled, drafts):
             chunks.append(dataclasses.replace(s, token_ids=list(s.token_ids) + list(d)) if d else s)
-            n = 1 + len(d) if s.num_spec_tokens else chunk_num_logits(s)
-            num_logits.append(n)
-            starts.append(row)
-            row += n
+            num_logits.append(1 + len(d) if s.num_spec_tokens else chunk_num_logits(s))
         if any(drafts):
             self._count("eager", "speculative verification runs eagerly" + (
                 "" if vg is not None else " (no verification graphs: CPU, --cuda-graphs off, or K unknown)"))
-        return self.target.forward_logits(chunks, num_logits), starts, num_logits
+        if not any(num_prompt_rows(s) for s in scheduled):
+            return VerifyPass.laid_out(self.target.forward_logits(chunks, num_logits), num_logits)
+        logits, hidden = self.target.forward_rows(chunks, num_logits)
+        if logits is not None:   # a decode graph's rows: few
+            return VerifyPass.laid_out(logits, num_logits, prompt_rows=logits)
+        return VerifyPass.from_hidden(self.target.model.compute_logits, hidden, scheduled, num_logits)
 
     def _count(self, how: str, message: str) -> None:
         self.verify_counts[how] += 1
