@@ -194,11 +194,9 @@ def _gemv16_rows(name: str, w: Any, token_counts: list[int], bw: float, reps: in
     return rows
 
 
-def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool,
-                     gemv_tokens: list[int] | None = None) -> dict[str, Any]:
-    """Rows per (linear, token count); `gemv_rows` (fp8) and `gemv16_rows` (bf16, + the LM head)
-    per (linear, gemv token count) (None: GEMV_TOKENS; counts above the GEMV's
-    MAX_SUPPORTED_TOKENS are left out)."""
+def _linear_rows(name: str, n: int, k: int, token_counts: list[int], gemv_counts: list[int], bw: float, reps: int,
+                 iters: int, graph: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """One linear's rows, fp8 GEMV rows and bf16 GEMV rows; its weights are freed on return."""
     import torch
     import torch.nn.functional as F
 
@@ -206,31 +204,46 @@ def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool
     from resident.worker.kernels.fp8_quant import quantize_fp8_per_tensor
     from resident.worker.layers.linear import FP8_DTYPE, FP8_MAX, quantize_fp8_per_tensor_dynamic
 
+    rows = []
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_scale = (w.float().abs().amax() / FP8_MAX).reshape(())
+    w_q = (w.float() / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    for m in token_counts:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = {"linear": name, "n": n, "k": k, "tokens": m,
+               "quant_ref_us": _time_us(lambda: quantize_fp8_per_tensor_dynamic(x), reps, iters, graph),
+               "quant_fused_us": _time_us(lambda: quantize_fp8_per_tensor(x), reps, iters, graph),
+               "quant_two_us": _quant_path_us(x, "two", reps, iters, graph),
+               "quant_coop_us": _quant_path_us(x, "coop", reps, iters, graph),
+               "fp8_linear_us": _time_us(lambda: fp8_linear(x, w_q, w_scale), reps, iters, graph),
+               "bf16_linear_us": _time_us(lambda: F.linear(x, w), reps, iters, graph),
+               "weight_roofline_us": n * k / bw * 1e6}
+        row["fp8_of_roofline"] = row["weight_roofline_us"] / row["fp8_linear_us"]
+        rows.append(row)
+    gemv_rows = _gemv_rows(name, w_q, w_scale, gemv_counts, bw, reps, iters, graph)
+    gemv16_rows = _gemv16_rows(name, w, gemv_counts, bw, reps, iters, graph)
+    return rows, gemv_rows, gemv16_rows
+
+
+def run_kernel_bench(token_counts: list[int], reps: int, iters: int, graph: bool,
+                     gemv_tokens: list[int] | None = None) -> dict[str, Any]:
+    """Rows per (linear, token count); `gemv_rows` (fp8) and `gemv16_rows` (bf16, + the LM head)
+    per (linear, gemv token count) (None: GEMV_TOKENS; counts above the GEMV's
+    MAX_SUPPORTED_TOKENS are left out)."""
+    import torch
+
     bw = copy_bandwidth_bytes_per_s()
     rows = []
     gemv_rows = []
     gemv16_rows = []
     gemv_counts = list(GEMV_TOKENS if gemv_tokens is None else gemv_tokens)
     for name, n, k in LLAMA3_8B_LINEARS:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        w_scale = (w.float().abs().amax() / FP8_MAX).reshape(())
-        w_q = (w.float() / w_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        for m in token_counts:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"linear": name, "n": n, "k": k, "tokens": m,
-                   "quant_ref_us": _time_us(lambda: quantize_fp8_per_tensor_dynamic(x), reps, iters, graph),
-                   "quant_fused_us": _time_us(lambda: quantize_fp8_per_tensor(x), reps, iters, graph),
-                   "quant_two_us": _quant_path_us(x, "two", reps, iters, graph),
-                   "quant_coop_us": _quant_path_us(x, "coop", reps, iters, graph),
-                   "fp8_linear_us": _time_us(lambda: fp8_linear(x, w_q, w_scale), reps, iters, graph),
-                   "bf16_linear_us": _time_us(lambda: F.linear(x, w), reps, iters, graph),
-                   "weight_roofline_us": n * k / bw * 1e6}
-            row["fp8_of_roofline"] = row["weight_roofline_us"] / row["fp8_linear_us"]
-            rows.append(row)
-        gemv_rows += _gemv_rows(name, w_q, w_scale, gemv_counts, bw, reps, iters, graph)
-        gemv16_rows += _gemv16_rows(name, w, gemv_counts, bw, reps, iters, graph)
-        del w, w_q
-        torch.cuda.empty_cache()
+        linear_rows, linear_gemv_rows, linear_gemv16_rows = _linear_rows(name, n, k, token_counts, gemv_counts, bw,
+                                                                         reps, iters, graph)
+        rows += linear_rows
+        gemv_rows += linear_gemv_rows
+        gemv16_rows += linear_gemv16_rows
+        torch.cuda.empty_cache()   # this linear's weights are gone with _linear_rows' frame
     name, n, k = LLAMA3_8B_LM_HEAD
     gemv16_rows += _gemv16_rows(name, torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, gemv_counts,
                                 bw, reps, iters, graph)

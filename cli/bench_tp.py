@@ -30,7 +30,7 @@ def run_tp_throughput(model: str, device: str, dtype: str, quantization: str, ba
 
     from resident.daemon.loader import LoadSpec
     from resident.worker.engine import LLMEngine
-    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.serve_config import ServeConfig
     from resident.worker.tp_executor import TPGroup
 
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")

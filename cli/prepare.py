@@ -128,7 +128,7 @@ def _build(gguf: Path, out: Path) -> None:
             f"preparing the default model needs transformers, gguf and accelerate ({e}); install "
             "them with `pip install 'resident[prepare]'`") from e
     try:
-        import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it)
+        importlib.import_module("gguf")   # imported only to check: transformers' GGUF reader needs it
     except ImportError as e:
         raise PrepareError("preparing the default model needs the `gguf` package; install it with "
                            "`pip install 'resident[prepare]'`") from e

@@ -24,14 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from resident.daemon import checksum, layout, placement, quant
-from resident.daemon.load_plan import (  # noqa: F401 - re-exported: the loader's public planning API
-    LoadPlan,
-    StoredTensor,
-    _Part,
-    key_for,
-    plan_load,
-    torch_dtype_of,
-)
+from resident.daemon.load_plan import LoadPlan, plan_load
 from resident.daemon.memory.base import MemoryBackend, Slab
 from resident.daemon.model_key import file_identity
 from resident.daemon.safetensors_io import CheckpointError

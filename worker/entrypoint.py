@@ -30,8 +30,8 @@ Every worker also answers on an admin Unix socket (--admin-socket, default
 
 Modules: ServeConfig and its validation in serve_config.py; the phase timer and the build
 pipeline (`build_worker`, the `Worker` it returns, KV growth) in startup.py, shared with the
-supervised replicas (replica.py). This module keeps the single worker's serving loop and
-re-exports those names for the CLI, benchmarks and tests.
+supervised replicas (replica.py). This module keeps the single worker's serving loop; import
+those names from the modules that define them.
 """
 from __future__ import annotations
 
@@ -48,19 +48,8 @@ from aiohttp import web
 from resident.worker.api_server import ApiServer, ServerState, app_runner
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.metrics import ServerMetrics
-# Re-exported: the CLI, the supervisor, benchmarks and tests import these from here.
-from resident.worker.serve_config import (  # noqa: F401
-    CPU_MAX_MODEL_LEN,
-    CUDA_GRAPH_MODES,
-    DEFAULT_KV_CACHE_INITIAL_BYTES,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DTYPES,
-    PRELOAD_MODES,
-    QUANTIZATIONS,
-    ServeConfig,
-)
-from resident.worker.startup import (  # noqa: F401
-    KV_GROWTH_CHUNK_BYTES,
+from resident.worker.serve_config import ServeConfig
+from resident.worker.startup import (
     StartupTimer,
     Worker,
     build_worker,

@@ -6,6 +6,7 @@ without importing the HTTP server (aiohttp), which its front-end process serves.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -76,11 +77,11 @@ def _prepare_process(config: ServeConfig, t0: float, who: str,
 
     gemms = start_for_serve(config, preinit.wait) if preinit is not None else None
 
-    import resident.worker.engine  # noqa: F401
-    import resident.worker.model_runner  # noqa: F401
+    importlib.import_module("resident.worker.engine")
+    importlib.import_module("resident.worker.model_runner")
     if config.frontend == "inline":   # --frontend process: the front-end process tokenizes
-        import resident.worker.tokenizer  # noqa: F401
-    import resident.worker.weight_store  # noqa: F401
+        importlib.import_module("resident.worker.tokenizer")
+    importlib.import_module("resident.worker.weight_store")
 
     from dataclasses import replace
 

@@ -25,6 +25,7 @@ with other internals) is recorded and logged; the first launch then does that wo
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
@@ -94,7 +95,7 @@ class TritonPrefetch(StartupThread):
                     self.skipped = "no GPU"
                     return
             step = "import"
-            import triton.runtime.cache  # noqa: F401
+            importlib.import_module("triton.runtime.cache")
 
             from resident.worker import triton_key_cache
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from resident.daemon.errors import DaemonError, DaemonUnavailable, InvalidArgument, NotFound, PermissionDenied
-from resident.daemon.loader import LoadSpec, key_for
+from resident.daemon.load_plan import key_for
+from resident.daemon.loader import LoadSpec
 from resident.daemon.pairing import DRAFT_PREFIX, split_draft
 from resident.daemon.paths import absolute_model_path
 from resident.daemon.tensor_table import TensorTable, crc32_of

@@ -16,7 +16,8 @@ from survive_helpers import FakeSystemd, Worker, exec_daemon_with_fds
 
 from resident.daemon.client import Client
 from resident.daemon.errors import InvalidArgument
-from resident.daemon.loader import LoadSpec, key_for, plan_load
+from resident.daemon.load_plan import key_for
+from resident.daemon.loader import LoadSpec, plan_load
 from resident.daemon.loader import load as load_local
 from resident.daemon.pairing import VocabMismatch
 from resident.worker.weight_store import RemoteStore, open_store

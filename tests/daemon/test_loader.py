@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from fake_hub import COMMIT, fake_hub
 from recording_backend import recording_backend
 from resident.daemon import loader, tensor_reader
-from resident.daemon.loader import LoadSpec, key_for, load, pack
+from resident.daemon.load_plan import key_for
+from resident.daemon.loader import LoadSpec, load, pack
 from resident.daemon.safetensors_io import CheckpointError
 from resident.daemon.tensor_table import crc32_of
 

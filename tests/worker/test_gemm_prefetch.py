@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from resident.worker import gemm_prefetch
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.gemm_prefetch import (STAGES, GemmPrefetch, enabled, gemms, plan_for, plan_for_serve, run,
                                            run_stage, start_for_serve, warmup_prefill_tokens)
+from resident.worker.serve_config import ServeConfig
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,

@@ -15,12 +15,12 @@ from resident.worker.config import ModelConfig
 from resident.worker.cuda_graphs import (DecodeGraphs, bucket_for, capture_all, capture_at_start, check_mode,
                                          graph_batch_sizes, startup_sizes)
 from resident.worker.engine_config import EngineConfig
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.input_batch import HostToDevice
 from resident.worker.kv_sizing import GpuMemoryBudget, KVLayout, ModelDoesNotFit, kv_blocks_for_budget
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest, SchedulerOutput
 from resident.worker.sampling_params import SamplingParams
+from resident.worker.serve_config import ServeConfig
 
 GiB, MiB = 1 << 30, 1 << 20
 # Llama-3-8B: 32 layers, 8 kv heads x 128, bf16, 16-token blocks -> 32 KiB per block per (layer, k|v).

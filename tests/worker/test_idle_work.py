@@ -127,14 +127,16 @@ def test_the_engine_has_no_idle_work_while_a_request_is_unfinished() -> None:
 def test_the_runner_loads_the_samplers_kernels_after_its_graphs_in_a_thread(tiny_model, monkeypatch, caplog) -> None:
     """After the idle graphs (none here, on CPU), the runner's idle work starts the sampler's
     warm-up in a thread, once, under CAPTURE_LOCK; close() joins it."""
+    import importlib
     import json
 
     from weights_util import fused_weights_from_hf_folder
 
-    import resident.worker.op_prefetch  # noqa: F401 - so that sys.modules holds it
     from resident.worker.config import ModelConfig
     from resident.worker.cuda_graphs import CAPTURE_LOCK
     from resident.worker.model_runner import ModelRunner
+
+    importlib.import_module("resident.worker.op_prefetch")   # so that sys.modules holds it
 
     path = tiny_model("llama")
     config = EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=64, max_num_batched_tokens=64)

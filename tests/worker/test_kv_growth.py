@@ -18,12 +18,12 @@ from resident.worker.block_manager import BlockManager
 from resident.worker.config import ModelConfig
 from resident.worker.engine import LLMEngine
 from resident.worker.engine_config import EngineConfig
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.kv_sizing import initial_kv_blocks
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ModelRunnerOutput, SchedulerOutput
 from resident.worker.request import Request
 from resident.worker.sampling_params import SamplingParams
+from resident.worker.serve_config import ServeConfig
 
 VOCAB = 50
 GREEDY = SamplingParams(temperature=0.0)

@@ -94,7 +94,8 @@ def test_preemption_takes_the_latest_arrival_and_resumes_it_first():
 
 def test_resume_after_preemption_hits_the_prefix_cache():
     h = Harness(num_kv_blocks=6, max_model_len=24, max_num_batched_tokens=64)
-    a, b = h.add("a", 9), h.add("b", list(range(200, 209)))
+    h.add("a", 9)
+    b = h.add("b", list(range(200, 209)))
     for _ in range(5):
         h.step()
     assert b.status == RequestStatus.PREEMPTED

@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.request
 
-import pytest
 from serve_helpers import (MODEL_NAME, daemon_helpers, http, metric, serve_env, servable_tiny_model, start_serve,
                            stop_serve)
 
@@ -37,7 +36,8 @@ def _daemon_state(d, key: str) -> tuple[int, float]:
 
 
 def test_restart_attaches_without_reading_the_disk(short_tmp, tmp_path):
-    from resident.daemon.loader import LoadSpec, key_for
+    from resident.daemon.load_plan import key_for
+    from resident.daemon.loader import LoadSpec
 
     model = servable_tiny_model(tmp_path / "qwen2", "qwen2")
     key = key_for(LoadSpec(model=str(model)))[0]

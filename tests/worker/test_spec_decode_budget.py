@@ -6,13 +6,17 @@ the acceptance it would have on a cold cache."""
 from __future__ import annotations
 
 import pytest
-from test_spec_decode import draft_spec, make_engine, prompts, run, target  # noqa: F401 (target: a fixture)
+import test_spec_decode
+from test_spec_decode import draft_spec, make_engine, prompts, run
 
 from resident.worker.engine_config import EngineConfig
 from resident.worker.outputs import ModelRunnerOutput, SpecResult
 from resident.worker.request import Request, RequestStatus
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.scheduler import Scheduler
+
+#: test_spec_decode's module-scoped fixture, bound here so that pytest finds it for this module's tests.
+target = test_spec_decode.target
 
 
 def _all_accepted_step(sched: Scheduler, rid: str, tokens: list[int]) -> None:

@@ -7,8 +7,9 @@ measurement itself needs a GPU (marked test)."""
 from __future__ import annotations
 
 import pytest
+import test_spec_decode
 import torch
-from test_spec_decode import draft_spec, prompts, run, target  # noqa: F401 (target: a fixture)
+from test_spec_decode import draft_spec, prompts, run
 
 from resident.worker.config import ModelConfig
 from resident.worker.engine_config import EngineConfig
@@ -17,6 +18,9 @@ from resident.worker.model_runner import ModelRunner
 from resident.worker.sampling_params import SamplingParams
 from resident.worker.spec_decode.profile import (SpecProfile, largest_spec_step, num_verify_rows,
                                                  profile_spec_peak_bytes, run_spec_profile_steps)
+
+#: test_spec_decode's module-scoped fixture, bound here so that pytest finds it for this module's tests.
+target = test_spec_decode.target
 
 
 @pytest.mark.parametrize("seqs,budget,k,rows", [(8, 64, 4, 40), (8, 30, 4, 30), (3, 10, 3, 10), (256, 2048, 4, 1280)])

@@ -36,10 +36,10 @@ from weights_util import fused_weights_from_hf_folder
 from resident.daemon.loader import LoadSpec
 from resident.worker.config import ModelConfig, ModelConfigError
 from resident.worker.engine_config import EngineConfig
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest, SchedulerOutput
 from resident.worker.sampling_params import SamplingParams
+from resident.worker.serve_config import ServeConfig
 from resident.worker.tp_executor import RANK_DIED_EXIT, TPGroup, compact, rank_devices
 
 LOGIT_TOL = 1e-3

@@ -20,9 +20,9 @@ from tp_fixtures import decided_by_layers, make_decisive_model, resolved
 from resident.daemon.loader import LoadSpec
 from resident.worker.config import ModelConfig
 from resident.worker.engine_config import EngineConfig
-from resident.worker.entrypoint import ServeConfig
 from resident.worker.model_runner import ModelRunner
 from resident.worker.outputs import ScheduledRequest, SchedulerOutput
+from resident.worker.serve_config import ServeConfig
 from resident.worker.tp_executor import TPGroup
 
 

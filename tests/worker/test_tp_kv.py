@@ -247,7 +247,7 @@ def run_with_failing_rank1(path, tmp_path, monkeypatch, where: str, scenario) ->
     from resident.daemon.loader import LoadSpec
     from resident.worker.engine import LLMEngine
     from resident.worker.engine_config import EngineConfig
-    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.serve_config import ServeConfig
     from resident.worker.tp_executor import TPGroup
 
     inject = tmp_path / "inject.py"

@@ -104,7 +104,7 @@ def test_spec_fields_build_the_load_spec():
 def test_ranks_get_rank_0s_triton_caches(tmp_path, monkeypatch):
     """A child rank's Triton prefetch reads the compile-cache key and the kernel
     specializations rank 0's configuration recorded (tp_rank._start_triton_prefetch)."""
-    from resident.worker.entrypoint import ServeConfig
+    from resident.worker.serve_config import ServeConfig
     from resident.worker.tp_spawn import RankLaunch, startup_caches
     from resident.worker.triton_specializations import source_for
 

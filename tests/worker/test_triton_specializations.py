@@ -105,7 +105,7 @@ def test_the_hook_records_our_kernels_and_chains_the_previous_one() -> None:
 
 @needs_triton
 def test_stale_entries_are_skipped_not_raised() -> None:
-    import resident.worker.kernels.rmsnorm  # noqa: F401 - a kernel module with a JIT function
+    importlib.import_module("resident.worker.kernels.rmsnorm")   # a kernel module with a JIT function
 
     result = ts.preload([_entry(1, "resident.worker.kernels.gone._kernel"), _entry(2)], device_index=0)
     assert (result.loaded, result.num_stale, result.num_failed) == ([], 2, 0)

@@ -11,7 +11,8 @@ import torch
 
 import resident.daemon.client as client_module
 from resident.daemon.errors import DaemonUnavailable, InvalidArgument, NotFound, PermissionDenied
-from resident.daemon.loader import LoadSpec, key_for
+from resident.daemon.load_plan import key_for
+from resident.daemon.loader import LoadSpec
 from resident.daemon.tensor_table import TensorEntry, TensorTable, crc32_of
 from resident.worker import weight_store
 from resident.worker.weight_store import (ChecksumMismatch, LocalStore, RemoteStore, WeightStoreError,
