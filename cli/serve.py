@@ -83,6 +83,12 @@ logger = logging.getLogger(__name__)
 @click.option("--reasoning-parser", type=click.Choice(("deepseek_r1", "qwen3")), default=None,
               help="Chat answers' <think>...</think> reasoning as reasoning_content, the rest as content, as vLLM: "
                    "deepseek_r1 (reasoning until </think>) or qwen3 (reasoning only after a leading <think>).")
+@click.option("--generation-config", default="auto", show_default=True,
+              help="Default sampling of requests that do not send their own, as vLLM: auto (the model's "
+                   "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
+                   "caps max_tokens), vllm (none: temperature 1, ...) or a folder holding generation_config.json.")
+@click.option("--override-generation-config", default=None, metavar="JSON",
+              help="Default sampling fields that replace the generation config's, e.g. '{\"temperature\": 0.5}'.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
                    "models on a busy machine.")
@@ -143,7 +149,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           block_size: int,
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, enable_auto_tool_choice: bool,
-          tool_call_parser: str | None, reasoning_parser: str | None, cpu_threads: int | None,
+          tool_call_parser: str | None, reasoning_parser: str | None, generation_config: str,
+          override_generation_config: str | None, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
@@ -180,6 +187,9 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             drain_timeout_s=drain_timeout, chat_template_file=chat_template_file,
             trust_request_chat_template=trust_request_chat_template, verify_sample=verify_sample,
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+            generation_config=generation_config if generation_config in ("auto", "vllm")
+            else os.path.abspath(os.path.expanduser(generation_config)),
+            override_generation_config=override_generation_config,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,

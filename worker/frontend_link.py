@@ -61,6 +61,8 @@ class FrontendStart:
     drain_timeout_s: float
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    generation_config: str = "auto"                 # generation_defaults.py
+    override_generation_config: str | None = None
     log_level: str = "INFO"
     admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
     admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start

@@ -74,7 +74,9 @@ def spawn_frontend(config: Any, log_level: str, http: socket.socket, admin_socke
         served_model_name=config.model_name, api_key=config.api_key,
         chat_template_file=config.chat_template_file,
         trust_request_chat_template=config.trust_request_chat_template, tool_call_parser=config.tool_call_parser,
-        reasoning_parser=config.reasoning_parser, drain_timeout_s=config.drain_timeout_s, log_level=log_level,
+        reasoning_parser=config.reasoning_parser, generation_config=config.generation_config,
+        override_generation_config=config.override_generation_config,
+        drain_timeout_s=config.drain_timeout_s, log_level=log_level,
         admin_socket=admin_socket, admin_socket_given=admin_given, replica=replica, engine_pid=os.getpid())
     send_blocking(ours, ("start", start))
     t0 = config.process_start_time or time.time()

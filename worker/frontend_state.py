@@ -38,6 +38,7 @@ class Frontend:
         self.stop = asyncio.Event()
         self.engine_ready: asyncio.Future[EngineReady | None] = asyncio.get_running_loop().create_future()
         self.engine: Any = None           # the RemoteEngine, once the tokenizer is loaded
+        self.model_folder: Any = None     # the model's folder, once the tokenizer is loaded
         self.engine_gone: str | None = None
         self._metric_waiters: dict[int, asyncio.Future[bytes]] = {}
         self._tokens = itertools.count()
@@ -125,20 +126,24 @@ class Frontend:
 
         start = self.start
         folder = resolve_model(start.model, start.revision, start.hub_cache).folder
+        self.model_folder = folder
         template = Path(start.chat_template_file).read_text() if start.chat_template_file else None
         return Tokenizer.from_folder(folder, chat_template=template)
 
     async def become_ready(self, tokenizer: Any, ready: EngineReady) -> None:
+        from resident.worker.generation_defaults import generation_defaults, parse_overrides
         from resident.worker.openai_serving import OpenAIServing
         from resident.worker.protocol import ServingOptions
 
         # Guided requests are compiled in the engine process (frontend_requests, off its steps), which
         # refuses a bad spec naming the field before any token: xgrammar needs torch, which this
         # process never imports.
+        start = self.start
         opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
-                              trust_request_chat_template=self.start.trust_request_chat_template,
-                              tool_call_parser=self.start.tool_call_parser,
-                              reasoning_parser=self.start.reasoning_parser)
+                              trust_request_chat_template=start.trust_request_chat_template,
+                              tool_call_parser=start.tool_call_parser, reasoning_parser=start.reasoning_parser,
+                              default_sampling=generation_defaults(start.generation_config, self.model_folder,
+                                                                   parse_overrides(start.override_generation_config)))
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size,
                                            compile_guided=False)
         self.metrics.set_weights_source(ready.weights_source)

@@ -81,6 +81,8 @@ class ServingOptions:
     trust_request_chat_template: bool = False
     tool_call_parser: str | None = None   # tool_parsers.py: chat answers' tool calls under tool_choice auto
     reasoning_parser: str | None = None   # reasoning_parsers.py: chat answers' reasoning_content
+    #: (request field, value): defaults of fields a request does not send (generation_defaults.py)
+    default_sampling: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -203,7 +205,13 @@ def _common(body: Any, opts: ServingOptions, known: frozenset[str], cls: type, m
     defaulted = max_tokens is None and default_max_tokens is not None
     if max_tokens is None:
         max_tokens = default_max_tokens
+    defaults = dict(opts.default_sampling)
+    cap = defaults.pop("max_tokens", None)   # the model's max_new_tokens caps it, as in vLLM
+    if cap is not None and (max_tokens is None or max_tokens > cap):
+        max_tokens, defaulted = cap, defaulted or max_tokens is None
     sampling = parse_sampling(body, max_tokens, max_tokens_field, defaulted, opts.max_model_len)
+    for name, value in defaults.items():
+        sampling.setdefault(name, value)
     prompt_logprobs = read_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
     if prompt_logprobs is not None:
         if stream:

@@ -75,6 +75,8 @@ class ServeConfig:
     frontend: str = "inline"                  # inline | process (FRONTEND_MODES)
     tool_call_parser: str | None = None       # --tool-call-parser with --enable-auto-tool-choice (tool_parsers.py)
     reasoning_parser: str | None = None       # --reasoning-parser (reasoning_parsers.py)
+    generation_config: str = "auto"           # --generation-config: default sampling (generation_defaults.py)
+    override_generation_config: str | None = None   # --override-generation-config: JSON object
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -92,6 +94,10 @@ class ServeConfig:
             from resident.worker.reasoning_parsers import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)
+        from resident.worker.generation_defaults import check_mode, parse_overrides
+
+        check_mode(self.generation_config)
+        parse_overrides(self.override_generation_config)
         if not self.kv_profile_cache.strip() or (self.kv_profile_cache not in ("auto", "off")
                                                  and os.path.isdir(self.kv_profile_cache)):
             raise ValueError(f"--kv-profile-cache {self.kv_profile_cache!r} must be auto, off or a file path "

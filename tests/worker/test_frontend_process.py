@@ -211,6 +211,30 @@ def test_prompt_logprobs_and_echo_with_logprobs_are_the_inline_ones(workers):
     assert len(got["prompt_logprobs"]) == got["usage"]["prompt_tokens"]
 
 
+def test_generation_config_defaults_reach_both_front_ends(model, tmp_path, greedy_text):
+    """--generation-config FOLDER: requests without temperature or max_tokens get FOLDER's
+    generation_config.json values (temperature 0: greedy; max_new_tokens 6 caps max_tokens), in the
+    inline front end and in the front-end process alike."""
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
+    args = ("--preload", "off", "--max-model-len", MAX_MODEL_LEN, "--generation-config", str(folder))
+    started = [start_serve(model, tmp_path / f"{fe}.log", *args, "--frontend", fe, wait=False)
+               for fe in ("inline", "process")]
+    try:
+        for w in started:
+            w.wait_ready(120)
+            status, body = http(w.base_url, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT,
+                                                                       "max_tokens": 40, "ignore_eos": True})
+            assert status == 200 and body["usage"]["completion_tokens"] == 6, (w.log_path, body)
+            assert greedy_text.startswith(body["choices"][0]["text"]), (body, greedy_text)
+            assert "default sampling from" in w.log_path.read_text()
+    finally:
+        for w in started:
+            stop_serve(w)
+            kill_frontend_of(w)
+
+
 def test_stop_reason_is_the_inline_one(workers):
     """vLLM's stop_reason: the stop_token_ids entry that ended the answer (seen by the engine
     process), None at the length limit; the same in both processes, whole and streamed."""
