@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from resident.worker.chat_stream import held_len
@@ -85,20 +86,13 @@ class HermesParser(ToolParser):
         return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
     def partial(self, text: str) -> list[PartialCall]:
-        calls: list[PartialCall] = []
-        at = text.find(self.OPEN)
-        while at >= 0:
-            j = skip_ws(text, at + len(self.OPEN))
-            if j == len(text):
-                break
+        def segment(j: int) -> tuple[list[PartialCall], int | None]:
             if text[j] != "{":
                 raise ValueError("a hermes call is a JSON object")
             call, end = object_call(text, j, ("arguments", "parameters"))
-            calls.append(call)
-            if end is None:
-                break
-            at = text.find(self.OPEN, end)
-        return calls
+            return [call], end
+
+        return _after_markers(text, self.OPEN, segment)
 
 
 class Llama3JsonParser(ToolParser):
@@ -189,30 +183,22 @@ class MistralParser(ToolParser):
         return at if at >= 0 else len(text) - held_len(text, self.OPEN)
 
     def partial(self, text: str) -> list[PartialCall]:
-        calls: list[PartialCall] = []
-        at = text.find(self.OPEN)
-        while at >= 0:
-            j = skip_ws(text, at + len(self.OPEN))
-            if j == len(text):
-                break
+        def segment(j: int) -> tuple[list[PartialCall], int | None]:
             if text[j] == "[":
-                found, end = array_calls(text, j, ("arguments", "parameters"))
-                calls.extend(found)
-            else:
-                args = text.find(self.ARGS, j)
-                if args < 0:
-                    break
-                call = PartialCall(name=text[j:args].strip())
-                value = skip_ws(text, args + len(self.ARGS))
-                end = None
-                if value < len(text):
-                    end = scan_value(text, value)
-                    call.args_start, call.args_end = value, end
-                calls.append(call)
-            if end is None:
-                break
-            at = text.find(self.OPEN, end)
-        return calls
+                return array_calls(text, j, ("arguments", "parameters"))
+            args = text.find(self.ARGS, j)
+            if args < 0:
+                return [], None   # its name is still being written
+            call = PartialCall(name=text[j:args].strip())
+            value = skip_ws(text, args + len(self.ARGS))
+            if value == len(text):
+                return [call], None
+            call.args_start = value
+            call.args_end = scan_value(text, value)
+            return [call], call.args_end
+
+        return _after_markers(text, self.OPEN, segment)
+
 
 
 class PythonicParser(ToolParser):
@@ -286,6 +272,24 @@ class PythonicParser(ToolParser):
             except (SyntaxError, TypeError, MemoryError, RecursionError) as e:
                 raise ValueError(f"not a pythonic call: {e}") from None
             j = end
+
+
+def _after_markers(text: str, marker: str,
+                   segment: Callable[[int], tuple[list[PartialCall], int | None]]) -> list[PartialCall]:
+    """The calls written so far after each `marker` (hermes' <tool_call>, mistral's [TOOL_CALLS]):
+    `segment(i)` reads the calls starting at text[i] and where they end (None while open)."""
+    calls: list[PartialCall] = []
+    at = text.find(marker)
+    while at >= 0:
+        j = skip_ws(text, at + len(marker))
+        if j == len(text):
+            break
+        found, end = segment(j)
+        calls.extend(found)
+        if end is None:
+            break
+        at = text.find(marker, end)
+    return calls
 
 
 def _python_call_end(text: str, i: int) -> int | None:
