@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from resident.worker.engine_config import EngineConfig
-from resident.worker.output_processor import DetokenizerFactory, OutputState
+from resident.worker.output_processor import DetokenizerFactory, OutputState, token_stop
 from resident.worker.outputs import ModelRunnerOutput, PendingTokens, placeholder, placeholder_row
 from resident.worker.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from resident.worker.sampling_params import SamplingParams, tokenize_bad_words
@@ -334,12 +334,12 @@ class LLMEngine:
         grammar_end = self.guided.accept(request, token)
         if grammar_end is None:
             return RequestStatus.FINISHED_ABORTED
-        stop_token = grammar_end or (may_stop and ((token in self.eos_token_ids and not params.ignore_eos)
-                                                   or token in params.stop_token_ids))
+        stop_token, reason = token_stop(token, params, self.eos_token_ids, may_stop)
+        stop_token = grammar_end or stop_token
         if stop_token:
             status = RequestStatus.FINISHED_STOPPED
-            if not grammar_end and not (token in self.eos_token_ids and not params.ignore_eos):
-                state.stop_reason = token   # a stop_token_ids entry (EOS has none, as in vLLM)
+            if not grammar_end and reason is not None:
+                state.stop_reason = reason   # a stop_token_ids entry (EOS has none, as in vLLM)
         # A stop token's own text is shown only with include_stop_str_in_output.
         stop_string = state.detokenizer is not None and state.add_token(
             token, detokenize=not stop_token or params.include_stop_str_in_output, check_stop=may_stop)

@@ -14,6 +14,16 @@ from typing import Any, Protocol
 from resident.worker.request import Request, RequestOutput, TokenLogprob
 
 
+def token_stop(token: int, params: Any, eos_token_ids: frozenset[int] | set[int],
+               may_stop: bool) -> tuple[bool, int | None]:
+    """Whether `token` ends the request — EOS (unless ignore_eos) or a stop_token_ids entry, never
+    while `may_stop` is False (within min_tokens) — and vLLM's stop_reason for it: the
+    stop_token_ids entry (EOS has none). The engine and the front-end process both decide so."""
+    eos = token in eos_token_ids and not params.ignore_eos
+    stop = may_stop and (eos or token in params.stop_token_ids)
+    return stop, (token if stop and not eos else None)
+
+
 class Detokenizer(Protocol):
     """worker/detokenizer.py's IncrementalDetokenizer; finish() is optional."""
 

@@ -18,7 +18,7 @@ from typing import Any
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted, RequestStreams
 from resident.worker.detokenizer import IncrementalDetokenizer
 from resident.worker.frontend_link import Link
-from resident.worker.output_processor import OutputState
+from resident.worker.output_processor import OutputState, token_stop
 from resident.worker.request import Request, RequestOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -59,10 +59,9 @@ class TextStream:
                 state.pending_logprobs.append(logprobs[i])
             # As the engine: the first min_tokens tokens stop nothing.
             may_stop = request.num_output_tokens > params.min_tokens
-            eos = token in self.eos_token_ids and not params.ignore_eos
-            stop_token = may_stop and (eos or token in params.stop_token_ids)
-            if stop_token and not eos:
-                state.stop_reason = token
+            stop_token, reason = token_stop(token, params, self.eos_token_ids, may_stop)
+            if reason is not None:
+                state.stop_reason = reason
             if state.add_token(token, detokenize=not stop_token or params.include_stop_str_in_output,
                                check_stop=may_stop):
                 request.finish(RequestStatus.FINISHED_STOPPED)
