@@ -89,6 +89,15 @@ logger = logging.getLogger(__name__)
                    "caps max_tokens), vllm (none: temperature 1, ...) or a folder holding generation_config.json.")
 @click.option("--override-generation-config", default=None, metavar="JSON",
               help="Default sampling fields that replace the generation config's, e.g. '{\"temperature\": 0.5}'.")
+@click.option("--allowed-origins", default='["*"]', show_default=True, metavar="JSON",
+              help="CORS, as vLLM: origins browsers may call the API from, a JSON list, e.g. "
+                   "'[\"https://app.example\"]'; \"*\" allows any.")
+@click.option("--allow-credentials", is_flag=True,
+              help="CORS: allow credentialed requests (cookies); the origin is then echoed, never \"*\".")
+@click.option("--allowed-methods", default='["*"]', show_default=True, metavar="JSON",
+              help="CORS: HTTP methods cross-origin requests may use, a JSON list; \"*\" allows any.")
+@click.option("--allowed-headers", default='["*"]', show_default=True, metavar="JSON",
+              help="CORS: request headers cross-origin requests may send, a JSON list; \"*\" allows any.")
 @click.option("--cpu-threads", type=click.IntRange(min=1), default=None,
               help="torch intra-op threads on CPU [default: torch's choice]; 1 is fastest for small "
                    "models on a busy machine.")
@@ -150,7 +159,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, enable_auto_tool_choice: bool,
           tool_call_parser: str | None, reasoning_parser: str | None, generation_config: str,
-          override_generation_config: str | None, cpu_threads: int | None,
+          override_generation_config: str | None, allowed_origins: str, allow_credentials: bool,
+          allowed_methods: str, allowed_headers: str, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
           ngram_prompt_lookup_max: int | None, ngram_prompt_lookup_min: int | None,
@@ -189,7 +199,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             generation_config=generation_config if generation_config in ("auto", "vllm")
             else os.path.abspath(os.path.expanduser(generation_config)),
-            override_generation_config=override_generation_config,
+            override_generation_config=override_generation_config, allowed_origins=allowed_origins,
+            allow_credentials=allow_credentials, allowed_methods=allowed_methods, allowed_headers=allowed_headers,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
             speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,

@@ -18,14 +18,15 @@ from resident.worker.protocol import ServingOptions
 
 def run_app(engine: Any, tokenizer: Any, opts: ServingOptions, test: Callable[[ClientSession, ServerState],
                                                                           Awaitable[None]],
-            vocab_size: int = 256, api_key: str | None = None) -> None:
+            vocab_size: int = 256, api_key: str | None = None, cors: Any = None) -> None:
+    """`cors`: the app's cors.CorsPolicy (None: no CORS headers)."""
     async def main() -> None:
         metrics = ServerMetrics(opts.served_model_names[0])
         async_engine = AsyncEngine(engine)
         async_engine.start()
         serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=vocab_size)
         state = ServerState(served_model_names=opts.served_model_names, metrics=metrics, api_key=api_key,
-                            serving=serving, ready=True)
+                            serving=serving, ready=True, cors=cors)
         server = TestServer(ApiServer(state).app())
         await server.start_server()
         try:

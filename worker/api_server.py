@@ -7,7 +7,8 @@ thread live), `/ready` (200 only once the weights are attached and verified, the
 allocated and the warm-up pass done; 503 before that and while draining), `/metrics`
 (Prometheus), vLLM's `/tokenize` and `/detokenize` (tokenize_api.py) and `/version`, OpenAI's
 `/v1/responses` (responses_protocol.py, responses_api.py: a chat completion underneath). With an
-API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>`. Every error is an
+API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>`; CORS preflights are
+answered before that, and responses carry the CORS headers (cors.py, `ServerState.cors`). Every error is an
 OpenAI-style JSON body, aiohttp's own included (unknown route, wrong method, body over 32 MiB:
 refused from its Content-Length before it is read) and a handler's bug (a 500).
 """
@@ -25,6 +26,7 @@ from aiohttp import HttpVersion11, web
 from aiohttp.http import HttpProcessingError
 
 from resident.worker.async_engine import EngineDead, EngineDraining, RequestAborted
+from resident.worker.cors import CorsPolicy
 from resident.worker.http_body import MAX_BODY_BYTES, decode_body, read_body
 from resident.worker.metrics import ServerMetrics
 from resident.worker.openai_serving import OpenAIServing, Prepared
@@ -54,6 +56,7 @@ class ServerState:
     failed: str | None = None          # start-up failed: /health turns 500
     paused: str | None = None          # why new requests get 503 for now (snapshot); /ready 503 meanwhile
     num_http_in_flight: int = 0
+    cors: CorsPolicy | None = None     # --allowed-origins etc. (cors.py); None: no CORS headers
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -197,8 +200,15 @@ class ApiServer:
         self.state = state
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_body_limit, _auth_middleware(self.state), _errors],
-                              client_max_size=MAX_BODY_BYTES)
+        middlewares = [_body_limit, _auth_middleware(self.state), _errors]
+        cors = self.state.cors
+        if cors is not None:   # preflights are answered before the API key is asked for
+            from resident.worker.cors import middleware, on_response_prepare
+
+            middlewares.insert(0, middleware(cors))
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+        if cors is not None:   # every response's headers, streamed and errors too, as they go out
+            app.on_response_prepare.append(on_response_prepare(cors))
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)

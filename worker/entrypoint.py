@@ -46,6 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from resident.worker.api_server import ApiServer, ServerState, app_runner
+from resident.worker.cors import CorsPolicy
 from resident.worker.listen_errors import cannot_listen, cannot_write_port_file, write_port_file
 from resident.worker.metrics import ServerMetrics
 from resident.worker.serve_config import ServeConfig
@@ -84,7 +85,7 @@ async def _cannot_start(runner: web.AppRunner, why: str) -> int:
 async def _serve(config: ServeConfig, startup: StartupTimer) -> int:
     metrics = ServerMetrics(config.model_name)
     state = ServerState(served_model_names=(config.model_name,), metrics=metrics, api_key=config.api_key,
-                        model_root=config.model)
+                        model_root=config.model, cors=CorsPolicy.from_flags(config))
     runner = app_runner(ApiServer(state).app())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)

@@ -63,6 +63,10 @@ class FrontendStart:
     reasoning_parser: str | None = None
     generation_config: str = "auto"                 # generation_defaults.py
     override_generation_config: str | None = None
+    allowed_origins: str = '["*"]'                  # CORS (cors.py): JSON lists, as the flags
+    allow_credentials: bool = False
+    allowed_methods: str = '["*"]'
+    allowed_headers: str = '["*"]'
     log_level: str = "INFO"
     admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
     admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start

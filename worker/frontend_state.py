@@ -26,6 +26,7 @@ class Frontend:
 
     def __init__(self, start: FrontendStart, link: Link, t0: float) -> None:
         from resident.worker.api_server import ServerState
+        from resident.worker.cors import CorsPolicy
         from resident.worker.metrics import ServerMetrics
 
         self.start = start
@@ -34,7 +35,7 @@ class Frontend:
         name = start.served_model_name or start.model
         self.metrics = ServerMetrics(name)
         self.state = ServerState(served_model_names=(name,), metrics=self.metrics, api_key=start.api_key,
-                                 model_root=start.model)
+                                 model_root=start.model, cors=CorsPolicy.from_flags(start))
         self.stop = asyncio.Event()
         self.engine_ready: asyncio.Future[EngineReady | None] = asyncio.get_running_loop().create_future()
         self.engine: Any = None           # the RemoteEngine, once the tokenizer is loaded

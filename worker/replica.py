@@ -34,6 +34,7 @@ from aiohttp import web
 
 from resident.worker.admin import AdminServer, ReplicaState
 from resident.worker.api_server import ApiServer, ServerState, app_runner
+from resident.worker.cors import CorsPolicy
 from resident.worker.entrypoint import prepare_process
 from resident.worker.graceful import ConnectionCloser
 from resident.worker.metrics import ServerMetrics
@@ -58,7 +59,8 @@ class Replica:
         self.state = ReplicaState.STARTING
         self.metrics = ServerMetrics(config.model_name)
         self.server_state = ServerState(served_model_names=(config.model_name,), metrics=self.metrics,
-                                        api_key=config.api_key, model_root=config.model)
+                                        api_key=config.api_key, model_root=config.model,
+                                        cors=CorsPolicy.from_flags(config))
         self.closer = ConnectionCloser(options.drain_grace_s)
         self.worker: Worker | None = None
         self.sock = socket.socket(fileno=options.listen_fd)

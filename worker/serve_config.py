@@ -77,6 +77,10 @@ class ServeConfig:
     reasoning_parser: str | None = None       # --reasoning-parser (reasoning_parsers.py)
     generation_config: str = "auto"           # --generation-config: default sampling (generation_defaults.py)
     override_generation_config: str | None = None   # --override-generation-config: JSON object
+    allowed_origins: str = '["*"]'            # --allowed-origins: CORS, a JSON list (cors.py)
+    allow_credentials: bool = False           # --allow-credentials
+    allowed_methods: str = '["*"]'            # --allowed-methods: a JSON list
+    allowed_headers: str = '["*"]'            # --allowed-headers: a JSON list
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -98,6 +102,9 @@ class ServeConfig:
 
         check_mode(self.generation_config)
         parse_overrides(self.override_generation_config)
+        from resident.worker.cors import CorsPolicy
+
+        CorsPolicy.from_flags(self)   # the JSON lists, naming the flag
         if not self.kv_profile_cache.strip() or (self.kv_profile_cache not in ("auto", "off")
                                                  and os.path.isdir(self.kv_profile_cache)):
             raise ValueError(f"--kv-profile-cache {self.kv_profile_cache!r} must be auto, off or a file path "

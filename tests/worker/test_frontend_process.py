@@ -28,6 +28,7 @@ from serve_helpers import MODEL_NAME, http, metric, serve_env, servable_tiny_mod
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Once upon a time"
+ORIGIN = "https://app.example"
 MAX_MODEL_LEN = "512"
 #: Liveness waits (a process exiting on its own), not timed assertions: generous on a loaded box.
 EXIT_WAIT_S = 60.0
@@ -41,7 +42,8 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def workers(model, tmp_path_factory):
     """(inline, process): one worker of each kind, started side by side; the process one
-    requires --api-key and has its admin socket at a known path."""
+    requires --api-key, has its admin socket at a known path and allows CORS from ORIGIN only,
+    with credentials (the inline one: from any origin, the default)."""
     tmp = tmp_path_factory.mktemp("workers")
     run_dir = Path(tempfile_dir())
     admin = str(run_dir / "admin.sock")
@@ -49,7 +51,8 @@ def workers(model, tmp_path_factory):
     inline = start_serve(model, tmp / "inline.log", "--preload", "off", "--max-model-len", MAX_MODEL_LEN,
                          "--frontend", "inline", *parsers, wait=False)
     proc = start_serve(model, tmp / "process.log", "--preload", "off", "--max-model-len", MAX_MODEL_LEN,
-                       "--frontend", "process", "--api-key", KEY, "--admin-socket", admin, *parsers, wait=False)
+                       "--frontend", "process", "--api-key", KEY, "--admin-socket", admin, *parsers,
+                       "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials", wait=False)
     try:
         inline.wait_ready(120)
         proc.wait_ready(120)
@@ -422,6 +425,41 @@ def test_probes_404_and_api_key(workers):
     assert status == 200, body
     status, body = http(base, "POST", "/v1/completions", raw=raw, headers={**AUTH, "Content-Encoding": "bogus"})
     assert status == 415 and "bogus" in body["error"]["message"], body
+
+
+def _request_headers(base_url: str, method: str, path: str, headers: dict, body: dict | None = None) -> tuple:
+    """(status, response headers, body bytes) of one request."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    conn = httpc.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                     headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read()
+    finally:
+        conn.close()
+
+
+def test_cors_preflights_and_streamed_answers_in_both_front_ends(workers):
+    """--allowed-origins and --allow-credentials reach the front-end process (FrontendStart): its
+    preflight needs no key and echoes the origin, a streamed answer carries the CORS headers, an
+    unlisted origin is refused; the inline worker allows any origin with "*", as vLLM by default."""
+    inline, proc = workers
+    ask = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    status, headers, _ = _request_headers(proc.base_url, "OPTIONS", "/v1/completions", ask)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN, dict(headers)
+    assert headers["Access-Control-Allow-Credentials"] == "true" and headers["Access-Control-Max-Age"] == "600"
+    status, _, body = _request_headers(proc.base_url, "OPTIONS", "/v1/completions",
+                                       {**ask, "Origin": "https://other.example"})
+    assert status == 400 and "is not in --allowed-origins" in json.loads(body)["error"]["message"]
+    status, headers, _ = _request_headers(inline.base_url, "OPTIONS", "/v1/completions", ask)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*", dict(headers)
+    request = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    for w, allow in ((proc, ORIGIN), (inline, "*")):
+        status, headers, body = _request_headers(w.base_url, "POST", "/v1/completions", {"Origin": ORIGIN, **AUTH},
+                                                 request)
+        assert status == 200 and headers["Content-Type"] == "text/event-stream", (w.log_path, body)
+        assert headers["Access-Control-Allow-Origin"] == allow and body.endswith(b"data: [DONE]\n\n")
 
 
 class _UnixHTTP(httpc.HTTPConnection):
