@@ -8,8 +8,11 @@ on the device, and only then reads N's tokens and processes them while the GPU c
 Outputs thus come one step later than they were computed. What changes for requests: one
 wasted token computed for a request that stops on a token or string (dropped, never shown);
 none for length limits (the scheduler skips a request whose last token is in flight).
-Requests with penalties, logprobs or a grammar need every token on the host before the next is
-sampled: while any is queued, steps run synchronously.
+Requests with penalties or logprobs need every token on the host before the next is sampled:
+while any is queued, steps run synchronously. A guided request's mask follows from its previous
+token too, but a runner that takes masks late (`grammar_after_launch`: ModelRunner, not a TP group)
+gets it after launching the step's forward pass: the host reads step N's tokens, feeds them to the
+grammars and fills N+1's masks while the GPU computes N+1's logits, so guided requests overlap.
 
 Guided decoding (structured outputs, structured_output.py): a request whose params carry a
 GuidedSpec gets an `xgrammar.GrammarMatcher` when it is queued (its grammar compiled, or found
@@ -71,14 +74,17 @@ class _InFlight:
 _NO_RUNNER_OUTPUT = ModelRunnerOutput(sampled={})
 
 
-def overlappable(params: SamplingParams) -> bool:
+def overlappable(params: SamplingParams, grammar_late: bool = False) -> bool:
     """Whether a request's tokens can be sampled before the host knows its previous token:
     no penalties (they count the earlier tokens), no logprobs nor prompt logprobs (read back with
-    the step), no grammar (its next mask follows from the previous token) and no bad word of several tokens (its
-    mask compares the output's last tokens). min_tokens overlaps: its mask needs only how many
-    tokens came before, placeholders included; so do allowed_token_ids and one-token bad words."""
+    the step), no bad word of several tokens (its mask compares the output's last tokens), and no
+    grammar unless the runner takes the mask late (`grammar_late`: its next mask follows from the
+    previous token, known only while the step's forward pass runs). min_tokens overlaps: its mask
+    needs only how many tokens came before, placeholders included; so do allowed_token_ids and
+    one-token bad words."""
     return (params.logprobs is None and params.prompt_logprobs is None and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.guided is None and not params.bad_words_need_history)
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and (params.guided is None or grammar_late) and not params.bad_words_need_history)
 
 
 class LLMEngine:
@@ -124,6 +130,8 @@ class LLMEngine:
         # Unfinished requests whose sampling needs the host to know every earlier token
         # (penalties, a grammar) or returns logprobs: while any is queued, steps run synchronously.
         self._sync_only: set[str] = set()
+        #: the runner's execute_async can take guided requests' masks after launching the forward pass
+        self._grammar_late = getattr(type(runner), "grammar_after_launch", False)
         self.guided = GuidedRequests(grammars)
 
     # -- requests ------------------------------------------------------------------------
@@ -173,7 +181,7 @@ class LLMEngine:
             self.guided.drop(request_id)
             raise
         self._states[request_id] = OutputState(request, detokenizer)
-        if self.async_scheduling and not overlappable(params):
+        if self.async_scheduling and not overlappable(params, self._grammar_late):
             self._sync_only.add(request_id)
 
     def abort_request(self, request_id: str) -> None:
@@ -265,8 +273,22 @@ class LLMEngine:
         N's tokens, fills them in and checks them for stops while the GPU computes N+1: a
         request that stopped at N had one more token computed in N+1, which is dropped."""
         scheduler_output = self.scheduler.schedule()
-        pending = self.runner.execute_async(scheduler_output) if scheduler_output.scheduled else None
-        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        outputs: list[RequestOutput] = []
+        finished = False
+
+        def masks() -> dict:
+            """Guided requests' masks, once step N's tokens are in (the runner asks while N+1's forward runs)."""
+            nonlocal finished
+            outputs.extend(self._finish_in_flight() if self._in_flight is not None else [])
+            finished = True
+            self.guided.fill(scheduler_output)
+            return scheduler_output.grammar_bitmask
+
+        guided = self.guided and any(s.request_id in self.guided.matchers for s in scheduler_output.scheduled)
+        pending = (self.runner.execute_async(scheduler_output, masks) if guided else
+                   self.runner.execute_async(scheduler_output)) if scheduler_output.scheduled else None
+        if not finished and self._in_flight is not None:
+            outputs.extend(self._finish_in_flight())
         if pending is not None:
             placeholders = {rid: placeholder(row) for row, rid in enumerate(pending.request_ids)}
             got = self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput(sampled=placeholders))

@@ -222,15 +222,21 @@ class ModelRunner:
 
     #: The engine may launch a step before reading the previous step's tokens (`execute_async`).
     supports_async_scheduling = True
+    #: execute_async takes guided requests' masks late (a function it calls after launching the forward pass)
+    grammar_after_launch = True
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput) -> PendingTokens:
+    def execute_async(self, out: SchedulerOutput,
+                      grammar_bitmask: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> PendingTokens:
         """Launch the step and return its sampled tokens unread (async scheduling, engine.py).
 
         Token ids < 0 in `out` are placeholders (`outputs.placeholder`) for the tokens the
         previous `execute_async` sampled, still on the device: they are substituted there, so
         this step is queued behind the previous one without the host waiting for it. Rows
-        must not ask for logprobs or penalties (the engine steps such batches with `execute`)."""
+        must not ask for logprobs or penalties (the engine steps such batches with `execute`).
+        `grammar_bitmask`: called once the forward pass is launched, it gives guided requests'
+        masks (the engine reads the previous step's tokens and feeds them to the grammars
+        meanwhile); without it, `out.grammar_bitmask`."""
         with self._device_guard():
             to_sample, logits = self._forward_step(out)
             self._last_sampled = None
@@ -239,10 +245,11 @@ class ModelRunner:
             if any(s.sampling_params.logprobs is not None for s in to_sample) or any(
                     s.sampling_params.prompt_logprobs is not None and num_prompt_rows(s) for s in out.scheduled):
                 raise BatchError("execute_async cannot return logprobs; step requests with logprobs with execute")
+            masks = grammar_bitmask() if grammar_bitmask is not None else out.grammar_bitmask
             if all_plain_greedy(to_sample):
                 tokens = greedy_tokens(logits)
             else:
-                tokens = self.sampler.choose(logits, self._sampling_rows(to_sample, out.grammar_bitmask))
+                tokens = self.sampler.choose(logits, self._sampling_rows(to_sample, masks))
             self._last_sampled = tokens
             return PendingTokens([s.request_id for s in to_sample], self._read_back(tokens))
 

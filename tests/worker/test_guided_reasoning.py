@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import test_structured_output
 import torch
 from test_structured_output import EOS, REGEX, run
@@ -30,10 +31,11 @@ def _params(end: int) -> SamplingParams:
                           guided=GuidedSpec("regex", REGEX, "guided_regex"))
 
 
-def test_the_grammar_starts_after_the_reasoning(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_grammar_starts_after_the_reasoning(tiny, async_scheduling):
     _, _, tokenizer, _ = tiny
     end = _end(tokenizer)
-    text, reasons, tokens = run(tiny, {"g": _params(end)}, reasoning_end=end)
+    text, reasons, tokens = run(tiny, {"g": _params(end)}, async_scheduling, reasoning_end=end)
     assert tokens["g"][0] == end and text["g"].startswith("z"), text
     assert re.fullmatch(REGEX, text["g"][1:]) and reasons["g"] == "stop" and tokens["g"][-1] == EOS, text
     # a prompt holding the end token (thinking off): guided from the first token

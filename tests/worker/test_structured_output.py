@@ -352,6 +352,39 @@ def test_guided_outputs_follow_their_schema_regex_and_choice(tiny, async_schedul
         assert run(tiny, requests, not async_scheduling)[0] == text   # seeded: the same in both modes
 
 
+def test_guided_requests_overlap_under_async_scheduling(tiny):
+    """With async scheduling a guided request no longer makes the batch step synchronously: its
+    step N+1 is launched before N's token is read, and its mask, which N's token decides, is filled
+    while N+1's forward pass runs (ModelRunner.execute_async's grammar_bitmask). A runner that cannot
+    take the mask late (the TP group's) still steps such requests synchronously."""
+    config, weights, tokenizer, _ = tiny
+    engine_config = EngineConfig(block_size=4, num_kv_blocks=512, max_model_len=1024)
+    guided = SamplingParams(temperature=0.0, max_tokens=300, guided=GuidedSpec("regex", REGEX, "guided_regex"))
+    engine = LLMEngine(engine_config, ModelRunner(config, engine_config, weights), tokenizer, async_scheduling=True)
+    engine.add_request("g", tokenizer.encode("hello"), guided)
+    assert engine._sync_only == set()
+    text, overlapped = "", 0
+    while engine.has_unfinished_requests():
+        text += "".join(o.new_text for o in engine.step())
+        overlapped += engine._in_flight is not None
+    assert overlapped > 3 and re.fullmatch(REGEX, text), (overlapped, text)
+    assert text == run(tiny, {"g": guided})[0]["g"]   # greedy: the synchronous engine's answer
+
+    class NoLateMasks:   # a runner whose execute_async cannot take them late
+        supports_async_scheduling = True
+
+        def __init__(self, runner):
+            self.runner = runner
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+    late = LLMEngine(engine_config, NoLateMasks(ModelRunner(config, engine_config, weights)), tokenizer,
+                     async_scheduling=True)
+    late.add_request("g", tokenizer.encode("hello"), guided)
+    assert late._sync_only == {"g"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_guided_outputs_on_gpu_are_the_cpu_ones(tiny, async_scheduling):
