@@ -67,6 +67,7 @@ class FrontendStart:
     allow_credentials: bool = False
     allowed_methods: str = '["*"]'
     allowed_headers: str = '["*"]'
+    enable_prompt_tokens_details: bool = False      # ServingOptions'
     log_level: str = "INFO"
     admin_socket: str | None = None     # the worker's admin socket (admin.py), served by the front-end
     admin_socket_given: bool = False    # --admin-socket: a path that cannot be bound fails the start

@@ -78,6 +78,7 @@ def spawn_frontend(config: Any, log_level: str, http: socket.socket, admin_socke
         override_generation_config=config.override_generation_config,
         allowed_origins=config.allowed_origins, allow_credentials=config.allow_credentials,
         allowed_methods=config.allowed_methods, allowed_headers=config.allowed_headers,
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         drain_timeout_s=config.drain_timeout_s, log_level=log_level,
         admin_socket=admin_socket, admin_socket_given=admin_given, replica=replica, engine_pid=os.getpid())
     send_blocking(ours, ("start", start))

@@ -144,7 +144,8 @@ class Frontend:
                               trust_request_chat_template=start.trust_request_chat_template,
                               tool_call_parser=start.tool_call_parser, reasoning_parser=start.reasoning_parser,
                               default_sampling=generation_defaults(start.generation_config, self.model_folder,
-                                                                   parse_overrides(start.override_generation_config)))
+                                                                   parse_overrides(start.override_generation_config)),
+                              enable_prompt_tokens_details=start.enable_prompt_tokens_details)
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size,
                                            compile_guided=False)
         self.metrics.set_weights_source(ready.weights_source)

@@ -35,6 +35,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0   # its prompt's tokens found in the prefix cache
     last_token_at: float | None = None
     spec_decode: Any = None  # request.SpecDecodeStats, when the engine speculates
     prompt_logprobs: list[Any] | None = None   # one per prompt token (the first None), when computed
@@ -112,6 +113,7 @@ class OpenAIServing(OpenAIPreparer):
             choice.last_token_at = now
             self.metrics.generation_tokens.inc(n)
         choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
         if getattr(out, "spec_decode", None) is not None:
             choice.spec_decode = out.spec_decode
         if out.finished:
@@ -133,6 +135,11 @@ class OpenAIServing(OpenAIPreparer):
         completion = sum(c.num_output_tokens for c in choices)
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}
+        if self.opts.enable_prompt_tokens_details:
+            # Each prompt is counted once (the first of its n choices), as prompt_tokens counts it.
+            n = prep.request.n
+            cached = sum(choices[p * n].num_cached_tokens for p in range(len(prep.prompts)) if p * n < len(choices))
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         specs = [c.spec_decode for c in choices if c.spec_decode is not None]
         if specs:   # speculative decoding, summed over the choices (see request.SpecDecodeStats)
             from resident.worker.request import SpecDecodeStats

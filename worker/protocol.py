@@ -83,6 +83,8 @@ class ServingOptions:
     reasoning_parser: str | None = None   # reasoning_parsers.py: chat answers' reasoning_content
     #: (request field, value): defaults of fields a request does not send (generation_defaults.py)
     default_sampling: tuple[tuple[str, Any], ...] = ()
+    #: --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

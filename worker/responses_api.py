@@ -36,7 +36,9 @@ def _echo(body: dict) -> dict:
 
 
 def _usage(chat_usage: dict) -> dict:
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    """The chat usage as a Response's; cached_tokens with --enable-prompt-tokens-details, else 0."""
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 

@@ -81,6 +81,7 @@ class ServeConfig:
     allow_credentials: bool = False           # --allow-credentials
     allowed_methods: str = '["*"]'            # --allowed-methods: a JSON list
     allowed_headers: str = '["*"]'            # --allowed-headers: a JSON list
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
 
     def __post_init__(self) -> None:
         self._check_names()

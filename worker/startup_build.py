@@ -359,7 +359,8 @@ def _worker(b: _Build, metrics: ServerMetrics, engine: Any, runner: Any, kv: _KV
                               trust_request_chat_template=config.trust_request_chat_template,
                               tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                               default_sampling=generation_defaults(config.generation_config, b.store.model_dir,
-                                                                   parse_overrides(config.override_generation_config)))
+                                                                   parse_overrides(config.override_generation_config)),
+                              enable_prompt_tokens_details=config.enable_prompt_tokens_details)
         serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=b.model_config.vocab_size,
                                 grammars=engine.grammars)
     worker = Worker(b.store, async_engine, serving, runner, b.tp, kv.kv_target_blocks, kv.block_bytes,

@@ -238,6 +238,34 @@ def test_generation_config_defaults_reach_both_front_ends(model, tmp_path, greed
             kill_frontend_of(w)
 
 
+def test_cached_prompt_tokens_in_usage_from_both_front_ends(model, tmp_path):
+    """--enable-prompt-tokens-details: a prompt sent again is served from the prefix cache, and its
+    usage says how many of its tokens (whole blocks of 16), with the engine in this process or in
+    the other (RemoteEngine carries num_cached_tokens); a new prompt has none."""
+    args = ("--preload", "off", "--max-model-len", MAX_MODEL_LEN, "--enable-prompt-tokens-details")
+    started = [start_serve(model, tmp_path / f"{fe}.log", *args, "--frontend", fe, wait=False)
+               for fe in ("inline", "process")]
+    prompt = PROMPT + " there lived a cat who liked to sit in the sun and watch the birds go by" * 3
+    try:
+        for w in started:
+            w.wait_ready(120)
+            cached = []
+            for _ in range(2):
+                status, body = http(w.base_url, "POST", "/v1/completions", {"model": MODEL_NAME, "prompt": prompt,
+                                                                           "max_tokens": 2})
+                assert status == 200, (w.log_path, body)
+                cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+            num_prompt = body["usage"]["prompt_tokens"]
+            assert cached[0] == 0 and 0 < cached[1] < num_prompt and cached[1] % 16 == 0, (cached, num_prompt)
+            events = stream(w.base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                            "stream_options": {"include_usage": True}})
+            assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached[1]}, events[-1]
+    finally:
+        for w in started:
+            stop_serve(w)
+            kill_frontend_of(w)
+
+
 def test_stop_reason_is_the_inline_one(workers):
     """vLLM's stop_reason: the stop_token_ids entry that ended the answer (seen by the engine
     process), None at the length limit; the same in both processes, whole and streamed."""
