@@ -224,6 +224,40 @@ def _reply(sock: socket.socket, what: str, want_fds: bool = False) -> tuple[fpb.
         raise TakeoverError(f"the old daemon refused the takeover: {message}") from None
 
 
+def _hello(sock: socket.socket, daemon_version: str) -> tuple[int, str]:
+    """The takeover's hello: the old daemon's pid and version, once it says we are its admin."""
+    send_frame(sock, fpb.FdRequest(hello=fpb.Hello(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
+                                                   client_name=f"takeover-{os.getpid()}",
+                                                   client_version=daemon_version)))
+    hello = _reply(sock, "hello")[0]
+    if hello.WhichOneof("kind") != "hello":
+        raise TakeoverError(f"the old daemon answered hello with {hello.WhichOneof('kind')}")
+    if not hello.hello.admin:
+        raise TakeoverError(f"uid {os.geteuid()} is not an admin of the running daemon (pid "
+                            f"{hello.hello.daemon_pid}); run the takeover as its user or root, or as an "
+                            "--admin-uid")
+    return hello.hello.daemon_pid, hello.hello.daemon_version
+
+
+def _receive_fds(sock: socket.socket, received: dict[str, int]) -> None:
+    """The old daemon's fds, batch by batch until the last, into `received` (name -> fd; the caller
+    closes them on failure)."""
+    while True:
+        reply, fds = _reply(sock, "Takeover", want_fds=True)
+        batch = reply.takeover_fds
+        names = list(batch.names)
+        if reply.WhichOneof("kind") != "takeover_fds" or len(names) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise TakeoverError(f"the old daemon sent {len(fds)} fds for {len(names)} names")
+        for name, fd in zip(names, fds):
+            if name in received:
+                os.close(received[name])
+            received[name] = fd
+        if batch.last:
+            return
+
+
 def take_over(fd_socket: str, daemon_version: str, timeout_s: float = STEP_TIMEOUT_S) -> Inherited:
     """Connect to the running daemon at `fd_socket` and receive everything it holds."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -236,33 +270,10 @@ def take_over(fd_socket: str, daemon_version: str, timeout_s: float = STEP_TIMEO
                             "--takeover") from None
     received: dict[str, int] = {}
     try:
-        send_frame(sock, fpb.FdRequest(hello=fpb.Hello(protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR,
-                                                       client_name=f"takeover-{os.getpid()}",
-                                                       client_version=daemon_version)))
-        hello = _reply(sock, "hello")[0]
-        if hello.WhichOneof("kind") != "hello":
-            raise TakeoverError(f"the old daemon answered hello with {hello.WhichOneof('kind')}")
-        if not hello.hello.admin:
-            raise TakeoverError(f"uid {os.geteuid()} is not an admin of the running daemon (pid "
-                                f"{hello.hello.daemon_pid}); run the takeover as its user or root, or as an "
-                                "--admin-uid")
-        old_pid, old_version = hello.hello.daemon_pid, hello.hello.daemon_version
+        old_pid, old_version = _hello(sock, daemon_version)
         send_frame(sock, fpb.FdRequest(takeover=fpb.Takeover(state_format_major=FORMAT_MAJOR,
                                                              daemon_version=daemon_version, pid=os.getpid())))
-        while True:
-            reply, fds = _reply(sock, "Takeover", want_fds=True)
-            batch = reply.takeover_fds
-            names = list(batch.names)
-            if reply.WhichOneof("kind") != "takeover_fds" or len(names) != len(fds):
-                for fd in fds:
-                    os.close(fd)
-                raise TakeoverError(f"the old daemon sent {len(fds)} fds for {len(names)} names")
-            for name, fd in zip(names, fds):
-                if name in received:
-                    os.close(received[name])
-                received[name] = fd
-            if batch.last:
-                break
+        _receive_fds(sock, received)
         if STATE_NAME not in received or LOCK_NAME not in received:
             raise TakeoverError("the old daemon sent no state or no lock fd")
         state_fd = received.pop(STATE_NAME)
