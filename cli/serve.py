@@ -92,6 +92,9 @@ logger = logging.getLogger(__name__)
 @click.option("--enable-prompt-tokens-details", is_flag=True,
               help="Usage gains prompt_tokens_details.cached_tokens (the prompt tokens found in the prefix "
                    "cache; the Responses API's input_tokens_details.cached_tokens), as vLLM.")
+@click.option("--seed", type=int, default=None,
+              help="Seed of the sampler's generator for requests without their own seed, as vLLM's: a worker "
+                   "restarted with the same seed samples such a request, run alone, the same [default: random].")
 @click.option("--allowed-origins", default='["*"]', show_default=True, metavar="JSON",
               help="CORS, as vLLM: origins browsers may call the API from, a JSON list, e.g. "
                    "'[\"https://app.example\"]'; \"*\" allows any.")
@@ -162,7 +165,8 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
           max_num_seqs: int, max_num_batched_tokens: int, no_prefix_caching: bool, drain_timeout: float,
           chat_template_file: str | None, trust_request_chat_template: bool, enable_auto_tool_choice: bool,
           tool_call_parser: str | None, reasoning_parser: str | None, generation_config: str,
-          override_generation_config: str | None, enable_prompt_tokens_details: bool, allowed_origins: str,
+          override_generation_config: str | None, enable_prompt_tokens_details: bool, seed: int | None,
+          allowed_origins: str,
           allow_credentials: bool, allowed_methods: str, allowed_headers: str, cpu_threads: int | None,
           verify_sample: int, device: str, gpu_memory_utilization: float, cuda_graphs: str, async_scheduling: str,
           speculative_model: str | None, num_speculative_tokens: int | None,
@@ -203,7 +207,7 @@ def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, 
             generation_config=generation_config if generation_config in ("auto", "vllm")
             else os.path.abspath(os.path.expanduser(generation_config)),
             override_generation_config=override_generation_config,
-            enable_prompt_tokens_details=enable_prompt_tokens_details, allowed_origins=allowed_origins,
+            enable_prompt_tokens_details=enable_prompt_tokens_details, seed=seed, allowed_origins=allowed_origins,
             allow_credentials=allow_credentials, allowed_methods=allowed_methods, allowed_headers=allowed_headers,
             cpu_threads=cpu_threads, device=device, gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,

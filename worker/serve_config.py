@@ -82,6 +82,7 @@ class ServeConfig:
     allowed_methods: str = '["*"]'            # --allowed-methods: a JSON list
     allowed_headers: str = '["*"]'            # --allowed-headers: a JSON list
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
+    seed: int | None = None                   # --seed: the sampler's generator for unseeded requests (None: random)
 
     def __post_init__(self) -> None:
         self._check_names()
@@ -184,6 +185,12 @@ class ServeConfig:
                              "(107 bytes); choose a shorter path")
         if self.frontend not in FRONTEND_MODES:
             raise ValueError(f"unknown --frontend {self.frontend!r}; valid: {', '.join(FRONTEND_MODES)}")
+        if self.seed is not None:
+            from resident.worker.sampling_params import MAX_SEED, MIN_SEED
+
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED:
+                raise ValueError(f"--seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}; "
+                                 "leave it out for a random one")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.api_key is not None and not self.api_key.strip():

@@ -288,13 +288,17 @@ def _build_engine(b: _Build, kv: _KVSizing, weights: Any) -> tuple[Any, Any]:
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=b.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
     if b.tp:
+        # --seed reaches every rank with the build command (None: one random seed for all of them)
         runner = b.tp.build_runner(weights, engine_config=engine_config, cuda_graphs=config.cuda_graphs,
-                                   max_num_kv_blocks=kv.max_kv_blocks)
+                                   max_num_kv_blocks=kv.max_kv_blocks, sampler_seed=config.seed)
     else:
         runner = ModelRunner(b.model_config, engine_config, weights, device=str(device),
-                             cuda_graphs=config.cuda_graphs, max_num_kv_blocks=kv.max_kv_blocks)
+                             cuda_graphs=config.cuda_graphs, max_num_kv_blocks=kv.max_kv_blocks,
+                             sampler_seed=config.seed)
+    if config.seed is not None:
+        logger.info("unseeded requests sample from a generator seeded with %d (--seed)", config.seed)
     target_runner, runner = runner, spec_serving.wrap_runner(spec_cfg, runner, b.draft, device, config.cuda_graphs,
-                                                             kv.max_kv_blocks)
+                                                             kv.max_kv_blocks, seed=config.seed)
     engine = LLMEngine(engine_config, runner, b.tokenizer,
                        num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
                        async_scheduling=config.async_scheduling == "on"

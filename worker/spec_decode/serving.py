@@ -72,8 +72,9 @@ def headroom_profile(spec: Any, draft: DraftSource | None, device: Any) -> Any:
 
 
 def wrap_runner(spec: Any, runner: Any, draft: DraftSource | None, device: Any, cuda_graphs: str,
-                max_num_kv_blocks: int | None) -> Any:
-    """The SpecDecodeRunner over `runner`, or `runner` itself without speculation."""
+                max_num_kv_blocks: int | None, seed: int | None = None) -> Any:
+    """The SpecDecodeRunner over `runner`, or `runner` itself without speculation; `seed` (--seed)
+    seeds its generators for unseeded requests (None: random)."""
     if spec is None:
         return runner
     from resident.worker.device import weights_on
@@ -81,7 +82,7 @@ def wrap_runner(spec: Any, runner: Any, draft: DraftSource | None, device: Any, 
 
     tensors = weights_on(draft.tensors, device) if draft is not None else None
     out = build_spec_runner(spec, runner, draft.config if draft else None, tensors, cuda_graphs=cuda_graphs,
-                            max_num_kv_blocks=max_num_kv_blocks)
+                            max_num_kv_blocks=max_num_kv_blocks, seed=seed)
     logger.info("speculative decoding: %s, %d tokens per step", spec.method if spec.method == "ngram"
                 else f"draft {spec.draft_model}", spec.num_speculative_tokens)
     return out
