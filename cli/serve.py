@@ -13,6 +13,7 @@ import sys
 import click
 
 from resident.cli.common import SIZE, resolve_socket, socket_option
+from resident.cli.vllm_flags import vllm_flags
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ logger = logging.getLogger(__name__)
                    "started at exec beside the engine process (the tokenizer's load leaves the restart's "
                    "path; the engine thread no longer shares its GIL with HTTP and text). With the supervisor "
                    "(--data-parallel-size) each replica is such a pair; not with --launcher.")
+@vllm_flags
 def serve(model: str, served_model_name: tuple[str, ...], host: str, port: int, port_file: str | None,
           api_key: str | None, dtype: str, quantization: str, revision: str | None, preload: str, socket: str | None,
           max_model_len: int | None, kv_cache_memory: int, kv_cache_initial: int, num_kv_blocks: int | None,
