@@ -18,7 +18,7 @@ LAYOUT_VERSION = 1
 LAYOUT = f"{LAYOUT_FAMILY}/{LAYOUT_VERSION}"
 
 #: HF architectures served by the Llama-family decoder.
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 
 # HF tensors that carry no weights the engine needs.
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -130,8 +130,10 @@ def plan(config: dict, names: set[str]) -> list[FusedTensor]:
         p = layer_prefix(i)
         a, m = f"{p}.self_attn", f"{p}.mlp"
         out.append(FusedTensor(f"{p}.input_layernorm.weight", (f"{p}.input_layernorm.weight",)))
-        out.append(FusedTensor(
-            f"{a}.qkv_proj.weight", tuple(f"{a}.{x}_proj.weight" for x in "qkv"), quantizable=True))
+        # Phi-3 checkpoints store qkv_proj and gate_up_proj already fused, in this layout's order.
+        qkv = (f"{a}.qkv_proj.weight",) if f"{a}.qkv_proj.weight" in names else tuple(
+            f"{a}.{x}_proj.weight" for x in "qkv")
+        out.append(FusedTensor(f"{a}.qkv_proj.weight", qkv, quantizable=True))
         if f"{a}.q_proj.bias" in names:
             out.append(FusedTensor(f"{a}.qkv_proj.bias", tuple(f"{a}.{x}_proj.bias" for x in "qkv")))
         if f"{a}.q_norm.weight" in names:
@@ -141,8 +143,9 @@ def plan(config: dict, names: set[str]) -> list[FusedTensor]:
         if f"{a}.o_proj.bias" in names:
             out.append(FusedTensor(f"{a}.o_proj.bias", (f"{a}.o_proj.bias",)))
         out.append(FusedTensor(f"{p}.post_attention_layernorm.weight", (f"{p}.post_attention_layernorm.weight",)))
-        out.append(FusedTensor(
-            f"{m}.gate_up_proj.weight", (f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), quantizable=True))
+        gate_up = (f"{m}.gate_up_proj.weight",) if f"{m}.gate_up_proj.weight" in names else (
+            f"{m}.gate_proj.weight", f"{m}.up_proj.weight")
+        out.append(FusedTensor(f"{m}.gate_up_proj.weight", gate_up, quantizable=True))
         out.append(FusedTensor(f"{m}.down_proj.weight", (f"{m}.down_proj.weight",), quantizable=True))
     out.append(FusedTensor("model.norm.weight", ("model.norm.weight",)))
     tied = bool(config.get("tie_word_embeddings", False))
@@ -191,6 +194,8 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             f"{a}.k_norm.weight": (d,),
             f"{m}.gate_proj.weight": (inter, h),
             f"{m}.up_proj.weight": (inter, h),
+            f"{a}.qkv_proj.weight": ((nh + 2 * nkv) * d, h),   # Phi-3: stored fused
+            f"{m}.gate_up_proj.weight": (2 * inter, h),
             f"{m}.down_proj.weight": (h, inter),
         })
     return shapes

@@ -40,6 +40,12 @@ ARCH_CONFIGS: dict[str, dict] = {
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
         sliding_window=None, tie_word_embeddings=False,
     ),
+    "phi3": dict(   # qkv_proj and gate_up_proj stored fused
+        cls="Phi3Config", model="Phi3ForCausalLM",
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+        sliding_window=None, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
 }
 
 

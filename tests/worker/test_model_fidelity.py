@@ -46,6 +46,7 @@ TINY = {
     "qwen3": {},
     # A window shorter than the sequence, so the sliding-window mask is exercised.
     "mistral": {"sliding_window": 24},
+    "phi3": {"sliding_window": 24},   # fused qkv/gate_up in the checkpoint; Phi-3-mini-4k has a window too
 }
 SOURCES = ("fused_cat", "local_store", "remote_store")
 
@@ -290,3 +291,18 @@ def test_sliding_window_is_applied(tmp_path: Path) -> None:
     b = teacher_forced(full, prompt, table, [60])[0]
     assert torch.allclose(a[:24], b[:24], atol=1e-5)
     assert (a[30:] - b[30:]).abs().max() > 1e-2
+
+
+def test_phi3_variants_the_decoder_cannot_run_are_refused_naming_why(tmp_path: Path) -> None:
+    """Phi-3's 128k models (longrope) and Phi-4-mini (partial rotary) are refused by name; the 4k/16k
+    ones (plain rope, a sliding window) run as above."""
+    from resident.worker.config import ModelConfigError
+
+    config = json.loads((make_tiny_model(tmp_path / "p", "phi3") / "config.json").read_text())
+    assert ModelConfig.from_hf(config).architecture == "Phi3ForCausalLM"
+    longrope = {**config, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                "rope_parameters": None}
+    with pytest.raises(ModelConfigError, match="rope scaling type 'longrope' is not supported"):
+        ModelConfig.from_hf(longrope)
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor"):
+        ModelConfig.from_hf({**config, "partial_rotary_factor": 0.75, "rope_parameters": None})
