@@ -53,6 +53,7 @@ ARCHS = {
     "llama": {"attention_bias": True},   # q/k/v bias split per rank, o_proj bias added once
     "qwen2": {},                          # q/k/v bias
     "qwen3": {},                          # q/k norm, tied embeddings
+    "phi3": {},                           # qkv_proj / gate_up_proj fused in the checkpoint itself
 }
 
 
