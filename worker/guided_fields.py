@@ -1,5 +1,6 @@
 """Structured outputs' request side: the fields that constrain an answer (OpenAI's
-`response_format`, vLLM's `structured_outputs` and `guided_json/regex/choice/grammar`) read into a
+`response_format`, vLLM's `structured_outputs` and `guided_json/regex/choice/grammar`; structural
+tags as vLLM takes them: response_format {"type": "structural_tag", ...}) read into a
 `GuidedSpec`, and the `GuidedDecodingError` (a 400 naming the field) a malformed one is. Torch- and
 xgrammar-free: the HTTP layer and the front-end process import it; structured_output.py compiles
 the specs (its module doc has the JSON and whitespace rules)."""
@@ -11,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: What a GuidedSpec constrains the output to.
-GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 #: The request fields that constrain the output, in the order a conflict names them.
 GUIDED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                  "guided_grammar")
 #: vLLM's `structured_outputs` object (StructuredOutputsParams): its constraint keys -> the guided_* field
 #: each spells the same way.
 STRUCTURED_OUTPUT_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-                          "grammar": "guided_grammar"}
+                          "grammar": "guided_grammar", "structural_tag": "structural_tag"}
 #: Whitespace characters allowed in a row between JSON elements (see the module doc).
 MAX_JSON_WHITESPACE = 32
 
@@ -35,7 +36,9 @@ class GuidedDecodingError(ValueError):
 @dataclass(frozen=True)
 class GuidedSpec:
     """One request's constraint: `kind` (GUIDED_KINDS) and its text — the JSON schema (compact
-    JSON), the regex, the choices (a JSON list of strings), the EBNF grammar; "" for json_object.
+    JSON), the regex, the choices (a JSON list of strings), the EBNF grammar, the structural tag
+    (compact JSON: xgrammar's {"type": "structural_tag", "format": ...}, or vLLM's older
+    {"structures": [{"begin", "schema", "end"}], "triggers": [...]}); "" for json_object.
     `any_whitespace`: JSON may hold whitespace between its elements (at most MAX_JSON_WHITESPACE in
     a row); False (vLLM's disable_any_whitespace) allows only the separators ", " and ": "; True
     for the other kinds.
@@ -74,14 +77,46 @@ def _schema_text(value: Any, param: str) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def _structural_tag(value: Any, param: str) -> GuidedSpec:
+    """A structural tag: xgrammar's format ({"format": {...}}) or vLLM's older {"structures":
+    [{"begin", "schema", "end"}, ...], "triggers": [...]}, as an object or a JSON string of one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise GuidedDecodingError(f"'{param}' must be a structural tag (an object, or a string holding one); the "
+                                      f"string does not decode: {e}", param=param) from None
+    if not isinstance(value, dict) or not ("format" in value or "structures" in value):
+        shape = '{"type": "structural_tag", "format": {...}} or {"structures": [...], "triggers": [...]}'
+        raise GuidedDecodingError(f"'{param}' must be a structural tag: {shape}, got {json.dumps(value)[:100]}",
+                                  param=param)
+    if "structures" in value:
+        structures, triggers = value.get("structures"), value.get("triggers")
+        if not isinstance(structures, list) or not structures or not all(
+                isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), dict) for s in structures):
+            item = '{"begin": <string>, "schema": {<JSON schema>}, "end": <string>}'
+            raise GuidedDecodingError(f"'{param}.structures' must be a non-empty list of {item}",
+                                      param=f"{param}.structures")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise GuidedDecodingError(f"'{param}.triggers' must be a non-empty list of strings (each a prefix of some "
+                                      "structure's begin)", param=f"{param}.triggers")
+        value = {"structures": structures, "triggers": triggers}
+    else:
+        value = {"type": "structural_tag", "format": value["format"]}
+    return GuidedSpec("structural_tag", json.dumps(value, ensure_ascii=False, separators=(",", ":")), param)
+
+
 def _response_format(fmt: Any) -> GuidedSpec | None:
-    shape = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-             '{"name": "<name>", "schema": {<JSON schema>}}}')
+    shape = ('{"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": '
+             '{"name": "<name>", "schema": {<JSON schema>}}} or {"type": "structural_tag", ...}')
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
         return GuidedSpec("json_object", "", "response_format")
+    if kind == "structural_tag":
+        return _structural_tag({k: v for k, v in fmt.items() if k != "type"}, "response_format")
     if kind != "json_schema":
         got = json.dumps(fmt)[:200] if isinstance(fmt, dict) else type(fmt).__name__
         raise GuidedDecodingError(f"'response_format' must be {shape}, got {got}", param="response_format")
@@ -106,6 +141,8 @@ def _guided_field(name: str, value: Any, param: str) -> GuidedSpec:
     """The spec of a `guided_json/regex/choice/grammar` value (`name`), its errors naming `param`."""
     if name == "guided_json":
         return GuidedSpec("json", _schema_text(value, param), param)
+    if name == "structural_tag":
+        return _structural_tag(value, param)
     if name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise GuidedDecodingError(f"'{param}' must be a non-empty list of strings, got "
@@ -119,8 +156,8 @@ def _guided_field(name: str, value: Any, param: str) -> GuidedSpec:
 
 
 def _structured_outputs(value: Any) -> GuidedSpec:
-    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar or
-    json_object: true. `disable_any_whitespace: true` leaves JSON no whitespace of its own choosing
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, structural_tag
+    or json_object: true. `disable_any_whitespace: true` leaves JSON no whitespace of its own choosing
     (the other kinds ignore it, as vLLM's xgrammar backend); `disable_fallback` and
     `disable_additional_properties` are accepted (xgrammar is the only backend here, and follows a
     schema strictly: no properties it does not list, whatever that option says)."""

@@ -122,7 +122,19 @@ def _choice_grammar(choices_json: str) -> str:
 
 _WHAT = {"json": "is not a JSON schema this server can follow", "json_object": "cannot be compiled",
          "regex": "is not a regular expression this server can follow",
-         "choice": "cannot be compiled", "grammar": "is not a valid EBNF grammar (xgrammar's syntax)"}
+         "choice": "cannot be compiled", "grammar": "is not a valid EBNF grammar (xgrammar's syntax)",
+         "structural_tag": "is not a structural tag this server can follow"}
+
+
+def _compile_structural_tag(compiler: Any, text: str) -> Any:
+    """xgrammar's structural tag (its JSON format), or vLLM's older structures + triggers form."""
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    xgr = import_xgrammar()
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
 
 
 class GrammarCache:
@@ -174,6 +186,8 @@ class GrammarCache:
                     max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace else None)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.spec)
+            elif spec.kind == "structural_tag":
+                compiled = _compile_structural_tag(compiler, spec.spec)
             else:
                 compiled = compiler.compile_grammar(spec.spec if spec.kind == "grammar" else _choice_grammar(spec.spec))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and others for bad input

@@ -383,7 +383,7 @@ def test_structured_output_fields_become_one_guided_spec(fn):
      "'structured_outputs' and 'guided_json' both constrain the output"),
     ({"structured_outputs": "json"}, "structured_outputs", "must be an object with one of json, regex"),
     ({"structured_outputs": {}}, "structured_outputs", "must set exactly one of json, regex, choice, grammar, "
-                                                       "json_object, got none"),
+                                                       "structural_tag, json_object, got none"),
     ({"structured_outputs": {"json_object": False}}, "structured_outputs", "got none"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "got 'structured_outputs.regex' and 'structured_outputs.choice' together"),
@@ -393,6 +393,8 @@ def test_structured_output_fields_become_one_guided_spec(fn):
     ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": "yes"}},
      "structured_outputs.disable_any_whitespace", "must be true or false"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
+     "must be a structural tag"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern",
      "is not supported by this server"),
 ])
 def test_malformed_or_conflicting_structured_output_fields_are_400s_naming_the_field(extra, param, text):
