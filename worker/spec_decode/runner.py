@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -60,7 +61,7 @@ class VerifyPass:
                  prompt_rows: torch.Tensor | None = None) -> "VerifyPass":
         """`logits` holding every row of the pass, chunk after chunk (or from `starts`)."""
         if starts is None:
-            starts = [sum(num_logits[:i]) for i in range(len(num_logits))]
+            starts = list(itertools.accumulate(num_logits[:-1], initial=0)) if num_logits else []
         return cls(logits, starts, [a + n - 1 for a, n in zip(starts, num_logits)], num_logits, prompt_rows)
 
     @classmethod
