@@ -40,12 +40,14 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _scan_string(text: str, i: int) -> int | None:
-    j = i + 1
+def scan_quoted(text: str, i: int) -> int | None:
+    """Where the string quoted by text[i] (" in JSON; ' or " in Python) ends, after its closing quote
+    (backslash escapes skipped); None while it is open."""
+    quote, j = text[i], i + 1
     while j < len(text):
         if text[j] == "\\":
             j += 2
-        elif text[j] == '"':
+        elif text[j] == quote:
             return j + 1
         else:
             j += 1
@@ -57,13 +59,13 @@ def scan_value(text: str, i: int) -> int | None:
     when it cannot be JSON. Brackets are counted, not matched: the final parse checks them."""
     c = text[i]
     if c == '"':
-        return _scan_string(text, i)
+        return scan_quoted(text, i)
     if c in "{[":
         depth, j = 0, i
         while j < len(text):
             c = text[j]
             if c == '"':
-                end = _scan_string(text, j)
+                end = scan_quoted(text, j)
                 if end is None:
                     return None
                 j = end
@@ -95,7 +97,7 @@ def object_call(text: str, i: int, args_keys: tuple[str, ...]) -> tuple[PartialC
             continue
         if text[j] != '"':
             raise ValueError(f"expected a key at {text[j:j + 20]!r}")
-        key_end = _scan_string(text, j)
+        key_end = scan_quoted(text, j)
         colon = skip_ws(text, key_end) if key_end is not None else len(text)
         value = skip_ws(text, colon + 1)
         if value >= len(text):

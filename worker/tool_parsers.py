@@ -31,7 +31,7 @@ from typing import Any
 
 from resident.worker.chat_stream import held_len
 from resident.worker.tool_call_deltas import (CallStreamer, PartialCall, array_calls, new_call_id, object_call,
-                                              scan_value, skip_ws)
+                                              scan_quoted, scan_value, skip_ws)
 
 
 class ToolParser:
@@ -299,12 +299,10 @@ def _python_call_end(text: str, i: int) -> int | None:
     while j < len(text):
         c = text[j]
         if c in "'\"":
-            k = j + 1
-            while k < len(text) and text[k] != c:
-                k += 2 if text[k] == "\\" else 1
-            if k >= len(text):
+            end = scan_quoted(text, j)
+            if end is None:
                 return None
-            j = k + 1
+            j = end
             continue
         depth += c in "([{"
         depth -= c in ")]}"
