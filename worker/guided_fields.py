@@ -63,14 +63,20 @@ class GuidedSpec:
 
 
 # --- the request's fields -----------------------------------------------------------------
+def _decoded(value: Any, param: str, what: str) -> Any:
+    """`value`, or the JSON a string `value` holds (`what` names the object in the error)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as e:
+        raise GuidedDecodingError(f"'{param}' must be {what} (an object, or a string holding one); "
+                                  f"the string does not decode: {e}", param=param) from None
+
+
 def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object or as a JSON string of one, as compact JSON text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as e:
-            raise GuidedDecodingError(f"'{param}' must be a JSON schema (an object, or a string holding one); "
-                                      f"the string does not decode: {e}", param=param) from None
+    value = _decoded(value, param, "a JSON schema")
     if not isinstance(value, dict):
         raise GuidedDecodingError(f"'{param}' must be a JSON schema (an object), got {json.dumps(value)[:100]}",
                                   param=param)
@@ -80,12 +86,7 @@ def _schema_text(value: Any, param: str) -> str:
 def _structural_tag(value: Any, param: str) -> GuidedSpec:
     """A structural tag: xgrammar's format ({"format": {...}}) or vLLM's older {"structures":
     [{"begin", "schema", "end"}, ...], "triggers": [...]}, as an object or a JSON string of one."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as e:
-            raise GuidedDecodingError(f"'{param}' must be a structural tag (an object, or a string holding one); the "
-                                      f"string does not decode: {e}", param=param) from None
+    value = _decoded(value, param, "a structural tag")
     if not isinstance(value, dict) or not ("format" in value or "structures" in value):
         shape = '{"type": "structural_tag", "format": {...}} or {"structures": [...], "triggers": [...]}'
         raise GuidedDecodingError(f"'{param}' must be a structural tag: {shape}, got {json.dumps(value)[:100]}",
