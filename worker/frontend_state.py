@@ -132,20 +132,14 @@ class Frontend:
         return Tokenizer.from_folder(folder, chat_template=template)
 
     async def become_ready(self, tokenizer: Any, ready: EngineReady) -> None:
-        from resident.worker.generation_defaults import generation_defaults, parse_overrides
         from resident.worker.openai_serving import OpenAIServing
         from resident.worker.protocol import ServingOptions
 
         # Guided requests are compiled in the engine process (frontend_requests, off its steps), which
         # refuses a bad spec naming the field before any token: xgrammar needs torch, which this
         # process never imports.
-        start = self.start
-        opts = ServingOptions(served_model_names=self.state.served_model_names, max_model_len=ready.max_model_len,
-                              trust_request_chat_template=start.trust_request_chat_template,
-                              tool_call_parser=start.tool_call_parser, reasoning_parser=start.reasoning_parser,
-                              default_sampling=generation_defaults(start.generation_config, self.model_folder,
-                                                                   parse_overrides(start.override_generation_config)),
-                              enable_prompt_tokens_details=start.enable_prompt_tokens_details)
+        opts = ServingOptions.from_flags(self.start, self.state.served_model_names, ready.max_model_len,
+                                         self.model_folder)
         self.state.serving = OpenAIServing(self.engine, tokenizer, opts, self.metrics, vocab_size=ready.vocab_size,
                                            compile_guided=False)
         self.metrics.set_weights_source(ready.weights_source)

@@ -86,6 +86,19 @@ class ServingOptions:
     #: --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     enable_prompt_tokens_details: bool = False
 
+    @classmethod
+    def from_flags(cls, flags: Any, served_model_names: tuple[str, ...], max_model_len: int,
+                   model_folder: Any) -> ServingOptions:
+        """From a ServeConfig or a FrontendStart (the process serving the API: inline, or the front-end
+        process), with the defaults of the model folder's generation_config.json (generation_defaults.py)."""
+        from resident.worker.generation_defaults import generation_defaults, parse_overrides
+
+        defaults = generation_defaults(flags.generation_config, model_folder,
+                                       parse_overrides(flags.override_generation_config))
+        return cls(served_model_names, max_model_len, trust_request_chat_template=flags.trust_request_chat_template,
+                   tool_call_parser=flags.tool_call_parser, reasoning_parser=flags.reasoning_parser,
+                   default_sampling=defaults, enable_prompt_tokens_details=flags.enable_prompt_tokens_details)
+
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")

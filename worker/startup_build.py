@@ -355,16 +355,10 @@ def _worker(b: _Build, metrics: ServerMetrics, engine: Any, runner: Any, kv: _KV
     async_engine = AsyncEngine(engine, on_step=on_step)
     serving = None   # --frontend process: the front-end process serves the API
     if config.frontend == "inline":
-        from resident.worker.generation_defaults import generation_defaults, parse_overrides
         from resident.worker.openai_serving import OpenAIServing
         from resident.worker.protocol import ServingOptions
 
-        opts = ServingOptions(served_model_names=(config.model_name,), max_model_len=b.max_model_len,
-                              trust_request_chat_template=config.trust_request_chat_template,
-                              tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
-                              default_sampling=generation_defaults(config.generation_config, b.store.model_dir,
-                                                                   parse_overrides(config.override_generation_config)),
-                              enable_prompt_tokens_details=config.enable_prompt_tokens_details)
+        opts = ServingOptions.from_flags(config, (config.model_name,), b.max_model_len, b.store.model_dir)
         serving = OpenAIServing(async_engine, tokenizer, opts, metrics, vocab_size=b.model_config.vocab_size,
                                 grammars=engine.grammars)
     worker = Worker(b.store, async_engine, serving, runner, b.tp, kv.kv_target_blocks, kv.block_bytes,
