@@ -137,8 +137,7 @@ class OpenAIServing(OpenAIPreparer):
                                  "total_tokens": prompt + completion}
         if self.opts.enable_prompt_tokens_details:
             # Each prompt is counted once (the first of its n choices), as prompt_tokens counts it.
-            n = prep.request.n
-            cached = sum(choices[p * n].num_cached_tokens for p in range(len(prep.prompts)) if p * n < len(choices))
+            cached = sum(c.num_cached_tokens for c in choices[::prep.request.n])
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         specs = [c.spec_decode for c in choices if c.spec_decode is not None]
         if specs:   # speculative decoding, summed over the choices (see request.SpecDecodeStats)
