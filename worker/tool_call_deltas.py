@@ -54,6 +54,27 @@ def scan_quoted(text: str, i: int) -> int | None:
     return None
 
 
+def bracket_end(text: str, i: int, opens: str, closes: str, quotes: str) -> int | None:
+    """Where the bracketed text opened at text[i] ends (after the bracket that closes it); None while
+    it is open. Brackets (`opens`, `closes`) are counted, not matched, outside strings quoted by any of
+    `quotes` (scan_quoted)."""
+    depth, j = 0, i
+    while j < len(text):
+        c = text[j]
+        if c in quotes:
+            end = scan_quoted(text, j)
+            if end is None:
+                return None
+            j = end
+            continue
+        depth += c in opens
+        depth -= c in closes
+        if depth == 0:
+            return j + 1
+        j += 1
+    return None
+
+
 def scan_value(text: str, i: int) -> int | None:
     """Where the JSON value starting at text[i] ends (exclusive); None while it may go on; a ValueError
     when it cannot be JSON. Brackets are counted, not matched: the final parse checks them."""
@@ -61,21 +82,7 @@ def scan_value(text: str, i: int) -> int | None:
     if c == '"':
         return scan_quoted(text, i)
     if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                end = scan_quoted(text, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            depth += c in "{["
-            depth -= c in "}]"
-            if depth == 0:
-                return j + 1
-            j += 1
-        return None
+        return bracket_end(text, i, "{[", "}]", '"')
     j = i
     while j < len(text) and text[j] not in ",}]" + _WS:
         j += 1

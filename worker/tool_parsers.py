@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from resident.worker.chat_stream import held_len
-from resident.worker.tool_call_deltas import (CallStreamer, PartialCall, array_calls, new_call_id, object_call,
-                                              scan_quoted, scan_value, skip_ws)
+from resident.worker.tool_call_deltas import (CallStreamer, PartialCall, array_calls, bracket_end, new_call_id,
+                                              object_call, scan_value, skip_ws)
 
 
 class ToolParser:
@@ -262,7 +262,8 @@ class PythonicParser(ToolParser):
                 if j < len(body) and not re.match(r"[A-Za-z_][A-Za-z0-9_]*$", body[j:]):
                     raise ValueError(f"not a pythonic call: {body[j:j + 20]!r}")
                 return calls
-            end = _python_call_end(body, j + name.end() - 1)
+            # the call's end: its ")" (brackets counted outside Python strings, '...' or "...")
+            end = bracket_end(body, j + name.end() - 1, "([{", ")]}", "'\"")
             call = PartialCall(name=name.group()[:-1])
             calls.append(call)
             if end is None:
@@ -290,26 +291,6 @@ def _after_markers(text: str, marker: str,
             break
         at = text.find(marker, end)
     return calls
-
-
-def _python_call_end(text: str, i: int) -> int | None:
-    """Where the call whose "(" is at text[i] ends (after its ")"); None while it is open. Brackets
-    are counted outside Python strings ('...' or "...", backslash escapes)."""
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c in "'\"":
-            end = scan_quoted(text, j)
-            if end is None:
-                return None
-            j = end
-            continue
-        depth += c in "([{"
-        depth -= c in ")]}"
-        if depth == 0:
-            return j + 1
-        j += 1
-    return None
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
